@@ -1,0 +1,29 @@
+# The two commands of the README: `make serve` and `make test`.
+# Both create .venv when it is missing.  On a machine without a GPU the pinned
+# CPU build of torch is installed before the project, so that no dependency
+# range pulls a multi-GB CUDA build.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: serve test install clean-venv
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: install
+	$(PY) -m deploy.cli serve
+
+test: install
+	$(PY) -m pytest -q tests
+
+clean-venv:
+	rm -rf $(VENV)
