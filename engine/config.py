@@ -1,0 +1,131 @@
+"""Frozen configuration: the model's (read from config.json) and the engine's."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-moe"
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture, as the checkpoint's config.json states it."""
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    norm_topk_prob: bool
+    decoder_sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                             f"1..num_experts={self.num_experts}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Qwen3-MoE's rule: sparse unless listed in mlp_only_layers or off the sparse step."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "ModelConfig":
+        """Accept both spellings: released Qwen3-MoE configs (`num_experts`, `rope_theta`)
+        and transformers 5 (`num_local_experts`, `rope_parameters`)."""
+        arch = (raw.get("architectures") or [raw.get("model_type", "unknown")])[0]
+        rope = raw.get("rope_parameters") or {}
+        rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+        num_experts = raw.get("num_experts", raw.get("num_local_experts", 0))
+        heads = raw["num_attention_heads"]
+        eos = raw.get("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        return cls(
+            architecture=arch, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+            num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads", heads),
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            intermediate_size=raw.get("intermediate_size", 0),
+            moe_intermediate_size=raw.get("moe_intermediate_size", 0),
+            num_experts=num_experts, num_experts_per_tok=raw.get("num_experts_per_tok", 0),
+            norm_topk_prob=raw.get("norm_topk_prob", False),
+            decoder_sparse_step=raw.get("decoder_sparse_step", 1),
+            mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False), eos_token_ids=eos)
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> "ModelConfig":
+        file = Path(path) / "config.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"no config.json in {path}: not a HF checkpoint directory")
+        raw = json.loads(file.read_text())
+        gen = Path(path) / "generation_config.json"
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            if eos is not None:
+                raw = {**raw, "eos_token_id": eos}
+        return cls.from_dict(raw)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model: device, dtype, KV pool and batch limits."""
+    model: str
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    page_size: int = 16
+    kv_cache_tokens: int = 16384
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_prefill_tokens: int = 2048
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size={self.page_size} must be a positive power of two")
+        if self.kv_cache_tokens < self.page_size:
+            raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens} is below one page "
+                             f"({self.page_size} tokens)")
+        if self.max_num_seqs < 1 or self.max_prefill_tokens < 1:
+            raise ValueError("max_num_seqs and max_prefill_tokens must be at least 1")
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv_cache_tokens // self.page_size

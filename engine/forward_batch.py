@@ -1,0 +1,63 @@
+"""What one forward pass needs to know about its batch, as tensors.
+
+Tokens of all requests are flattened ([T]); request b's tokens are contiguous and in
+order.  A decode batch has exactly one token per request (T == B).  A prefill batch
+also carries a padded view for attention:
+
+    q_index [B, Qmax]: flat token index of each request's i-th query (padding -> 0)
+    q_valid [B, Qmax]: which entries of q_index are real
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor      # [T] int64
+    positions: torch.Tensor      # [T] int64
+    slot_mapping: torch.Tensor   # [T] int64: page * page_size + offset, where K/V is written
+    page_table: torch.Tensor     # [B, max_pages] int32
+    seq_lens: torch.Tensor       # [B] int32: tokens in the cache after this pass
+    logits_indices: torch.Tensor  # [B] int64: flat index of each request's last token
+    is_decode: bool
+    q_index: torch.Tensor | None = None   # [B, Qmax] int64 (prefill only)
+    q_valid: torch.Tensor | None = None   # [B, Qmax] bool (prefill only)
+
+    @property
+    def num_requests(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+def build_batch(token_ids: list[list[int]], start_positions: list[int], page_tables: list[list[int]],
+                page_size: int, device: torch.device | str) -> ForwardBatch:
+    """Build the tensors for requests that each add `token_ids[b]` at `start_positions[b]`."""
+    ids, pos, slots, q_rows = [], [], [], []
+    for toks, start, table in zip(token_ids, start_positions, page_tables):
+        first = len(ids)
+        for i, tok in enumerate(toks):
+            p = start + i
+            ids.append(tok)
+            pos.append(p)
+            slots.append(table[p // page_size] * page_size + p % page_size)
+        q_rows.append(list(range(first, len(ids))))
+    max_pages = max(len(t) for t in page_tables)
+    table = [t + [0] * (max_pages - len(t)) for t in page_tables]
+    seq_lens = [s + len(t) for s, t in zip(start_positions, token_ids)]
+    is_decode = all(len(t) == 1 for t in token_ids)
+    as_long = dict(dtype=torch.int64, device=device)
+    batch = ForwardBatch(
+        input_ids=torch.tensor(ids, **as_long), positions=torch.tensor(pos, **as_long),
+        slot_mapping=torch.tensor(slots, **as_long),
+        page_table=torch.tensor(table, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        logits_indices=torch.tensor([r[-1] for r in q_rows], **as_long), is_decode=is_decode)
+    if not is_decode:
+        qmax = max(len(r) for r in q_rows)
+        batch.q_index = torch.tensor([r + [0] * (qmax - len(r)) for r in q_rows], **as_long)
+        batch.q_valid = torch.tensor([[True] * len(r) + [False] * (qmax - len(r)) for r in q_rows],
+                                     dtype=torch.bool, device=device)
+    return batch

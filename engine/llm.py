@@ -1,0 +1,157 @@
+"""`LLM`: the single-process engine (colocated use, tests, and the reference output).
+
+    from engine import LLM, SamplingParams
+    llm = LLM()                                   # the shipped checkpoint, fp32, CPU
+    out = llm.generate(["def add(a, b):"], SamplingParams(max_tokens=32, temperature=0))
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from engine.config import SHIPPED_MODEL, EngineConfig, ModelConfig, parse_dtype
+from engine.kernels.paged_attention import select_decode_attention
+from engine.kv_pool import PagePool
+from engine.loader import load_model
+from engine.model_runner import ModelRunner
+from engine.request import Request, RequestOutput
+from engine.sampling import SampleOutput, SamplingParams
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.stop import check_stop, final_text
+from engine.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    def __init__(self, model: str | Path | None = None, dtype: str | torch.dtype = "float32",
+                 device: str = "cpu", kv_cache_tokens: int = 16384, page_size: int = 16,
+                 max_model_len: int | None = None, max_num_seqs: int = 64,
+                 max_prefill_tokens: int = 2048, seed: int = 0, attention: str | None = None):
+        path = Path(model) if model is not None else SHIPPED_MODEL
+        self.config = EngineConfig(model=str(path), dtype=parse_dtype(dtype), device=device,
+                                   page_size=page_size, kv_cache_tokens=kv_cache_tokens,
+                                   max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                   max_prefill_tokens=max_prefill_tokens, seed=seed)
+        self.model_config = mc = ModelConfig.from_path(path)
+        self.tokenizer = Tokenizer(path)
+        prefer = None if attention is None else attention == "triton"
+        self.attention_backend, decode_attention = select_decode_attention(device, prefer)
+        self.model = load_model(path, mc, self.config.dtype, device, decode_attention)
+        self.pool = PagePool(self.config.num_pages, page_size, mc.num_hidden_layers,
+                             mc.num_key_value_heads, mc.head_dim, self.config.dtype, device)
+        self.scheduler = Scheduler(self.pool, max_num_seqs, max_prefill_tokens)
+        self.runner = ModelRunner(self.model, self.pool, device)
+        limit = mc.max_position_embeddings
+        self.max_model_len = min(max_model_len, limit) if max_model_len else limit
+        eos = set(mc.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = frozenset(eos)
+        self._seed_rng = torch.Generator().manual_seed(seed)
+        self._ids = itertools.count()
+
+    # ---- public API ------------------------------------------------------------
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids) with continuous batching.
+
+        Returns one output per prompt, in order.  Raises ValueError, adding nothing, when
+        any prompt or parameter is invalid.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        reqs = [self._make_request(p, sp) for p, sp in zip(prompts, plist)]
+        for req in reqs:
+            self.scheduler.add(req)
+        done: dict[str, RequestOutput] = {}
+        while self.scheduler.has_work():
+            for out in self.step():
+                done[out.request_id] = out
+        return [done[r.request_id] for r in reqs]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Apply the chat template (with the generation prompt) and generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
+        return self.generate(prompts, params)
+
+    def step(self) -> list[RequestOutput]:
+        """schedule(), run(batch), update(batch, output).  Returns requests that finished.
+
+        If the step fails, every request is aborted and its pages returned before re-raising.
+        """
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        try:
+            output = self.runner.run(batch)
+        except BaseException:
+            self.scheduler.abort_all()
+            raise
+        return self._update(batch, output)
+
+    # ---- internals ---------------------------------------------------------------
+    def _make_request(self, prompt: Prompt, params: SamplingParams) -> Request:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate(ids, params)
+        seed = params.seed if params.seed is not None else \
+            int(torch.randint(0, 2**62, (), generator=self._seed_rng))
+        return Request(request_id=f"req-{next(self._ids)}", prompt_token_ids=ids, params=params,
+                       generator=torch.Generator().manual_seed(seed), prompt=text)
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("empty prompt: at least one token is needed")
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token {i} is {t!r}, not a token id in 0..{vocab - 1}")
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                             f"exceeds the model context of {self.max_model_len} tokens")
+        if total > self.pool.capacity_tokens:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                             f"exceeds the KV cache capacity of {self.pool.capacity_tokens} tokens")
+
+    def _update(self, batch: ScheduledBatch, output: SampleOutput) -> list[RequestOutput]:
+        finished = []
+        for req, n, token, lp in zip(batch.requests, batch.num_new_tokens, output.tokens, output.logprobs):
+            self._mark_written(req, n)
+            req.num_computed += n
+            if token < 0:
+                continue
+            req.output_token_ids.append(token)
+            if lp is not None:
+                req.logprobs.append(lp)
+            reason = check_stop(req, self.tokenizer, self.eos_ids, self.max_model_len)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                finished.append(self._output(req))
+        return finished
+
+    def _mark_written(self, req: Request, n: int) -> None:
+        size = self.pool.page_size
+        table = self.pool.page_table(req.request_id)
+        first, last = req.num_computed // size, (req.num_computed + n - 1) // size
+        self.pool.mark_written(req.request_id, table[first:last + 1])
+
+    def _output(self, req: Request) -> RequestOutput:
+        return RequestOutput(request_id=req.request_id, prompt=req.prompt,
+                             prompt_token_ids=req.prompt_token_ids, token_ids=list(req.output_token_ids),
+                             text=final_text(req, self.tokenizer, self.eos_ids),
+                             logprobs=req.logprobs if req.params.logprobs is not None else None,
+                             finish_reason=req.finish_reason)

@@ -1,0 +1,37 @@
+"""Runs one scheduled batch through the model: build tensors, forward, sample."""
+
+from __future__ import annotations
+
+from engine.forward_batch import build_batch
+from engine.kv_pool import PagePool
+from engine.sampling import SampleOutput, sample
+from engine.scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, model, pool: PagePool, device: str):
+        self.model = model
+        self.pool = pool
+        self.device = device
+
+    def run(self, batch: ScheduledBatch) -> SampleOutput:
+        """Forward the batch (writing its K/V into the pool) and sample a token for every
+        request whose prompt is complete.  Rows of requests still prefilling hold -1."""
+        reqs = batch.requests
+        tokens = [[r.token_at(p) for p in range(r.num_computed, r.num_computed + n)]
+                  for r, n in zip(reqs, batch.num_new_tokens)]
+        fb = build_batch(tokens, [r.num_computed for r in reqs],
+                         [self.pool.page_table(r.request_id) for r in reqs],
+                         self.pool.page_size, self.device)
+        hidden = self.model.forward(fb, self.pool.kv)  # [B, H]
+        samples = batch.samples()
+        rows = [i for i, s in enumerate(samples) if s]
+        out = SampleOutput([-1] * len(reqs), [None] * len(reqs))
+        if not rows:
+            return out
+        logits = self.model.logits(hidden[rows] if len(rows) < len(reqs) else hidden)
+        picked = sample(logits, [reqs[i].params for i in rows], [reqs[i].generator for i in rows])
+        for j, i in enumerate(rows):
+            out.tokens[i] = picked.tokens[j]
+            out.logprobs[i] = picked.logprobs[j]
+        return out

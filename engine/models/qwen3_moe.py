@@ -1,0 +1,112 @@
+"""Qwen3-MoE on a paged KV cache: GQA attention with q/k RMSNorm and RoPE, sparse
+MoE layers (top-k router, optional norm_topk_prob) and optional dense layers.
+
+Weights are held fused for few, large ops per layer: q/k/v as one matrix, and each
+MoE layer's experts as stacked [E, ...] tensors behind an `Experts` object (the
+seam where paged experts plug in).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch
+from engine.kernels.paged_attention import DecodeAttention, paged_attention_ref
+from engine.layers import Rotary, rms_norm
+from engine.moe import combine, experts_gathered, experts_grouped, GATHER_MAX_PAIRS, route
+
+
+class ResidentExperts:
+    """All E experts of one layer on the device (the default; paged experts replace it)."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor):
+        self.w13, self.w2 = w13, w2  # [E, 2I, H], [E, H, I]
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x: [T, H]; ids: [T, k] expert ids.  Returns y: [T, k, H] (unweighted)."""
+        if ids.numel() <= GATHER_MAX_PAIRS:
+            return experts_gathered(x, self.w13, self.w2, ids)
+        return experts_grouped(x, self.w13, self.w2, ids)
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor      # [H]
+    post_norm: torch.Tensor       # [H]
+    wqkv: torch.Tensor            # [(Hq + 2 Hkv) * D, H]
+    wo: torch.Tensor              # [H, Hq * D]
+    q_norm: torch.Tensor          # [D]
+    k_norm: torch.Tensor          # [D]
+    router: torch.Tensor | None = None   # [E, H] (MoE layers)
+    experts: ResidentExperts | None = None
+    dense_w13: torch.Tensor | None = None  # [2I, H] (dense layers)
+    dense_w2: torch.Tensor | None = None   # [H, I]
+
+
+class Qwen3MoeModel:
+    def __init__(self, cfg: ModelConfig, layers: list[LayerWeights], embed: torch.Tensor,
+                 final_norm: torch.Tensor, lm_head: torch.Tensor, decode_attention: DecodeAttention):
+        self.cfg = cfg
+        self.layers = layers
+        self.embed = embed            # [V, H]
+        self.final_norm = final_norm  # [H]
+        self.lm_head = lm_head        # [V, H]
+        self.decode_attention = decode_attention
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, embed.device)
+        self.scale = cfg.head_dim ** -0.5
+        self._split = [cfg.num_attention_heads * cfg.head_dim,
+                       cfg.num_key_value_heads * cfg.head_dim,
+                       cfg.num_key_value_heads * cfg.head_dim]
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
+        """Run every layer, writing this batch's K/V into `kv` at `batch.slot_mapping`.
+
+        kv: [L, 2, P, S, Hkv, D].  Returns the final hidden states of the tokens named by
+        `batch.logits_indices`: [B, H].
+        """
+        eps = self.cfg.rms_norm_eps
+        x = self.embed[batch.input_ids]  # [T, H]
+        for li, layer in enumerate(self.layers):
+            x = x + self._attention(rms_norm(x, layer.input_norm, eps), layer, kv[li], batch)
+            h = rms_norm(x, layer.post_norm, eps)
+            x = x + (self._moe(h, layer) if layer.experts is not None else self._dense(h, layer))
+        return rms_norm(x[batch.logits_indices], self.final_norm, eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, H] -> [B, V] in fp32."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def _attention(self, h: torch.Tensor, layer: LayerWeights, kv: torch.Tensor,
+                   batch: ForwardBatch) -> torch.Tensor:
+        cfg, t = self.cfg, h.shape[0]
+        q, k, v = F.linear(h, layer.wqkv).split(self._split, dim=-1)
+        q = rms_norm(q.view(t, cfg.num_attention_heads, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k.view(t, cfg.num_key_value_heads, cfg.head_dim), layer.k_norm, cfg.rms_norm_eps)
+        q = self.rotary(q, batch.positions)  # [T, Hq, D]
+        k = self.rotary(k, batch.positions)  # [T, Hkv, D]
+        k_cache, v_cache = kv[0], kv[1]  # [P, S, Hkv, D]
+        flat_shape = (-1, cfg.num_key_value_heads, cfg.head_dim)
+        k_cache.view(flat_shape)[batch.slot_mapping] = k
+        v_cache.view(flat_shape)[batch.slot_mapping] = v.view(t, *flat_shape[1:])
+        if batch.is_decode:
+            out = self.decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, self.scale)
+        else:
+            qp = q[batch.q_index]  # [B, Qmax, Hq, D]
+            padded = paged_attention_ref(qp, k_cache, v_cache, batch.page_table,
+                                         batch.positions[batch.q_index], batch.seq_lens, self.scale)
+            out = padded[batch.q_valid]  # [T, Hq, D]
+        return F.linear(out.reshape(t, -1), layer.wo)
+
+    def _moe(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        weights, ids = route(h, layer.router, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+        return combine(layer.experts(h, ids), weights)
+
+    def _dense(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        gate, up = F.linear(h, layer.dense_w13).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.dense_w2)

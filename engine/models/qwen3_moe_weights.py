@@ -1,0 +1,82 @@
+"""Qwen3-MoE's on-disk tensor names and shapes (HF layout), and how they are fused."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+from engine.kernels.paged_attention import DecodeAttention
+from engine.models.qwen3_moe import LayerWeights, Qwen3MoeModel, ResidentExperts
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the checkpoint must hold, with the shape the config implies."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    hq, hkv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    out = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, h)
+    for li in range(cfg.num_hidden_layers):
+        p = f"model.layers.{li}."
+        out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                    p + "self_attn.q_proj.weight": (hq, h), p + "self_attn.k_proj.weight": (hkv, h),
+                    p + "self_attn.v_proj.weight": (hkv, h), p + "self_attn.o_proj.weight": (h, hq),
+                    p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+        if cfg.is_moe_layer(li):
+            i = cfg.moe_intermediate_size
+            out[p + "mlp.gate.weight"] = (cfg.num_experts, h)
+            for e in range(cfg.num_experts):
+                q = p + f"mlp.experts.{e}."
+                out.update({q + "gate_proj.weight": (i, h), q + "up_proj.weight": (i, h),
+                            q + "down_proj.weight": (h, i)})
+        else:
+            i = cfg.intermediate_size
+            out.update({p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                        p + "mlp.down_proj.weight": (h, i)})
+    return out
+
+
+def ignorable(cfg: ModelConfig, name: str) -> bool:
+    """Tensors some checkpoints carry that the runtime does not use."""
+    return name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
+
+
+def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], decode_attention: DecodeAttention
+             ) -> Qwen3MoeModel:
+    """Fuse loaded tensors (already in the target dtype and device) into the model.
+
+    Consumes `t`: tensors are popped as they are fused, so peak memory stays near one copy.
+    """
+    layers = []
+    for li in range(cfg.num_hidden_layers):
+        p = f"model.layers.{li}."
+        layer = LayerWeights(
+            input_norm=t.pop(p + "input_layernorm.weight"),
+            post_norm=t.pop(p + "post_attention_layernorm.weight"),
+            wqkv=torch.cat([t.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+            wo=t.pop(p + "self_attn.o_proj.weight"),
+            q_norm=t.pop(p + "self_attn.q_norm.weight"), k_norm=t.pop(p + "self_attn.k_norm.weight"))
+        if cfg.is_moe_layer(li):
+            layer.router = t.pop(p + "mlp.gate.weight")
+            layer.experts = ResidentExperts(*_stack_experts(cfg, t, p))
+        else:
+            layer.dense_w13 = torch.cat([t.pop(p + "mlp.gate_proj.weight"), t.pop(p + "mlp.up_proj.weight")])
+            layer.dense_w2 = t.pop(p + "mlp.down_proj.weight")
+        layers.append(layer)
+    embed = t.pop("model.embed_tokens.weight")
+    lm_head = embed if cfg.tie_word_embeddings else t.pop("lm_head.weight")
+    return Qwen3MoeModel(cfg, layers, embed, t.pop("model.norm.weight"), lm_head, decode_attention)
+
+
+def _stack_experts(cfg: ModelConfig, t: dict[str, torch.Tensor], prefix: str
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    e_count, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    first = t[prefix + "mlp.experts.0.down_proj.weight"]
+    w13 = torch.empty(e_count, 2 * i, h, dtype=first.dtype, device=first.device)  # [E, 2I, H]
+    w2 = torch.empty(e_count, h, i, dtype=first.dtype, device=first.device)       # [E, H, I]
+    for e in range(e_count):
+        q = prefix + f"mlp.experts.{e}."
+        w13[e, :i] = t.pop(q + "gate_proj.weight")
+        w13[e, i:] = t.pop(q + "up_proj.weight")
+        w2[e] = t.pop(q + "down_proj.weight")
+    return w13, w2
