@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, computed in fp32 and cast back (as HF does)."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    """RMSNorm over the last dim, computed in fp32 and cast back before the weight
+    (as HF does).  `weight` may be [..., D] to give each head its own weight."""
+    if x.dtype == torch.float32:
+        if weight.dim() == 1:
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return F.rms_norm(x, (x.shape[-1],), None, eps) * weight
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 class Rotary:
@@ -23,10 +27,13 @@ class Rotary:
         self.cos, self.sin = emb.cos(), emb.sin()
         self.max_positions = max_positions
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, D]; positions: [T]."""
-        cos = self.cos[positions].to(x.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.sin[positions].to(x.dtype)[:, None, :]
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for a batch's positions: [T, 1, D] each (computed once per forward)."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D] -> rotated, same shape."""
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin

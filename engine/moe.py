@@ -10,9 +10,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Below this many (token, expert) pairs each pair runs as one item of a batched
-# matmul over gathered weights: no per-expert Python loop, the decode fast path.
-GATHER_MAX_PAIRS = 128
+# How a layer's (token, expert) pairs are computed, by their number (measured on CPU,
+# experts of the shipped model's size): up to GATHER_MAX_PAIRS, gather each pair's
+# weights (single-stream decode); up to PADDED_MAX_PAIRS, one batched matmul over
+# all experts with tokens grouped and padded (batched decode, no weight copy);
+# beyond, one GEMM per used expert (prefill).
+GATHER_MAX_PAIRS = 8
+PADDED_MAX_PAIRS = 1024
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool
@@ -42,6 +46,28 @@ def experts_gathered(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     act = (F.silu(gate) * up).unsqueeze(-1)  # [T*k, I, 1]
     y = torch.bmm(w2.index_select(0, flat), act).squeeze(-1)  # [T*k, H]
     return y.view(t, k, -1)
+
+
+def experts_padded(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   ids: torch.Tensor) -> torch.Tensor:
+    """Tokens grouped by expert into a zero-padded [E, C, H] block (C = the largest
+    group), then two batched matmuls over all E experts: no weight is copied.
+
+    Returns y: [T, k, H] (unweighted).
+    """
+    t, k = ids.shape
+    flat = ids.reshape(-1)  # [P]
+    order = flat.argsort(stable=True)
+    expert = flat[order]  # [P], ascending
+    counts = torch.bincount(flat, minlength=w13.shape[0])  # [E]
+    rank = torch.arange(flat.numel(), device=x.device) - (counts.cumsum(0) - counts)[expert]
+    grouped = x.new_zeros(w13.shape[0], int(counts.max()), x.shape[1])  # [E, C, H]
+    grouped[expert, rank] = x[order // k]
+    gate, up = torch.bmm(grouped, w13.transpose(1, 2)).chunk(2, dim=-1)  # [E, C, I] each
+    y = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))  # [E, C, H]
+    out = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
+    out[order] = y[expert, rank]
+    return out.view(t, k, -1)
 
 
 def experts_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -78,8 +104,14 @@ def moe_forward(x: torch.Tensor, router: torch.Tensor, w13: torch.Tensor, w2: to
                 top_k: int, norm_topk_prob: bool) -> torch.Tensor:
     """The whole sparse MLP with every expert resident. x: [T, H] -> [T, H]."""
     weights, ids = route(x, router, top_k, norm_topk_prob)
-    if ids.numel() <= GATHER_MAX_PAIRS:
-        y = experts_gathered(x, w13, w2, ids)
-    else:
-        y = experts_grouped(x, w13, w2, ids)
-    return combine(y, weights)
+    return combine(run_experts(x, w13, w2, ids), weights)
+
+
+def run_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Pick the computation by the number of (token, expert) pairs. Returns [T, k, H]."""
+    pairs = ids.numel()
+    if pairs <= GATHER_MAX_PAIRS:
+        return experts_gathered(x, w13, w2, ids)
+    if pairs <= PADDED_MAX_PAIRS:
+        return experts_padded(x, w13, w2, ids)
+    return experts_grouped(x, w13, w2, ids)

@@ -17,7 +17,7 @@ from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.kernels.paged_attention import DecodeAttention, paged_attention_ref
 from engine.layers import Rotary, rms_norm
-from engine.moe import combine, experts_gathered, experts_grouped, GATHER_MAX_PAIRS, route
+from engine.moe import combine, route, run_experts
 
 
 class ResidentExperts:
@@ -28,9 +28,7 @@ class ResidentExperts:
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; ids: [T, k] expert ids.  Returns y: [T, k, H] (unweighted)."""
-        if ids.numel() <= GATHER_MAX_PAIRS:
-            return experts_gathered(x, self.w13, self.w2, ids)
-        return experts_grouped(x, self.w13, self.w2, ids)
+        return run_experts(x, self.w13, self.w2, ids)
 
 
 @dataclass
@@ -39,8 +37,7 @@ class LayerWeights:
     post_norm: torch.Tensor       # [H]
     wqkv: torch.Tensor            # [(Hq + 2 Hkv) * D, H]
     wo: torch.Tensor              # [H, Hq * D]
-    q_norm: torch.Tensor          # [D]
-    k_norm: torch.Tensor          # [D]
+    qk_norm: torch.Tensor         # [Hq + Hkv, D]: q_norm for the query heads, k_norm for the key heads
     router: torch.Tensor | None = None   # [E, H] (MoE layers)
     experts: ResidentExperts | None = None
     dense_w13: torch.Tensor | None = None  # [2I, H] (dense layers)
@@ -58,9 +55,7 @@ class Qwen3MoeModel:
         self.decode_attention = decode_attention
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, embed.device)
         self.scale = cfg.head_dim ** -0.5
-        self._split = [cfg.num_attention_heads * cfg.head_dim,
-                       cfg.num_key_value_heads * cfg.head_dim,
-                       cfg.num_key_value_heads * cfg.head_dim]
+        self._qk_heads = cfg.num_attention_heads + cfg.num_key_value_heads
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
@@ -71,8 +66,9 @@ class Qwen3MoeModel:
         """
         eps = self.cfg.rms_norm_eps
         x = self.embed[batch.input_ids]  # [T, H]
+        rope = self.rotary.tables(batch.positions, x.dtype)
         for li, layer in enumerate(self.layers):
-            x = x + self._attention(rms_norm(x, layer.input_norm, eps), layer, kv[li], batch)
+            x = x + self._attention(rms_norm(x, layer.input_norm, eps), layer, kv[li], batch, rope)
             h = rms_norm(x, layer.post_norm, eps)
             x = x + (self._moe(h, layer) if layer.experts is not None else self._dense(h, layer))
         return rms_norm(x[batch.logits_indices], self.final_norm, eps)
@@ -83,17 +79,16 @@ class Qwen3MoeModel:
         return F.linear(hidden, self.lm_head).float()
 
     def _attention(self, h: torch.Tensor, layer: LayerWeights, kv: torch.Tensor,
-                   batch: ForwardBatch) -> torch.Tensor:
+                   batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         cfg, t = self.cfg, h.shape[0]
-        q, k, v = F.linear(h, layer.wqkv).split(self._split, dim=-1)
-        q = rms_norm(q.view(t, cfg.num_attention_heads, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k.view(t, cfg.num_key_value_heads, cfg.head_dim), layer.k_norm, cfg.rms_norm_eps)
-        q = self.rotary(q, batch.positions)  # [T, Hq, D]
-        k = self.rotary(k, batch.positions)  # [T, Hkv, D]
-        k_cache, v_cache = kv[0], kv[1]  # [P, S, Hkv, D]
-        flat_shape = (-1, cfg.num_key_value_heads, cfg.head_dim)
-        k_cache.view(flat_shape)[batch.slot_mapping] = k
-        v_cache.view(flat_shape)[batch.slot_mapping] = v.view(t, *flat_shape[1:])
+        qkv = F.linear(h, layer.wqkv).view(t, -1, cfg.head_dim)  # [T, Hq + 2 Hkv, D]
+        qk = rms_norm(qkv[:, :self._qk_heads], layer.qk_norm, cfg.rms_norm_eps)
+        qk = self.rotary.apply(qk, *rope)
+        q, k = qk[:, :cfg.num_attention_heads], qk[:, cfg.num_attention_heads:]  # [T, Hq, D], [T, Hkv, D]
+        v = qkv[:, self._qk_heads:]  # [T, Hkv, D]
+        # kv: [2, P, S, Hkv, D]; one write for K and V at every token's slot.
+        kv.view(2, -1, cfg.num_key_value_heads, cfg.head_dim)[:, batch.slot_mapping] = torch.stack((k, v))
+        k_cache, v_cache = kv[0], kv[1]
         if batch.is_decode:
             out = self.decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, self.scale)
         else:

@@ -55,7 +55,8 @@ def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], decode_attention: Dec
             post_norm=t.pop(p + "post_attention_layernorm.weight"),
             wqkv=torch.cat([t.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
             wo=t.pop(p + "self_attn.o_proj.weight"),
-            q_norm=t.pop(p + "self_attn.q_norm.weight"), k_norm=t.pop(p + "self_attn.k_norm.weight"))
+            qk_norm=torch.cat([t.pop(p + "self_attn.q_norm.weight").expand(cfg.num_attention_heads, -1),
+                               t.pop(p + "self_attn.k_norm.weight").expand(cfg.num_key_value_heads, -1)]))
         if cfg.is_moe_layer(li):
             layer.router = t.pop(p + "mlp.gate.weight")
             layer.experts = ResidentExperts(*_stack_experts(cfg, t, p))
