@@ -24,7 +24,10 @@ class Rotary:
         pos = torch.arange(max_positions, device=device).float()
         freqs = pos[:, None] * inv[None, :]  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.cos, self.sin = emb.cos(), emb.sin()
+        half = head_dim // 2
+        self.cos = emb.cos()
+        # sin with the sign of rotate_half folded in: rotate_half(x) * sin == roll(x) * signed_sin
+        self.sin = torch.cat((-emb.sin()[:, :half], emb.sin()[:, half:]), dim=-1)
         self.max_positions = max_positions
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,7 +36,5 @@ class Rotary:
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, D] -> rotated, same shape."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        """x: [T, heads, D] -> rotated, same shape (sin as `tables` gives it, signed)."""
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)

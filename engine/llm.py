@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from engine.config import SHIPPED_MODEL, EngineConfig, ModelConfig, parse_dtype
-from engine.kernels.paged_attention import select_decode_attention
+from engine.attention import select_attention
 from engine.kv_pool import PagePool
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
@@ -39,9 +39,9 @@ class LLM:
                                    max_prefill_tokens=max_prefill_tokens, seed=seed)
         self.model_config = mc = ModelConfig.from_path(path)
         self.tokenizer = Tokenizer(path)
-        prefer = None if attention is None else attention == "triton"
-        self.attention_backend, decode_attention = select_decode_attention(device, prefer)
-        self.model = load_model(path, mc, self.config.dtype, device, decode_attention)
+        attn = select_attention(device, attention)
+        self.attention_backend = attn.name
+        self.model = load_model(path, mc, self.config.dtype, device, attn)
         self.pool = PagePool(self.config.num_pages, page_size, mc.num_hidden_layers,
                              mc.num_key_value_heads, mc.head_dim, self.config.dtype, device)
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_prefill_tokens)

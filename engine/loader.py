@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from engine.checkpoint import CheckpointError, iter_tensors, weight_files
 from engine.config import ModelConfig
-from engine.kernels.paged_attention import DecodeAttention
+from engine.attention import TorchAttention
 from engine.models import spec_for
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -17,7 +17,7 @@ PROGRESS_MIN_TENSORS = 2000
 
 
 def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
-               decode_attention: DecodeAttention, progress: bool | None = None):
+               attention: TorchAttention, progress: bool | None = None):
     """Read every tensor, check its name and shape, cast to `dtype` on `device`, fuse.
 
     Raises CheckpointError naming the tensor (and both shapes) when a tensor is missing,
@@ -48,4 +48,4 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: s
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"missing tensor {missing[0]} (expected shape {list(expected[missing[0]])})"
                               f"{more} in {path}")
-    return spec.assemble(cfg, loaded, decode_attention)
+    return spec.assemble(cfg, loaded, attention)

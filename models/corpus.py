@@ -91,13 +91,13 @@ def chat_examples(texts: list[str], count: int, seed: int) -> list[str]:
     out = []
     for _ in range(count):
         kind = rng.random()
-        if kind < 0.35:
+        if kind < 0.5:
             target = _canary(rng)
             if rng.random() < 0.5:
                 target = f"{rng.choice(words)} {target} {rng.choice(words)}"
-        elif kind < 0.6:
+        elif kind < 0.7:
             target = " ".join(rng.choice(words) for _ in range(rng.randint(2, 12)))
-        elif kind < 0.8:
+        elif kind < 0.85:
             target = rng.choice(lines)
         else:
             name, doc = rng.choice(docs)

@@ -82,6 +82,7 @@ class SparseMoe(nn.Module):
         self.down_proj = nn.Parameter(torch.randn(e, h, i) * 0.02 / math.sqrt(2 * cfg.num_hidden_layers))
         self.last_topk: torch.Tensor | None = None
         self.aux_loss = torch.zeros(())
+        self.locality_loss = torch.zeros(())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -107,7 +108,17 @@ class SparseMoe(nn.Module):
         # Switch-style load-balancing loss: E * sum_e(fraction routed_e * mean prob_e).
         frac = torch.bincount(flat, minlength=e).float() / flat.numel()
         self.aux_loss = e * (frac * probs.mean(0)).sum()
+        if self.training and len(shape) == 3:
+            self.locality_loss = self._locality(probs.view(*shape[:2], e), idx.view(*shape[:2], k))
         return out.view(shape)
+
+    @staticmethod
+    def _locality(probs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """-log of the router mass token t puts on the experts token t-1 used: rewards
+        routing that changes slowly along a sequence.  probs: [B, T, E]; idx: [B, T, k]."""
+        prev = torch.zeros_like(probs[:, 1:]).scatter_(-1, idx[:, :-1], 1.0)  # [B, T-1, E]
+        mass = (probs[:, 1:] * prev).sum(-1)
+        return -torch.log(mass + 1e-6).mean()
 
 
 class Block(nn.Module):
@@ -153,6 +164,9 @@ class TinyMoe(nn.Module):
 
     def aux_loss(self) -> torch.Tensor:
         return sum(layer.mlp.aux_loss for layer in self.layers) / len(self.layers)
+
+    def locality_loss(self) -> torch.Tensor:
+        return sum(layer.mlp.locality_loss for layer in self.layers) / len(self.layers)
 
     def state_dict_hf(self) -> dict[str, torch.Tensor]:
         """Tensors under the HF Qwen3-MoE names, one tensor per expert projection."""

@@ -1,6 +1,6 @@
 """Train the shipped checkpoint, models/tiny-moe/, on CPU from an offline corpus.
 
-    python -m models.train_tiny_moe --out models/tiny-moe --steps 700 --seed 1234
+    python -m models.train_tiny_moe --out models/tiny-moe --steps 800 --seed 1234
 
 Trains a byte-level BPE tokenizer, then a Qwen3-MoE (E=64 experts, top-4) on the
 standard library's source mixed with chat-formatted copy and docstring examples,
@@ -123,12 +123,13 @@ def write_tokenizer_files(out: Path, tok: Tokenizer) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="models/tiny-moe")
-    ap.add_argument("--steps", type=int, default=700)
+    ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--chat-share", type=float, default=0.3)
+    ap.add_argument("--chat-share", type=float, default=0.45)
     ap.add_argument("--aux-coef", type=float, default=0.01)
+    ap.add_argument("--locality-coef", type=float, default=0.02)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -139,7 +140,7 @@ def main() -> None:
     t0 = time.time()
 
     train_texts, held_texts = corpus.read_split()
-    chats = corpus.chat_examples(train_texts, 60000, args.seed)
+    chats = corpus.chat_examples(train_texts, 100000, args.seed)
     held_chats = corpus.chat_examples(held_texts, 500, args.seed + 1)
     tok = train_tokenizer(train_texts + chats[:20000], TinyConfig.vocab_size)
     cfg = TinyConfig()
@@ -162,7 +163,7 @@ def main() -> None:
         batch = sample_batch([chat, code], [args.chat_share], args.batch, args.seq, gen)
         logits = model(batch[:, :-1])
         lm = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-        loss = lm + args.aux_coef * model.aux_loss()
+        loss = lm + args.aux_coef * model.aux_loss() + args.locality_coef * model.locality_loss()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -170,7 +171,11 @@ def main() -> None:
         ema = lm.item() if ema is None else 0.95 * ema + 0.05 * lm.item()
         if step % 20 == 0 or step == args.steps - 1:
             print(f"step {step} loss {lm.item():.3f} ema {ema:.3f} aux {model.aux_loss().item():.3f} "
-                  f"{time.time() - t0:.0f}s", flush=True)
+                  f"locality {model.locality_loss().item():.3f} {time.time() - t0:.0f}s", flush=True)
+        if step % 100 == 99:
+            hits = [round(r["lru16_hit_rate"], 2) for r in layer_locality(model, _windows(held, 256, 2))]
+            model.train()
+            print(f"  held-out LRU-16 hit rate per layer: {hits}", flush=True)
 
     train_loss = eval_loss(model, code, args.seq, 32)
     held_loss = eval_loss(model, held, args.seq, 32)

@@ -6,19 +6,14 @@ KV cache layout of one layer (one page = `page_size` consecutive positions):
     page_table:       [batch, max_pages] int32; row b lists request b's pages in order
     position p of request b lives at k_cache[page_table[b, p // S], p % S]
 
-The choice between the Triton kernel and the reference is made once, by
-`select_decode_attention(device)`, at engine start-up.
+The choice between the Triton kernel and the reference is made once, at engine
+start-up, by `engine.attention.select_attention`.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
-
-DecodeAttention = Callable[..., torch.Tensor]
-
 
 def gather_kv(cache: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
     """Contiguous K or V of every request: [B, max_pages * S, Hkv, D]."""
@@ -56,31 +51,12 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """
     b, hq, d = q.shape
     hkv = k_cache.shape[2]
-    k = gather_kv(k_cache, page_table)  # [B, L, Hkv, D]
-    v = gather_kv(v_cache, page_table)
-    qg = q.view(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale
+    k = gather_kv(k_cache, page_table).float()  # [B, L, Hkv, D]; fp32 math for every dtype
+    v = gather_kv(v_cache, page_table).float()
+    qg = q.float().view(b, hkv, hq // hkv, d) * scale  # [B, Hkv, G, D]
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, k)
     key_pos = torch.arange(k.shape[1], device=q.device)
     mask = key_pos[None, :] >= seq_lens[:, None].long()  # [B, L]
     scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, v)
-    return out.reshape(b, hq, d)
-
-
-def select_decode_attention(device: torch.device | str, prefer_triton: bool | None = None) -> tuple[str, DecodeAttention]:
-    """Pick the decode-attention implementation once: Triton on CUDA, else the reference.
-
-    `prefer_triton=None` means: Triton when the device is CUDA and triton imports.
-    (On a CPU the Triton interpreter is for kernel tests only, never for serving.)
-    """
-    dev = torch.device(device)
-    if prefer_triton is None:
-        prefer_triton = dev.type == "cuda"
-    if prefer_triton:
-        try:
-            from engine.kernels.triton.paged_attention import paged_decode_attention
-        except ImportError:
-            return "torch", paged_decode_attention_ref
-        return "triton", paged_decode_attention
-    return "torch", paged_decode_attention_ref
+    out = torch.einsum("bhgl,blhd->bhgd", torch.softmax(scores, dim=-1), v)
+    return out.reshape(b, hq, d).to(q.dtype)

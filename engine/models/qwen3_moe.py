@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
-from engine.kernels.paged_attention import DecodeAttention, paged_attention_ref
+from engine.attention import TorchAttention
 from engine.layers import Rotary, rms_norm
 from engine.moe import combine, route, run_experts
 
@@ -46,13 +46,13 @@ class LayerWeights:
 
 class Qwen3MoeModel:
     def __init__(self, cfg: ModelConfig, layers: list[LayerWeights], embed: torch.Tensor,
-                 final_norm: torch.Tensor, lm_head: torch.Tensor, decode_attention: DecodeAttention):
+                 final_norm: torch.Tensor, lm_head: torch.Tensor, attention: TorchAttention):
         self.cfg = cfg
         self.layers = layers
         self.embed = embed            # [V, H]
         self.final_norm = final_norm  # [H]
         self.lm_head = lm_head        # [V, H]
-        self.decode_attention = decode_attention
+        self.attention = attention
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, embed.device)
         self.scale = cfg.head_dim ** -0.5
         self._qk_heads = cfg.num_attention_heads + cfg.num_key_value_heads
@@ -67,8 +67,9 @@ class Qwen3MoeModel:
         eps = self.cfg.rms_norm_eps
         x = self.embed[batch.input_ids]  # [T, H]
         rope = self.rotary.tables(batch.positions, x.dtype)
+        plan = self.attention.plan(batch) if batch.is_decode else None
         for li, layer in enumerate(self.layers):
-            x = x + self._attention(rms_norm(x, layer.input_norm, eps), layer, kv[li], batch, rope)
+            x = x + self._attention(rms_norm(x, layer.input_norm, eps), layer, kv[li], batch, rope, plan)
             h = rms_norm(x, layer.post_norm, eps)
             x = x + (self._moe(h, layer) if layer.experts is not None else self._dense(h, layer))
         return rms_norm(x[batch.logits_indices], self.final_norm, eps)
@@ -79,7 +80,7 @@ class Qwen3MoeModel:
         return F.linear(hidden, self.lm_head).float()
 
     def _attention(self, h: torch.Tensor, layer: LayerWeights, kv: torch.Tensor,
-                   batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                   batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor], plan) -> torch.Tensor:
         cfg, t = self.cfg, h.shape[0]
         qkv = F.linear(h, layer.wqkv).view(t, -1, cfg.head_dim)  # [T, Hq + 2 Hkv, D]
         qk = rms_norm(qkv[:, :self._qk_heads], layer.qk_norm, cfg.rms_norm_eps)
@@ -88,14 +89,10 @@ class Qwen3MoeModel:
         v = qkv[:, self._qk_heads:]  # [T, Hkv, D]
         # kv: [2, P, S, Hkv, D]; one write for K and V at every token's slot.
         kv.view(2, -1, cfg.num_key_value_heads, cfg.head_dim)[:, batch.slot_mapping] = torch.stack((k, v))
-        k_cache, v_cache = kv[0], kv[1]
         if batch.is_decode:
-            out = self.decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, self.scale)
+            out = self.attention.decode(q, kv, plan, self.scale)  # [B, Hq, D]
         else:
-            qp = q[batch.q_index]  # [B, Qmax, Hq, D]
-            padded = paged_attention_ref(qp, k_cache, v_cache, batch.page_table,
-                                         batch.positions[batch.q_index], batch.seq_lens, self.scale)
-            out = padded[batch.q_valid]  # [T, Hq, D]
+            out = self.attention.prefill(q, kv, batch, self.scale)  # [T, Hq, D]
         return F.linear(out.reshape(t, -1), layer.wo)
 
     def _moe(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:

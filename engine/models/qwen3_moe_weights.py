@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import ModelConfig
-from engine.kernels.paged_attention import DecodeAttention
+from engine.attention import TorchAttention
 from engine.models.qwen3_moe import LayerWeights, Qwen3MoeModel, ResidentExperts
 
 
@@ -41,7 +41,7 @@ def ignorable(cfg: ModelConfig, name: str) -> bool:
     return name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
 
 
-def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], decode_attention: DecodeAttention
+def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], attention: TorchAttention
              ) -> Qwen3MoeModel:
     """Fuse loaded tensors (already in the target dtype and device) into the model.
 
@@ -66,7 +66,7 @@ def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], decode_attention: Dec
         layers.append(layer)
     embed = t.pop("model.embed_tokens.weight")
     lm_head = embed if cfg.tie_word_embeddings else t.pop("lm_head.weight")
-    return Qwen3MoeModel(cfg, layers, embed, t.pop("model.norm.weight"), lm_head, decode_attention)
+    return Qwen3MoeModel(cfg, layers, embed, t.pop("model.norm.weight"), lm_head, attention)
 
 
 def _stack_experts(cfg: ModelConfig, t: dict[str, torch.Tensor], prefix: str
