@@ -116,6 +116,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_prefill_tokens: int = 2048
     seed: int = 0
+    paged_experts_num_resident: int | None = None  # K resident experts per MoE layer; None: all
+    paged_experts_prefetch: bool | None = None       # None: on with CUDA, off elsewhere
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):

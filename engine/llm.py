@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from engine.config import SHIPPED_MODEL, EngineConfig, ModelConfig, parse_dtype
+from engine.experts import PagedExperts, check_independence, paged_factory, validate_num_resident
 from engine.attention import select_attention
 from engine.kv_pool import PagePool
 from engine.loader import load_model
@@ -31,17 +32,28 @@ class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str | torch.dtype = "float32",
                  device: str = "cpu", kv_cache_tokens: int = 16384, page_size: int = 16,
                  max_model_len: int | None = None, max_num_seqs: int = 64,
-                 max_prefill_tokens: int = 2048, seed: int = 0, attention: str | None = None):
+                 max_prefill_tokens: int = 2048, seed: int = 0, attention: str | None = None,
+                 paged_experts_num_resident: int | None = None, paged_experts_prefetch: bool | None = None):
         path = Path(model) if model is not None else SHIPPED_MODEL
         self.config = EngineConfig(model=str(path), dtype=parse_dtype(dtype), device=device,
                                    page_size=page_size, kv_cache_tokens=kv_cache_tokens,
                                    max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                   max_prefill_tokens=max_prefill_tokens, seed=seed)
+                                   max_prefill_tokens=max_prefill_tokens, seed=seed,
+                                   paged_experts_num_resident=paged_experts_num_resident,
+                                   paged_experts_prefetch=paged_experts_prefetch)
         self.model_config = mc = ModelConfig.from_path(path)
+        k = paged_experts_num_resident
+        validate_num_resident(k, mc.num_experts, mc.num_experts_per_tok, self.config.dtype)
         self.tokenizer = Tokenizer(path)
         attn = select_attention(device, attention)
         self.attention_backend = attn.name
-        self.model = load_model(path, mc, self.config.dtype, device, attn)
+        self.model = load_model(path, mc, self.config.dtype, device, attn,
+                                make_experts=paged_factory(k, device) if k is not None else None)
+        if k is not None:
+            for layer, experts in self.paged_experts().items():
+                check_independence(experts.slots, layer)
+            prefetch = paged_experts_prefetch
+            self.model.prefetch_experts = torch.device(device).type == "cuda" if prefetch is None else prefetch
         self.pool = PagePool(self.config.num_pages, page_size, mc.num_hidden_layers,
                              mc.num_key_value_heads, mc.head_dim, self.config.dtype, device)
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_prefill_tokens)
@@ -99,6 +111,15 @@ class LLM:
             self.scheduler.abort_all()
             raise
         return self._update(batch, output)
+
+    def paged_experts(self) -> dict[int, PagedExperts]:
+        """MoE layer index -> its paged experts (empty when every expert is resident)."""
+        return {i: layer.experts for i, layer in enumerate(self.model.layers)
+                if isinstance(layer.experts, PagedExperts)}
+
+    def expert_stats(self) -> dict[int, dict]:
+        """Per paged MoE layer: hits, misses, hit_rate, bytes_paged, waves, steps, prefetch counters."""
+        return {i: e.counters.as_dict() for i, e in self.paged_experts().items()}
 
     # ---- internals ---------------------------------------------------------------
     def _make_request(self, prompt: Prompt, params: SamplingParams) -> Request:

@@ -17,8 +17,11 @@ PROGRESS_MIN_TENSORS = 2000
 
 
 def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
-               attention: TorchAttention, progress: bool | None = None):
+               attention: TorchAttention, progress: bool | None = None, make_experts=None):
     """Read every tensor, check its name and shape, cast to `dtype` on `device`, fuse.
+
+    With `make_experts` (paged experts) the expert tensors stay in host memory and the
+    factory builds each layer's experts from them.
 
     Raises CheckpointError naming the tensor (and both shapes) when a tensor is missing,
     misshapen, of an unsupported dtype, or not part of the architecture.
@@ -42,10 +45,13 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: s
         if tensor.dtype not in SUPPORTED_DTYPES:
             raise CheckpointError(f"tensor {name} has dtype {tensor.dtype}; supported: "
                                   "float32, bfloat16, float16")
-        loaded[name] = tensor.to(device=device, dtype=dtype)
+        if make_experts is not None and ".mlp.experts." in name:
+            loaded[name] = tensor.to(dtype=dtype)  # host; the store is pinned once stacked
+        else:
+            loaded[name] = tensor.to(device=device, dtype=dtype)
     missing = [n for n in expected if n not in loaded]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"missing tensor {missing[0]} (expected shape {list(expected[missing[0]])})"
                               f"{more} in {path}")
-    return spec.assemble(cfg, loaded, attention)
+    return spec.assemble(cfg, loaded, attention, make_experts)

@@ -17,18 +17,7 @@ from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.attention import TorchAttention
 from engine.layers import Rotary, rms_norm
-from engine.moe import combine, route, run_experts
-
-
-class ResidentExperts:
-    """All E experts of one layer on the device (the default; paged experts replace it)."""
-
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor):
-        self.w13, self.w2 = w13, w2  # [E, 2I, H], [E, H, I]
-
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x: [T, H]; ids: [T, k] expert ids.  Returns y: [T, k, H] (unweighted)."""
-        return run_experts(x, self.w13, self.w2, ids)
+from engine.moe import ResidentExperts, combine, route
 
 
 @dataclass
@@ -56,6 +45,9 @@ class Qwen3MoeModel:
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, embed.device)
         self.scale = cfg.head_dim ** -0.5
         self._qk_heads = cfg.num_attention_heads + cfg.num_key_value_heads
+        moe = [i for i, layer in enumerate(layers) if layer.experts is not None]
+        self._next_moe = dict(zip(moe, moe[1:]))  # MoE layer -> the next MoE layer
+        self.prefetch_experts = False  # paged experts: predict the next layer's experts
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
@@ -71,7 +63,7 @@ class Qwen3MoeModel:
         for li, layer in enumerate(self.layers):
             x = x + self._attention(rms_norm(x, layer.input_norm, eps), layer, kv[li], batch, rope, plan)
             h = rms_norm(x, layer.post_norm, eps)
-            x = x + (self._moe(h, layer) if layer.experts is not None else self._dense(h, layer))
+            x = x + (self._moe(h, li) if layer.experts is not None else self._dense(h, layer))
         return rms_norm(x[batch.logits_indices], self.final_norm, eps)
 
     @torch.inference_mode()
@@ -95,8 +87,15 @@ class Qwen3MoeModel:
             out = self.attention.prefill(q, kv, batch, self.scale)  # [T, Hq, D]
         return F.linear(out.reshape(t, -1), layer.wo)
 
-    def _moe(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        weights, ids = route(h, layer.router, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+    def _moe(self, h: torch.Tensor, li: int) -> torch.Tensor:
+        layer, cfg = self.layers[li], self.cfg
+        weights, ids = route(h, layer.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        nxt = self._next_moe.get(li)
+        if self.prefetch_experts and nxt is not None:
+            # The next layer's router applied to this layer's input predicts its experts;
+            # their copies overlap this layer's expert compute.
+            _, predicted = route(h, self.layers[nxt].router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+            self.layers[nxt].experts.prefetch(predicted.unique().tolist())
         return combine(layer.experts(h, ids), weights)
 
     def _dense(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:

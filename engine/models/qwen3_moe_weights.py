@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from engine.config import ModelConfig
 from engine.attention import TorchAttention
-from engine.models.qwen3_moe import LayerWeights, Qwen3MoeModel, ResidentExperts
+from engine.models.qwen3_moe import LayerWeights, Qwen3MoeModel
+from engine.experts.check import fingerprint
+from engine.moe import ResidentExperts
+
+ExpertsFactory = Callable[[int, torch.Tensor, torch.Tensor, list[int]], object]
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -41,11 +47,13 @@ def ignorable(cfg: ModelConfig, name: str) -> bool:
     return name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
 
 
-def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], attention: TorchAttention
-             ) -> Qwen3MoeModel:
-    """Fuse loaded tensors (already in the target dtype and device) into the model.
+def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], attention: TorchAttention,
+             make_experts: ExpertsFactory | None = None) -> Qwen3MoeModel:
+    """Fuse loaded tensors (already in the target dtype and place) into the model.
 
-    Consumes `t`: tensors are popped as they are fused, so peak memory stays near one copy.
+    `make_experts(layer, w13, w2, fingerprints)` builds each MoE layer's experts object
+    (default: all resident); fingerprints are per expert, taken from the checkpoint's
+    own tensors before stacking.  Consumes `t`: tensors are popped as they are fused.
     """
     layers = []
     for li in range(cfg.num_hidden_layers):
@@ -59,7 +67,8 @@ def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], attention: TorchAtten
                                t.pop(p + "self_attn.k_norm.weight").expand(cfg.num_key_value_heads, -1)]))
         if cfg.is_moe_layer(li):
             layer.router = t.pop(p + "mlp.gate.weight")
-            layer.experts = ResidentExperts(*_stack_experts(cfg, t, p))
+            w13, w2, prints = _stack_experts(cfg, t, p, with_fingerprints=make_experts is not None)
+            layer.experts = make_experts(li, w13, w2, prints) if make_experts else ResidentExperts(w13, w2)
         else:
             layer.dense_w13 = torch.cat([t.pop(p + "mlp.gate_proj.weight"), t.pop(p + "mlp.up_proj.weight")])
             layer.dense_w2 = t.pop(p + "mlp.down_proj.weight")
@@ -69,15 +78,17 @@ def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], attention: TorchAtten
     return Qwen3MoeModel(cfg, layers, embed, t.pop("model.norm.weight"), lm_head, attention)
 
 
-def _stack_experts(cfg: ModelConfig, t: dict[str, torch.Tensor], prefix: str
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def _stack_experts(cfg: ModelConfig, t: dict[str, torch.Tensor], prefix: str, with_fingerprints: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     e_count, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     first = t[prefix + "mlp.experts.0.down_proj.weight"]
     w13 = torch.empty(e_count, 2 * i, h, dtype=first.dtype, device=first.device)  # [E, 2I, H]
     w2 = torch.empty(e_count, h, i, dtype=first.dtype, device=first.device)       # [E, H, I]
+    prints = []
     for e in range(e_count):
         q = prefix + f"mlp.experts.{e}."
-        w13[e, :i] = t.pop(q + "gate_proj.weight")
-        w13[e, i:] = t.pop(q + "up_proj.weight")
-        w2[e] = t.pop(q + "down_proj.weight")
-    return w13, w2
+        gate, up, down = (t.pop(q + f"{n}_proj.weight") for n in ("gate", "up", "down"))
+        if with_fingerprints:
+            prints.append(fingerprint(gate, up, down))
+        w13[e, :i], w13[e, i:], w2[e] = gate, up, down
+    return w13, w2, prints

@@ -1,0 +1,46 @@
+"""Paged experts: K of each MoE layer's E experts on the device, all E in a host store."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.experts.check import check_independence
+from engine.experts.copy import CudaStreamCopy, DirectCopy, EmulatedLink
+from engine.experts.paged import PagedExperts
+from engine.experts.slots import ExpertCounters, ExpertSlots, ExpertStore, LRUPolicy
+
+SUPPORTED_EXPERT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+__all__ = ["CudaStreamCopy", "DirectCopy", "EmulatedLink", "ExpertCounters", "ExpertSlots",
+           "ExpertStore", "LRUPolicy", "PagedExperts", "check_independence", "paged_factory",
+           "validate_num_resident"]
+
+
+def validate_num_resident(k: int | None, num_experts: int, top_k: int, dtype: torch.dtype) -> None:
+    """Refuse settings paged experts cannot serve; the message names the setting."""
+    if k is None:
+        return
+    if num_experts == 0:
+        raise ValueError("paged_experts_num_resident is set but the model has no MoE layers")
+    if not isinstance(k, int) or k < top_k:
+        raise ValueError(f"paged_experts_num_resident={k} is below top_k={top_k}: one token needs "
+                         f"{top_k} experts at once")
+    if k > num_experts:
+        raise ValueError(f"paged_experts_num_resident={k} is above the {num_experts} experts per layer")
+    if dtype not in SUPPORTED_EXPERT_DTYPES:
+        raise ValueError(f"paged experts support fp32/bf16/fp16 expert weights for now, not {dtype} "
+                         "(quantised expert formats are not supported yet)")
+
+
+def paged_factory(num_resident: int, device: torch.device | str):
+    """A `make_experts` for the loader: each layer gets a host store, K slots on `device`
+    (copies on a side CUDA stream on a GPU, direct copies elsewhere) and LRU eviction."""
+    dev = torch.device(device)
+
+    def make(layer: int, w13: torch.Tensor, w2: torch.Tensor, prints: list[int]) -> PagedExperts:
+        copier = CudaStreamCopy(dev) if dev.type == "cuda" else DirectCopy()
+        if dev.type == "cuda":  # page-locked, so copies are true async DMA
+            w13, w2 = w13.pin_memory(), w2.pin_memory()
+        store = ExpertStore(w13, w2, prints)
+        return PagedExperts(ExpertSlots(store, num_resident, dev, copier=copier))
+    return make

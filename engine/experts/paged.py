@@ -1,0 +1,96 @@
+"""Paged experts: a MoE layer's experts computed over K resident slots.
+
+Each step: route every token; take the set of experts the step needs; keep the resident
+ones; page the missing ones into slots the step does not need, least recently used
+first; compute over slots.  When the step needs more than K experts it runs in waves:
+
+    wave 1:  every needed expert already resident + as many missing ones as the slots
+             holding unneeded experts can take
+    wave n:  the next K missing experts, into slots whose experts earlier waves used
+
+so every needed expert is paged at most once per step and none is evicted before its
+wave has run.  Every pair is computed exactly once into one [T*k, H] buffer with a step
+plan fixed for the whole step, so the result is bit-identical for any K.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.experts.slots import ExpertSlots
+from engine.moe import StepPlan, expert_outputs
+
+
+class PagedExperts:
+    def __init__(self, slots: ExpertSlots, cache: bool = True):
+        """`cache=False` forgets every resident expert before each step (plain weight
+        offload: every routed expert is copied at every step), for comparison."""
+        self.slots = slots
+        self.cache = cache
+        self._prefetched: set[int] = set()
+
+    @property
+    def counters(self):
+        return self.slots.counters
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x: [T, H]; ids: [T, k] expert ids.  Returns y: [T, k, H] (unweighted)."""
+        t, k = ids.shape
+        plan = StepPlan.for_step(ids, self.slots.store.num_experts)
+        if not self.cache:
+            self.slots.forget_all()
+        needed = sorted(set(ids.reshape(-1).tolist()))
+        out = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
+        for wave in self.plan_waves(needed):
+            self._page_in(wave)
+            slot_ids = self.slots.slot_lookup(wave, x.device)[ids]  # [T, k], -1 outside the wave
+            expert_outputs(x, self.slots.w13, self.slots.w2, slot_ids, out, plan)
+            self.slots.mark_used()  # the next wave's page-ins must not overtake this compute
+        return out.view(t, k, -1)
+
+    def plan_waves(self, needed: list[int]) -> list[list[int]]:
+        """Split the step's experts into waves (see the module doc) and count hits/misses."""
+        slots, c = self.slots, self.slots.counters
+        resident = [e for e in needed if slots.slot_of[e] >= 0]
+        missing = [e for e in needed if slots.slot_of[e] < 0]
+        c.steps += 1
+        c.hits += len(resident)
+        c.misses += len(missing)
+        hit_prefetch = self._prefetched.intersection(resident)
+        c.prefetch_hits += len(hit_prefetch)
+        c.prefetch_wasted_bytes += (len(self._prefetched) - len(hit_prefetch)) * slots.store.bytes_per_expert
+        self._prefetched.clear()
+        k = slots.num_slots
+        if len(needed) <= k:
+            waves = [needed]
+        else:
+            room = k - len(resident)
+            rest = missing[room:]
+            waves = [resident + missing[:room]] + [rest[i:i + k] for i in range(0, len(rest), k)]
+        c.waves += len(waves)
+        return waves
+
+    def _page_in(self, wave: list[int]) -> None:
+        slots = self.slots
+        missing = [e for e in wave if slots.slot_of[e] < 0]
+        protect = {slots.slot_of[e] for e in wave if slots.slot_of[e] >= 0}
+        for expert, slot in zip(missing, slots.policy.victims(len(missing), protect)):
+            slots.load(expert, slot)
+        wave_slots = [slots.slot_of[e] for e in wave]
+        slots.wait(wave_slots)
+        slots.touch(wave_slots)
+
+    def prefetch(self, experts: list[int]) -> None:
+        """Start copying `experts` (a prediction for this layer's next step) into the least
+        recently used slots that hold none of them.  Does not wait for the copies."""
+        if not self.cache:
+            return
+        slots = self.slots
+        wanted = [e for e in dict.fromkeys(experts) if slots.slot_of[e] < 0][:slots.num_slots]
+        protect = {slots.slot_of[e] for e in experts if slots.slot_of[e] >= 0}
+        room = slots.num_slots - len(protect)
+        wanted = wanted[:room]
+        for expert, slot in zip(wanted, slots.policy.victims(len(wanted), protect)):
+            slots.load(expert, slot)
+            self._prefetched.add(expert)
+        slots.counters.prefetched += len(wanted)

@@ -1,0 +1,146 @@
+"""One MoE layer's resident experts: K device slots in front of a host store of all E.
+
+`ExpertSlots` is the only code that changes which expert a slot holds.  Everyone else
+reads `slot_of` (expert -> slot, -1 when not resident).  Which slot to give up is the
+eviction policy's choice (LRU by default).
+
+    store.w13: [E, 2I, H]  store.w2: [E, H, I]   (host; pinned on CUDA)
+    w13:       [K, 2I, H]  w2:       [K, H, I]   (device slots)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+import torch
+
+from engine.experts.copy import Copy, DirectCopy
+
+
+class EvictionPolicy(Protocol):
+    def touch(self, slot: int) -> None: ...
+    def victims(self, count: int, exclude: set[int]) -> list[int]: ...
+
+
+class LRUPolicy:
+    """Least recently used first; slots start in index order (slot 0 oldest)."""
+
+    def __init__(self, num_slots: int):
+        self._order: OrderedDict[int, None] = OrderedDict((s, None) for s in range(num_slots))
+
+    def touch(self, slot: int) -> None:
+        self._order.move_to_end(slot)
+
+    def victims(self, count: int, exclude: set[int]) -> list[int]:
+        """The `count` least recently used slots outside `exclude`.  Raises RuntimeError
+        when fewer are available (a caller bug: waves never ask for more)."""
+        out = [s for s in self._order if s not in exclude][:count]
+        if len(out) < count:
+            raise RuntimeError(f"need {count} slots to evict, only {len(out)} are not protected")
+        return out
+
+    def order(self) -> list[int]:
+        return list(self._order)
+
+
+@dataclass
+class ExpertCounters:
+    hits: int = 0            # needed experts already resident when the step began
+    misses: int = 0          # needed experts paged in by the step
+    bytes_paged: int = 0     # page-ins and prefetches together
+    waves: int = 0
+    steps: int = 0
+    prefetched: int = 0      # experts copied ahead of their step by the prefetcher
+    prefetch_hits: int = 0   # ... that their step did need
+    prefetch_wasted_bytes: int = 0
+
+    def as_dict(self) -> dict[str, int | float]:
+        d = dict(self.__dict__)
+        looked = self.hits + self.misses
+        d["hit_rate"] = self.hits / looked if looked else 0.0
+        return d
+
+
+@dataclass
+class ExpertStore:
+    """All E experts of one layer in host memory."""
+    w13: torch.Tensor   # [E, 2I, H]
+    w2: torch.Tensor    # [E, H, I]
+    fingerprints: list[int] = field(default_factory=list)  # per expert, from the checkpoint
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def bytes_per_expert(self) -> int:
+        return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
+
+
+class ExpertSlots:
+    def __init__(self, store: ExpertStore, num_slots: int, device: torch.device | str,
+                 copier=None, policy: EvictionPolicy | None = None):
+        e = store.num_experts
+        if not 0 < num_slots <= e:
+            raise ValueError(f"num_slots={num_slots} must be in 1..{e}")
+        self.store = store
+        self.num_slots = num_slots
+        self.w13 = torch.empty((num_slots, *store.w13.shape[1:]), dtype=store.w13.dtype, device=device)
+        self.w2 = torch.empty((num_slots, *store.w2.shape[1:]), dtype=store.w2.dtype, device=device)
+        self.copier = copier or DirectCopy()
+        self.policy = policy or LRUPolicy(num_slots)
+        self.slot_of = [-1] * e                 # expert -> slot
+        self.expert_in = [-1] * num_slots       # slot -> expert
+        self._pending: dict[int, list[Copy]] = {}
+        self._last_use = None  # CUDA: an event after the last compute that read the slots
+        self.counters = ExpertCounters()
+        for s in range(num_slots):              # warm start: experts 0..K-1, not counted
+            self._place(s, s)
+        self.wait(range(num_slots))
+
+    def load(self, expert: int, slot: int) -> None:
+        """Page `expert` into `slot` (evicting whoever is there); the copy may be in flight
+        until `wait` is called for the slot."""
+        assert self.slot_of[expert] < 0, f"expert {expert} is already in slot {self.slot_of[expert]}"
+        self._place(expert, slot)
+        self.counters.bytes_paged += self.store.bytes_per_expert
+
+    def _place(self, expert: int, slot: int) -> None:
+        old = self.expert_in[slot]
+        if old >= 0:
+            self.slot_of[old] = -1
+        self.expert_in[slot] = expert
+        self.slot_of[expert] = slot
+        self._pending[slot] = [self.copier.copy(self.w13[slot], self.store.w13[expert], self._last_use),
+                               self.copier.copy(self.w2[slot], self.store.w2[expert], self._last_use)]
+
+    def forget_all(self) -> None:
+        """Mark every slot empty (no copy): the next step pages in everything it needs."""
+        self.slot_of = [-1] * len(self.slot_of)
+        self.expert_in = [-1] * self.num_slots
+
+    def mark_used(self) -> None:
+        """Called after a step's compute was queued: later copies into these slots must wait
+        for it (CUDA), but need not wait for anything queued after it."""
+        if self.w13.is_cuda:
+            self._last_use = torch.cuda.Event()
+            self._last_use.record()
+
+    def wait(self, slots: Iterable[int]) -> None:
+        """Block until the copies into `slots` have landed (on CUDA: order the compute stream)."""
+        for s in slots:
+            for c in self._pending.pop(s, ()):
+                c.wait()
+
+    def touch(self, slots: Iterable[int]) -> None:
+        for s in slots:
+            self.policy.touch(s)
+
+    def slot_lookup(self, experts: list[int], device: torch.device) -> torch.Tensor:
+        """[E] tensor: the slot of each expert in `experts`, -1 for every other expert."""
+        lut = [-1] * len(self.slot_of)
+        for e in experts:
+            lut[e] = self.slot_of[e]
+        return torch.tensor(lut, dtype=torch.int64, device=device)

@@ -1,0 +1,197 @@
+"""Triton fused MoE over expert slots: same semantics as
+`engine.kernels.fused_moe.fused_moe_ref` (shapes and contract documented there).
+
+The host sorts the selected (token, rank) pairs by slot and pads each slot's group to a
+multiple of BLOCK_M (vLLM's "moe_align_block_size"), on the device and without a sync.
+Two grouped GEMMs then run one program per (block of BLOCK_M pairs of one slot, column
+tile): gate/up = x @ w13[slot].T with act = silu(gate) * up into an intermediate in x's
+dtype, then out = act @ w2[slot].T. Accumulation is fp32. The block sizes depend only on
+the dtype, never on T, k, S or the routing, and every row of a tile is computed
+independently, so a pair's result depends only on its token and its expert's weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
+BLOCK_M = 16
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, act_ptr, ids_ptr, bslot_ptr,
+    stride_xt, stride_xh,                       # x:   [T, H]
+    stride_ws, stride_wn, stride_wh,            # w13: [S, 2I, H]
+    stride_am, stride_an,                       # act: [num_blocks * BLOCK_M, I]
+    num_pairs, K, H, I,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.load(bslot_ptr + pid_m).to(tl.int64)
+    if slot < 0:                                # block past the last used one
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                 # [BM] padded row
+    pair = tl.load(ids_ptr + offs_m)                                 # [BM] sentinel = num_pairs
+    m_mask = pair < num_pairs
+    tok = tl.where(m_mask, pair // K, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                 # [BN] column of act
+    n_mask = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + tok[:, None] * stride_xt                        # [BM, 1]
+    w_base = w_ptr + slot * stride_ws
+    g_rows = w_base + offs_n[None, :] * stride_wn                    # [1, BN] gate rows
+    u_rows = w_base + (offs_n[None, :] + I) * stride_wn              # [1, BN] up rows
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < H
+        a = tl.load(x_rows + kk[None, :] * stride_xh,
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)   # [BM, BK]
+        wmask = k_mask[:, None] & n_mask[None, :]
+        g = tl.load(g_rows + kk[:, None] * stride_wh, mask=wmask, other=0.0)  # [BK, BN]
+        u = tl.load(u_rows + kk[:, None] * stride_wh, mask=wmask, other=0.0)  # [BK, BN]
+        if DOT_F32:
+            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
+        acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u                     # silu(gate) * up, fp32
+    tl.store(act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :] * stride_an,
+             act.to(act_ptr.dtype.element_ty), mask=n_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, w_ptr, out_ptr, ids_ptr, bslot_ptr,
+    stride_am, stride_an,                       # act: [num_blocks * BLOCK_M, I]
+    stride_ws, stride_wn, stride_wi,            # w2:  [S, H, I]
+    stride_om, stride_oh,                       # out: [T*k, H]
+    num_pairs, H, I,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.load(bslot_ptr + pid_m).to(tl.int64)
+    if slot < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                 # [BM] padded row
+    pair = tl.load(ids_ptr + offs_m)                                 # [BM]
+    m_mask = pair < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                 # [BN] column of out
+    n_mask = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = act_ptr + offs_m[:, None].to(tl.int64) * stride_am      # [BM, 1]
+    w_rows = w_ptr + slot * stride_ws + offs_n[None, :] * stride_wn  # [1, BN]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < I
+        a = tl.load(a_rows + kk[None, :] * stride_an, mask=k_mask[None, :], other=0.0)  # [BM, BK]
+        w = tl.load(w_rows + kk[:, None] * stride_wi,
+                    mask=k_mask[:, None] & n_mask[None, :], other=0.0)                 # [BK, BN]
+        if DOT_F32:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision="ieee")
+    o_rows = tl.where(m_mask, pair, 0).to(tl.int64)
+    tl.store(out_ptr + o_rows[:, None] * stride_om + offs_n[None, :] * stride_oh,
+             acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# The interpreter (TRITON_INTERPRET=1, read when the kernel is decorated) multiplies the raw
+# bits of bfloat16 tl.dot operands (triton-lang/triton#11584): upcast them to fp32 there.
+_INTERPRETED = not isinstance(_gate_up_kernel, triton.runtime.jit.JITFunction)
+
+
+def align_block_size(slot_ids: torch.Tensor, num_slots: int, block_m: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort the pairs (t*k + r) with slot >= 0 by slot (stably) and pad each slot's group
+    to a multiple of block_m, on slot_ids' device without a host sync.
+
+    Returns (sorted_ids [num_blocks * block_m] int32, padding = T*k; block_slot
+    [num_blocks] int32, the slot of each block, -1 past the last used block), where
+    num_blocks = ceil(T*k / block_m) + min(S, T*k) bounds the blocks any routing needs.
+    """
+    flat = slot_ids.reshape(-1).long()                               # [P] pair -> slot
+    num_pairs, dev = flat.numel(), flat.device
+    key = torch.where(flat >= 0, flat, num_slots)                    # -1 sorts last
+    order = key.argsort(stable=True)                                 # [P] pairs by slot
+    counts = torch.bincount(key, minlength=num_slots + 1)[:num_slots]  # [S]
+    blocks = (counts + block_m - 1) // block_m                       # [S] blocks per slot
+    blk_end = blocks.cumsum(0)                                       # [S]
+    num_blocks = -(-num_pairs // block_m) + min(num_slots, num_pairs)
+    b = torch.arange(num_blocks, device=dev)
+    bslot = torch.searchsorted(blk_end, b, right=True)               # [NB], S = unused
+    bslot_c = bslot.clamp(max=num_slots - 1)
+    row = torch.arange(num_blocks * block_m, device=dev)             # [NB*BM] padded row
+    s = bslot_c.repeat_interleave(block_m)                           # [NB*BM]
+    local = row - (blk_end - blocks)[s] * block_m                    # row within its slot
+    valid = (bslot.repeat_interleave(block_m) < num_slots) & (local < counts[s])
+    src = ((counts.cumsum(0) - counts)[s] + local).clamp(max=max(num_pairs - 1, 0))
+    sorted_ids = torch.where(valid, order[src], num_pairs).to(torch.int32)
+    block_slot = torch.where(bslot < num_slots, bslot, -1).to(torch.int32)
+    return sorted_ids, block_slot
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: torch.Tensor,
+              out: torch.Tensor) -> torch.Tensor:
+    """Write down(silu(gate(x_t)) * up(x_t)) of slot slot_ids[t, r] into out[t*k + r].
+
+    x: [T, H]; w13: [S, 2I, H]; w2: [S, H, I]; out: [T*k, H], all one dtype (fp32, fp16 or
+    bf16) on one device; slot_ids: [T, k] integer, values in -1..S-1 (-1: pair skipped).
+    Returns `out`. Changes only the rows of `out` whose pair has a slot >= 0.
+    Raises ValueError on a wrong rank, shape, dtype or device, or a slot id outside -1..S-1.
+    """
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or slot_ids.dim() != 2 or out.dim() != 2:
+        raise ValueError(f"expected x [T, H], w13 [S, 2I, H], w2 [S, H, I], slot_ids [T, k], "
+                         f"out [T*k, H], got {tuple(x.shape)}, {tuple(w13.shape)}, "
+                         f"{tuple(w2.shape)}, {tuple(slot_ids.shape)}, {tuple(out.shape)}")
+    t, h = x.shape
+    s, i2, _ = w13.shape
+    i = i2 // 2
+    k = slot_ids.shape[1]
+    if i2 % 2 or w13.shape[2] != h:
+        raise ValueError(f"w13 shape {tuple(w13.shape)} is not [S, 2I, H={h}]")
+    if w2.shape != (s, h, i):
+        raise ValueError(f"w2 shape {tuple(w2.shape)} != [S, H, I] = {(s, h, i)}")
+    if slot_ids.shape[0] != t or out.shape != (t * k, h):
+        raise ValueError(f"expected slot_ids [{t}, k] and out [T*k, {h}], got "
+                         f"{tuple(slot_ids.shape)} and {tuple(out.shape)}")
+    if x.dtype not in _DTYPES or any(w.dtype != x.dtype for w in (w13, w2, out)):
+        raise ValueError(f"x/w13/w2/out must share one dtype among {_DTYPES}, got "
+                         f"{x.dtype}/{w13.dtype}/{w2.dtype}/{out.dtype}")
+    if slot_ids.dtype not in _INT_DTYPES:
+        raise ValueError(f"slot_ids must be a signed integer tensor, got {slot_ids.dtype}")
+    devices = {v.device for v in (x, w13, w2, slot_ids, out)}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+    if slot_ids.numel() == 0:
+        return out
+    lo, hi = (int(v) for v in torch.aminmax(slot_ids))               # one host sync
+    if lo < -1 or hi >= s:
+        raise ValueError(f"slot_ids must lie in -1..{s - 1}, got values in {lo}..{hi}")
+    if hi < 0 or h == 0:
+        return out
+
+    sorted_ids, block_slot = align_block_size(slot_ids, s, BLOCK_M)
+    num_blocks = block_slot.numel()
+    act = x.new_empty(num_blocks * BLOCK_M, i)                       # [NB*BM, I]
+    dot_f32 = _INTERPRETED and x.dtype == torch.bfloat16
+    bk = 32 if x.dtype == torch.float32 else 64
+    bn = 64
+    if i > 0:
+        _gate_up_kernel[(num_blocks, triton.cdiv(i, bn))](
+            x, w13, act, sorted_ids, block_slot,
+            x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+            act.stride(0), act.stride(1), t * k, k, h, i,
+            BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=dot_f32)
+    _down_kernel[(num_blocks, triton.cdiv(h, bn))](
+        act, w2, out, sorted_ids, block_slot,
+        act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+        out.stride(0), out.stride(1), t * k, h, i,
+        BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=dot_f32)
+    return out
