@@ -1,6 +1,7 @@
 """The `tandem` command.
 
     tandem serve [--model PATH] [--prompt TEXT] ...   # run the shipped model
+    tandem preflight --memory-gib 16 [--json]          # what paged experts cost and buy
 
 Until the gateway and workers land, `serve` runs the single-process engine on a few
 chat prompts and prints what it generated with its speed; later issues turn it into
@@ -38,6 +39,18 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _preflight(args: argparse.Namespace) -> int:
+    import json
+
+    from engine.config import SHIPPED_MODEL
+    from engine.experts.preflight import preflight, render
+    report = preflight(args.model or SHIPPED_MODEL, args.memory_gib, dtype=args.dtype, device=args.device,
+                       target_tok_s=args.target_tok_s, concurrency=args.concurrency,
+                       link_bytes_per_s=args.link_gbps * 1e9 / 8 if args.link_gbps else None)
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated MoE serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -52,6 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--seed", type=int, default=None)
     serve.add_argument("--prompt", action="append", help="a user message (repeatable)")
     serve.set_defaults(func=_serve)
+    pre = sub.add_parser("preflight", help="what paged experts cost and buy on a device")
+    pre.add_argument("--model", default=None, help="HF checkpoint directory (default: the shipped tiny-moe)")
+    pre.add_argument("--memory-gib", type=float, required=True, help="device memory budget for the model")
+    pre.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    pre.add_argument("--device", default="cpu", help="where to measure the host-to-device link")
+    pre.add_argument("--target-tok-s", type=float, default=50.0)
+    pre.add_argument("--concurrency", type=int, default=8)
+    pre.add_argument("--link-gbps", type=float, default=None, help="use this link speed instead of measuring")
+    pre.add_argument("--json", action="store_true")
+    pre.set_defaults(func=_preflight)
     return parser
 
 

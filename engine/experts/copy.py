@@ -1,9 +1,12 @@
 """How expert weights travel from the host store to a device slot.
 
-A copy engine starts copies and hands back a `Copy` to wait on before the slot is read:
+A copy engine starts copies and hands back a `Copy` to wait on before the slot is read.
+Demand page-ins (a step needs the expert now) go ahead of prefetches (a guess about the
+next step), and `idle()` tells the prefetcher whether the link has time to spare.
   * `DirectCopy`     — a plain synchronous copy (CPU, or tests);
-  * `CudaStreamCopy` — copies on a side CUDA stream from pinned memory, ordered with events,
-                       so page-ins and prefetches overlap compute;
+  * `CudaStreamCopy` — copies from pinned memory on two side CUDA streams (demand on a
+                       high-priority one), ordered with events, so page-ins and prefetches
+                       overlap compute;
   * `EmulatedLink`   — benchmarks on a CPU machine: a copy thread moves the bytes and then
                        holds the link for bytes / bandwidth, so a page-in costs what it would
                        over a real link, and prefetches really overlap compute.
@@ -11,9 +14,9 @@ A copy engine starts copies and hands back a `Copy` to wait on before the slot i
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
+from collections import deque
 from typing import Protocol
 
 import torch
@@ -31,9 +34,12 @@ class _Done:
 class DirectCopy:
     name = "direct"
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> Copy:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None, prefetch: bool = False) -> Copy:
         dst.copy_(src)
         return _Done()
+
+    def idle(self) -> bool:
+        return True
 
 
 class _CudaEventCopy:
@@ -45,29 +51,40 @@ class _CudaEventCopy:
 
 
 class CudaStreamCopy:
-    """Copies on one side stream; the compute stream waits on each copy's event."""
+    """Demand copies on a high-priority side stream, prefetches on a low-priority one;
+    the compute stream waits on each copy's event before reading the slot."""
 
     name = "cuda-stream"
 
     def __init__(self, device: torch.device):
-        self.stream = torch.cuda.Stream(device=device)
+        low, high = torch.cuda.Stream.priority_range()
+        self.demand = torch.cuda.Stream(device=device, priority=high)
+        self.background = torch.cuda.Stream(device=device, priority=low)
+        self._last: list = []
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> Copy:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None, prefetch: bool = False) -> Copy:
         """`after`: an event recorded after the last compute that read `dst`; the copy waits
         for it so a slot is never overwritten while a queued kernel still reads it."""
+        stream = self.background if prefetch else self.demand
         if after is not None:
-            self.stream.wait_event(after)
+            stream.wait_event(after)
         else:
-            self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
+            stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(self.stream)
+            event.record(stream)
+        self._last = [e for e in self._last if not e.query()] + [event]
         return _CudaEventCopy(event)
+
+    def idle(self) -> bool:
+        self._last = [e for e in self._last if not e.query()]
+        return not self._last
 
 
 class _ThreadCopy:
-    def __init__(self):
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor):
+        self.dst, self.src = dst, src
         self.done = threading.Event()
 
     def wait(self) -> None:
@@ -83,22 +100,34 @@ class EmulatedLink:
         if bytes_per_s <= 0:
             raise ValueError(f"link bandwidth must be > 0 bytes/s, got {bytes_per_s}")
         self.bytes_per_s = bytes_per_s
-        self._jobs: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="emulated-link", daemon=True)
-        self._thread.start()
+        self._demand: deque[_ThreadCopy] = deque()
+        self._prefetch: deque[_ThreadCopy] = deque()
+        self._cv = threading.Condition()
+        self._busy = False
+        threading.Thread(target=self._run, name="emulated-link", daemon=True).start()
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> Copy:
-        job = _ThreadCopy()
-        self._jobs.put((dst, src, job))
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None, prefetch: bool = False) -> Copy:
+        job = _ThreadCopy(dst, src)
+        with self._cv:
+            (self._prefetch if prefetch else self._demand).append(job)
+            self._cv.notify()
         return job
 
+    def idle(self) -> bool:
+        with self._cv:
+            return not (self._busy or self._demand or self._prefetch)
+
     def _run(self) -> None:
-        busy_until = time.perf_counter()
         while True:
-            dst, src, job = self._jobs.get()
-            start = max(time.perf_counter(), busy_until)
-            dst.copy_(src)
-            busy_until = start + src.numel() * src.element_size() / self.bytes_per_s
-            while (left := busy_until - time.perf_counter()) > 0:
-                time.sleep(min(left, 0.002))
+            with self._cv:
+                while not (self._demand or self._prefetch):
+                    self._busy = False
+                    self._cv.wait()
+                job = (self._demand or self._prefetch).popleft()
+                self._busy = True
+            start = time.perf_counter()
+            job.dst.copy_(job.src)
+            until = start + job.src.numel() * job.src.element_size() / self.bytes_per_s
+            while (left := until - time.perf_counter()) > 0:
+                time.sleep(min(left, 0.001))
             job.done.set()

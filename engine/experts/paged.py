@@ -82,8 +82,9 @@ class PagedExperts:
 
     def prefetch(self, experts: list[int]) -> None:
         """Start copying `experts` (a prediction for this layer's next step) into the least
-        recently used slots that hold none of them.  Does not wait for the copies."""
-        if not self.cache:
+        recently used slots that hold none of them, only while the copy engine is idle
+        (a wrong guess must never delay a page-in).  Does not wait for the copies."""
+        if not self.cache or not self.slots.copier.idle():
             return
         slots = self.slots
         wanted = [e for e in dict.fromkeys(experts) if slots.slot_of[e] < 0][:slots.num_slots]
@@ -91,6 +92,6 @@ class PagedExperts:
         room = slots.num_slots - len(protect)
         wanted = wanted[:room]
         for expert, slot in zip(wanted, slots.policy.victims(len(wanted), protect)):
-            slots.load(expert, slot)
+            slots.load(expert, slot, prefetch=True)
             self._prefetched.add(expert)
         slots.counters.prefetched += len(wanted)

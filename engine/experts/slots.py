@@ -100,21 +100,22 @@ class ExpertSlots:
             self._place(s, s)
         self.wait(range(num_slots))
 
-    def load(self, expert: int, slot: int) -> None:
+    def load(self, expert: int, slot: int, prefetch: bool = False) -> None:
         """Page `expert` into `slot` (evicting whoever is there); the copy may be in flight
         until `wait` is called for the slot."""
         assert self.slot_of[expert] < 0, f"expert {expert} is already in slot {self.slot_of[expert]}"
-        self._place(expert, slot)
+        self._place(expert, slot, prefetch)
         self.counters.bytes_paged += self.store.bytes_per_expert
 
-    def _place(self, expert: int, slot: int) -> None:
+    def _place(self, expert: int, slot: int, prefetch: bool = False) -> None:
         old = self.expert_in[slot]
         if old >= 0:
             self.slot_of[old] = -1
         self.expert_in[slot] = expert
         self.slot_of[expert] = slot
-        self._pending[slot] = [self.copier.copy(self.w13[slot], self.store.w13[expert], self._last_use),
-                               self.copier.copy(self.w2[slot], self.store.w2[expert], self._last_use)]
+        self._pending[slot] = [
+            self.copier.copy(self.w13[slot], self.store.w13[expert], self._last_use, prefetch),
+            self.copier.copy(self.w2[slot], self.store.w2[expert], self._last_use, prefetch)]
 
     def forget_all(self) -> None:
         """Mark every slot empty (no copy): the next step pages in everything it needs."""

@@ -1,0 +1,144 @@
+"""Paged experts against all-resident experts and plain weight streaming.
+
+    python -m bench.experts [--json] [--copy-cost-ratio 7 | --link-gbps X] [--tokens 24]
+
+On a CPU-only machine a host-to-device copy is a memcpy that costs almost nothing, the
+opposite of a GPU behind PCIe, so the link is emulated: every page-in (and prefetch)
+goes through one copy thread that holds the link for bytes / bandwidth, in every mode
+alike.  By default the bandwidth makes copying all routed experts of one token take
+`--copy-cost-ratio` times the all-resident decode step measured in this run.
+
+Modes (decode only; prompts are held-out standard-library text, never random ids):
+  resident     every expert on the device
+  paged        K in {E/8, E/4, E/2} resident slots, LRU, prefetch of the next layer
+  stream_all   no cache: every routed expert copied at every step (plain offload)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from engine import LLM, SamplingParams
+from engine.experts import EmulatedLink
+from models import corpus
+
+BATCHES = (1, 4, 16)
+
+
+def natural_prompts(llm: LLM, count: int, length: int) -> list[list[int]]:
+    """`count` windows of `length` tokens from held-out stdlib files (one per file, in order)."""
+    _, held = corpus.read_split()
+    prompts = []
+    for text in held:
+        ids = llm.tokenizer.encode(text)
+        if len(ids) > 4 * length:
+            mid = len(ids) // 2
+            prompts.append(ids[mid:mid + length])
+        if len(prompts) == count:
+            return prompts
+    raise RuntimeError(f"held-out text gave only {len(prompts)} prompts of {length} tokens")
+
+
+def counters(llm: LLM) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for stats in llm.expert_stats().values():
+        for key in ("hits", "misses", "bytes_paged", "waves", "steps", "prefetched", "prefetch_hits"):
+            total[key] = total.get(key, 0) + stats[key]
+    return total
+
+
+def decode_rate(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, dict[str, int], int]:
+    """Prefill every prompt, then time the decode steps alone.
+
+    Returns (aggregate tokens/s, expert counters over the decode steps, decode steps)."""
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    for p in prompts:
+        llm.scheduler.add(llm._make_request(p, params))
+    while any(r.prefilling for r in llm.scheduler.running) or llm.scheduler.waiting:
+        llm.step()
+    before, steps, produced = counters(llm), 0, 0
+    start = time.perf_counter()
+    while llm.scheduler.has_work():
+        produced += len(llm.scheduler.running)
+        llm.step()
+        steps += 1
+    elapsed = time.perf_counter() - start
+    after = counters(llm)
+    return produced / elapsed, {k: after.get(k, 0) - before.get(k, 0) for k in after}, steps
+
+
+def run_mode(mode: str, k: int | None, batch: int, prompts, tokens: int, link: EmulatedLink | None) -> dict:
+    llm = LLM(paged_experts_num_resident=k, paged_experts_prefetch=(mode == "paged"), max_num_seqs=64)
+    for experts in llm.paged_experts().values():
+        experts.cache = mode != "stream_all"
+        experts.slots.copier = link
+    decode_rate(llm, prompts[:batch], 4)  # warm-up: caches and allocator, not timed
+    rate, c, steps = decode_rate(llm, prompts[:batch], tokens)
+    looked = c.get("hits", 0) + c.get("misses", 0)
+    return {"mode": mode, "K": k if k is not None else llm.model_config.num_experts, "batch": batch,
+            "tok_s": rate, "hit_rate": c["hits"] / looked if looked else 1.0,
+            "bytes_per_token": c.get("bytes_paged", 0) / max(1, steps * batch),
+            "waves_per_step": c["waves"] / c["steps"] if c.get("steps") else 1.0,
+            "prefetch_hit_rate": c.get("prefetch_hits", 0) / c["prefetched"] if c.get("prefetched") else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--copy-cost-ratio", type=float, default=7.0)
+    ap.add_argument("--link-gbps", type=float, default=None, help="fix the emulated link instead")
+    ap.add_argument("--tokens", type=int, default=24, help="decode steps timed per run")
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    probe = LLM()
+    cfg = probe.model_config
+    e, top_k = cfg.num_experts, cfg.num_experts_per_tok
+    prompts = natural_prompts(probe, 16, args.prompt_tokens)
+    runs = [run_mode("resident", None, b, prompts, args.tokens, None) for b in BATCHES]
+    expert_bytes = (3 * cfg.hidden_size * cfg.moe_intermediate_size) * probe.model.embed.element_size()
+    token_bytes = len(cfg.moe_layers) * top_k * expert_bytes
+    step_s = 1.0 / runs[0]["tok_s"]
+    bytes_per_s = args.link_gbps * 1e9 / 8 if args.link_gbps else token_bytes / (args.copy_cost_ratio * step_s)
+    link = EmulatedLink(bytes_per_s)
+    quarter = e // 4
+    cap_batch = quarter // top_k
+    for k in (e // 8, quarter, e // 2):
+        batches = sorted(set(BATCHES) | ({cap_batch, 2 * cap_batch + 1} if k == quarter else set()))
+        runs += [run_mode("paged", k, b, prompts, args.tokens, link) for b in batches]
+    runs += [run_mode("stream_all", quarter, b, prompts, args.tokens, link) for b in BATCHES]
+
+    def find(mode, k, b):
+        return next(r for r in runs if r["mode"] == mode and r["batch"] == b and (k is None or r["K"] == k))
+    paged_b1 = find("paged", quarter, 1)
+    result = {
+        "num_experts": e, "top_k": top_k, "link_gbps": bytes_per_s * 8 / 1e9, "emulated": True,
+        "copy_cost_ratio": None if args.link_gbps else args.copy_cost_ratio,
+        "resident_step_ms_b1": step_s * 1e3, "runs": runs,
+        "summary": {
+            "hit_rate_b1": paged_b1["hit_rate"],
+            "paged_vs_resident_b1": paged_b1["tok_s"] / find("resident", None, 1)["tok_s"],
+            "paged_vs_stream_all_b1": paged_b1["tok_s"] / find("stream_all", quarter, 1)["tok_s"],
+            "no_cliff_ratio": find("paged", quarter, 2 * cap_batch + 1)["tok_s"]
+            / find("paged", quarter, cap_batch)["tok_s"],
+            "no_overlap_bound_b1": 1 / (1 + args.copy_cost_ratio * (1 - paged_b1["hit_rate"])),
+        },
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"link {result['link_gbps']:.3f} Gbit/s (emulated), resident step {step_s * 1e3:.2f} ms")
+    for r in runs:
+        print(f"{r['mode']:10s} K={r['K']:3d} batch={r['batch']:2d} {r['tok_s']:8.1f} tok/s "
+              f"hit {r['hit_rate']:.3f} bytes/token {r['bytes_per_token']:10.0f} waves/step {r['waves_per_step']:.2f}")
+    print(json.dumps(result["summary"], indent=2))
+
+
+if __name__ == "__main__":
+    main()

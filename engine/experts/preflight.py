@@ -1,0 +1,109 @@
+"""What paged experts cost and buy on a device, before anything is loaded.
+
+`preflight(...)` reads only config.json: every size comes from the architecture's
+expected tensors, and the link speed from a measured copy.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig, parse_dtype
+from engine.models import spec_for
+
+PROBE_BYTES = 256 << 20
+
+
+def measure_link(device: str, nbytes: int = PROBE_BYTES, repeats: int = 3) -> tuple[float, str]:
+    """Host-to-device bytes/s: a pinned copy on CUDA, a memcpy between host buffers elsewhere."""
+    dev = torch.device(device)
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    if dev.type == "cuda":
+        src = src.pin_memory()
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        best = math.inf
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        return nbytes / best, "pinned host-to-device copy"
+    src.fill_(1)
+    dst = torch.empty_like(src)
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best, "host memcpy (no accelerator: not a PCIe figure)"
+
+
+def preflight(model: str | Path, memory_gib: float, dtype: str = "bfloat16", device: str = "cpu",
+              target_tok_s: float = 50.0, concurrency: int = 8, link_bytes_per_s: float | None = None,
+              page_size: int = 16) -> dict:
+    """Sizes, costs and a recommended K.  Raises ValueError when the budget cannot hold the
+    non-expert weights plus top_k slots per layer."""
+    cfg = ModelConfig.from_path(model)
+    if not cfg.moe_layers:
+        raise ValueError(f"{model} has no MoE layers: nothing to page")
+    elt = torch.empty((), dtype=parse_dtype(dtype)).element_size()
+    shapes = spec_for(cfg.architecture).expected_tensors(cfg)
+    expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * elt
+    layers = len(cfg.moe_layers)
+    dense_bytes = sum(math.prod(s) for n, s in shapes.items() if ".mlp.experts." not in n) * elt
+    slot_bytes = expert_bytes * layers  # one more resident expert in every MoE layer
+    kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elt
+    budget = int(memory_gib * (1 << 30))
+    k_min, e, top_k = cfg.num_experts_per_tok, cfg.num_experts, cfg.num_experts_per_tok
+    k_fit = (budget - dense_bytes - kv_bytes_per_token * page_size) // slot_bytes
+    if k_fit < k_min:
+        raise ValueError(f"{memory_gib} GiB cannot hold the {_size(dense_bytes)} of non-expert weights "
+                         f"plus top_k={top_k} experts per layer ({_size(k_min * slot_bytes)}); raise --memory-gib")
+    if link_bytes_per_s is None:
+        link_bytes_per_s, link_how = measure_link(device)
+    else:
+        link_how = "given"
+    recommended = min(e, max(k_min, concurrency * top_k), int(k_fit))
+    per_token_all = top_k * layers * expert_bytes  # bytes if every routed expert missed
+    max_miss = min(1.0, link_bytes_per_s / (target_tok_s * per_token_all))
+    kv_left = budget - dense_bytes - recommended * slot_bytes
+    return {
+        "model": str(model), "dtype": dtype, "device": device, "memory_gib": memory_gib,
+        "num_experts": e, "top_k": top_k, "moe_layers": layers,
+        "bytes_per_expert": expert_bytes, "slot_cost_bytes": slot_bytes,
+        "slot_cost_kv_tokens": slot_bytes // kv_bytes_per_token,
+        "kv_bytes_per_token": kv_bytes_per_token, "non_expert_bytes": dense_bytes,
+        "host_store_bytes": e * slot_bytes, "max_k_in_budget": int(min(k_fit, e)),
+        "link_bytes_per_s": link_bytes_per_s, "link_measured_by": link_how,
+        "target_tok_s": target_tok_s, "max_miss_rate_for_target": max_miss,
+        "concurrency": concurrency, "recommended_k": recommended,
+        "single_wave_batch_cap": recommended // top_k,
+        "kv_cache_tokens_at_recommended_k": max(0, kv_left) // kv_bytes_per_token,
+    }
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def render(r: dict) -> str:
+    return "\n".join([
+        f"model {r['model']} ({r['dtype']}): {r['num_experts']} experts x {r['moe_layers']} MoE layers, top_k {r['top_k']}",
+        f"one expert: {_size(r['bytes_per_expert'])}; one slot in every layer: "
+        f"{_size(r['slot_cost_bytes'])} = {r['slot_cost_kv_tokens']:,} KV-cache tokens",
+        f"non-expert weights on the device: {_size(r['non_expert_bytes'])}; "
+        f"host store for all experts: {_size(r['host_store_bytes'])}",
+        f"link: {r['link_bytes_per_s'] / 1e9:.2f} GB/s ({r['link_measured_by']})",
+        f"at {r['target_tok_s']:g} tokens/s the link allows a miss rate of at most "
+        f"{r['max_miss_rate_for_target']:.3f} (link time alone, compute not counted)",
+        f"for {r['concurrency']} concurrent requests: K = {r['recommended_k']} "
+        f"(K >= batch x top_k; at most {r['max_k_in_budget']} fit in {r['memory_gib']:g} GiB); "
+        f"one wave serves up to {r['single_wave_batch_cap']} requests",
+        f"KV cache left at that K: {r['kv_cache_tokens_at_recommended_k']:,} tokens",
+    ])
