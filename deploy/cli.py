@@ -24,7 +24,7 @@ DEMO_PROMPTS = [
 def _serve(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
-              max_model_len=args.max_model_len)
+              max_model_len=args.max_model_len, paged_experts_num_resident=args.paged_experts_num_resident)
     prompts = args.prompt or DEMO_PROMPTS
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     start = time.perf_counter()
@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="cpu")
     serve.add_argument("--kv-cache-tokens", type=int, default=16384)
     serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--paged-experts-num-resident", type=int, default=None,
+                       help="keep K experts of each MoE layer on the device (default: all)")
     serve.add_argument("--max-tokens", type=int, default=48)
     serve.add_argument("--temperature", type=float, default=0.0)
     serve.add_argument("--seed", type=int, default=None)

@@ -21,17 +21,23 @@ class TorchAttention:
 
     name = "torch"
 
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+
     def plan(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        return batch.page_table.long(), batch.seq_lens.long()  # [B, max_pages], [B]
+        """The page table as indices, and which key positions each request may see."""
+        table = batch.page_table.long()  # [B, max_pages]
+        keys = torch.arange(table.shape[1] * self.page_size, device=table.device)
+        visible = keys[None, :] < batch.seq_lens[:, None]  # [B, L]
+        return table, visible[:, None, None]  # [B, 1, 1, L]
 
     def decode(self, q: torch.Tensor, kv_layer: torch.Tensor, plan, scale: float) -> torch.Tensor:
         """q: [B, Hq, D] -> [B, Hq, D]."""
-        table, seq_lens = plan
+        table, visible = plan
         b, max_pages = table.shape
         _, _, s, hkv, d = kv_layer.shape
         kv = kv_layer[:, table].view(2, b, max_pages * s, hkv, d).transpose(2, 3)  # [2, B, Hkv, L, D]
-        visible = torch.arange(max_pages * s, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], attn_mask=visible[:, None, None],
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], attn_mask=visible,
                                              scale=scale, enable_gqa=True)  # [B, Hq, 1, D]
         return out.squeeze(2)
 
@@ -47,7 +53,8 @@ class TritonAttention(TorchAttention):
 
     name = "triton"
 
-    def __init__(self):
+    def __init__(self, page_size: int):
+        super().__init__(page_size)
         from engine.kernels.triton.paged_attention import paged_decode_attention
         self._kernel = paged_decode_attention
 
@@ -59,7 +66,8 @@ class TritonAttention(TorchAttention):
         return self._kernel(q, kv_layer[0], kv_layer[1], table, seq_lens, scale)
 
 
-def select_attention(device: torch.device | str, backend: str | None = None) -> TorchAttention:
+def select_attention(device: torch.device | str, backend: str | None = None,
+                     page_size: int = 16) -> TorchAttention:
     """Pick the backend once: `None` means Triton on CUDA, torch elsewhere.
 
     Raises ValueError for an unknown name or Triton off CUDA (the Triton interpreter is
@@ -69,13 +77,13 @@ def select_attention(device: torch.device | str, backend: str | None = None) -> 
     dev = torch.device(device)
     backend = backend or ("triton" if dev.type == "cuda" else "torch")
     if backend == "torch":
-        return TorchAttention()
+        return TorchAttention(page_size)
     if backend != "triton":
         raise ValueError(f"unknown attention backend {backend!r}; choose 'torch' or 'triton'")
     if dev.type != "cuda":
         raise ValueError(f"the Triton attention kernel serves on CUDA devices only, not {dev}; "
                          "use attention='torch'")
-    attn = TritonAttention()
+    attn = TritonAttention(page_size)
     _startup_check(attn, dev)
     return attn
 

@@ -38,19 +38,21 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: boo
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Weighted sum over the k experts of each token, in rank order. y: [T, k, H]."""
-    return (y * weights.unsqueeze(-1)).sum(dim=1)
+    """Weighted sum over the k experts of each token. y: [T, k, H] -> [T, H]."""
+    return torch.bmm(weights.unsqueeze(1), y).squeeze(1)
 
 
 @dataclass(frozen=True)
 class StepPlan:
     """How every call of one step computes its pairs: fixed for the whole step, so a pair's
     result does not depend on how the step is split into waves."""
-    strategy: str   # "gathered" | "padded" | "grouped"
+    strategy: str   # "gathered" | "padded" | "grouped" (CPU) | "triton" (CUDA)
     cap: int        # largest number of pairs routed to one expert in the step
 
     @classmethod
-    def for_step(cls, ids: torch.Tensor, num_experts: int) -> "StepPlan":
+    def for_step(cls, ids: torch.Tensor, num_experts: int, triton: bool = False) -> "StepPlan":
+        if triton:
+            return cls("triton", 0)
         pairs = ids.numel()
         strategy = "gathered" if pairs <= GATHER_MAX_PAIRS else \
             "padded" if pairs <= PADDED_MAX_PAIRS else "grouped"
@@ -65,18 +67,41 @@ def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_id
         return moe_gathered(x, w13, w2, slot_ids, out)
     if plan.strategy == "padded":
         return moe_padded(x, w13, w2, slot_ids, out, plan.cap)
+    if plan.strategy == "triton":
+        from engine.kernels.triton.fused_moe import fused_moe
+        return fused_moe(x, w13, w2, slot_ids, out)
     return fused_moe_ref(x, w13, w2, slot_ids, out)
+
+
+def select_moe_kernel(device: torch.device | str) -> bool:
+    """Whether the Triton fused-MoE kernel runs the experts (CUDA), chosen once at start-up.
+
+    On CUDA the kernel is compiled now and compared with the reference on a small input;
+    raises RuntimeError when they differ."""
+    if torch.device(device).type != "cuda":
+        return False
+    from engine.kernels.triton.fused_moe import fused_moe
+    gen = torch.Generator().manual_seed(0)
+    x, w13, w2 = (torch.randn(*s, generator=gen).to(device) for s in ((5, 64), (4, 64, 64), (4, 64, 32)))
+    ids = torch.tensor([[0, 1], [1, 2], [3, -1], [0, 3], [2, 2]], device=device)
+    got = fused_moe(x, w13, w2, ids, torch.zeros(10, 64, device=device))
+    want = fused_moe_ref(x, w13, w2, ids, torch.zeros(10, 64, device=device))
+    err = (got - want).abs().max().item()
+    if not err < 1e-3:
+        raise RuntimeError(f"Triton fused MoE differs from the reference by {err} at start-up")
+    return True
 
 
 class ResidentExperts:
     """All E experts of one layer on the device; the expert id is the slot id."""
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor):
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, triton: bool = False):
         self.w13, self.w2 = w13, w2  # [E, 2I, H], [E, H, I]
+        self.triton = triton
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; ids: [T, k] expert ids.  Returns y: [T, k, H] (unweighted)."""
         t, k = ids.shape
         out = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
-        expert_outputs(x, self.w13, self.w2, ids, out, StepPlan.for_step(ids, self.w13.shape[0]))
+        expert_outputs(x, self.w13, self.w2, ids, out, StepPlan.for_step(ids, self.w13.shape[0], self.triton))
         return out.view(t, k, -1)

@@ -32,7 +32,7 @@ def validate_num_resident(k: int | None, num_experts: int, top_k: int, dtype: to
                          "(quantised expert formats are not supported yet)")
 
 
-def paged_factory(num_resident: int, device: torch.device | str):
+def paged_factory(num_resident: int, device: torch.device | str, triton: bool = False):
     """A `make_experts` for the loader: each layer gets a host store, K slots on `device`
     (copies on a side CUDA stream on a GPU, direct copies elsewhere) and LRU eviction."""
     dev = torch.device(device)
@@ -42,5 +42,5 @@ def paged_factory(num_resident: int, device: torch.device | str):
         if dev.type == "cuda":  # page-locked, so copies are true async DMA
             w13, w2 = w13.pin_memory(), w2.pin_memory()
         store = ExpertStore(w13, w2, prints)
-        return PagedExperts(ExpertSlots(store, num_resident, dev, copier=copier))
+        return PagedExperts(ExpertSlots(store, num_resident, dev, copier=copier), triton=triton)
     return make

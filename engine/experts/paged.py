@@ -22,11 +22,12 @@ from engine.moe import StepPlan, expert_outputs
 
 
 class PagedExperts:
-    def __init__(self, slots: ExpertSlots, cache: bool = True):
+    def __init__(self, slots: ExpertSlots, cache: bool = True, triton: bool = False):
         """`cache=False` forgets every resident expert before each step (plain weight
         offload: every routed expert is copied at every step), for comparison."""
         self.slots = slots
         self.cache = cache
+        self.triton = triton
         self._prefetched: set[int] = set()
 
     @property
@@ -36,7 +37,7 @@ class PagedExperts:
     def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; ids: [T, k] expert ids.  Returns y: [T, k, H] (unweighted)."""
         t, k = ids.shape
-        plan = StepPlan.for_step(ids, self.slots.store.num_experts)
+        plan = StepPlan.for_step(ids, self.slots.store.num_experts, self.triton)
         if not self.cache:
             self.slots.forget_all()
         needed = sorted(set(ids.reshape(-1).tolist()))

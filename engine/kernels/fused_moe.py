@@ -47,8 +47,12 @@ def moe_gathered(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids:
                  out: torch.Tensor) -> torch.Tensor:
     """Same contract as `fused_moe_ref`, for a few pairs: each selected pair is one item of
     a batched matmul over its slot's gathered weights (no per-slot Python loop)."""
-    k = slot_ids.shape[1]
+    t, k = slot_ids.shape
     flat = slot_ids.reshape(-1)
+    if bool((flat >= 0).all()):  # every pair selected: no masking needed
+        gate, up = torch.bmm(w13.index_select(0, flat), x.repeat_interleave(k, 0).unsqueeze(-1)
+                             ).squeeze(-1).chunk(2, dim=-1)  # [T*k, I]
+        return out.copy_(torch.bmm(w2.index_select(0, flat), (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1))
     pairs = (flat >= 0).nonzero().squeeze(1)  # [P]
     if pairs.numel() == 0:
         return out
