@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -107,14 +106,8 @@ triton = pytest.importorskip("triton")
 
 @pytest.fixture(scope="module")
 def case_results() -> dict[str, str | None]:
-    if torch.cuda.is_available():
-        return run_cases("cuda")
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from tests.kernel_harness import case_results as run
+    return run(__file__, run_cases)
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES])

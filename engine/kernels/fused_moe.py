@@ -19,17 +19,22 @@ import torch
 import torch.nn.functional as F
 
 
+def _selected_by_slot(slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pair indices (t*k + r) with a slot >= 0, and their slots, sorted stably by slot."""
+    flat = slot_ids.reshape(-1)
+    pairs = (flat >= 0).nonzero().squeeze(1)  # [P]
+    slots = flat[pairs]
+    order = slots.argsort(stable=True)
+    return pairs[order], slots[order]
+
+
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: torch.Tensor,
                   out: torch.Tensor) -> torch.Tensor:
     """Write each selected pair's expert output into `out` (see the module doc); returns `out`."""
     k = slot_ids.shape[1]
-    flat = slot_ids.reshape(-1)
-    pairs = (flat >= 0).nonzero().squeeze(1)  # [P]
+    pairs, slots = _selected_by_slot(slot_ids)
     if pairs.numel() == 0:
         return out
-    slots = flat[pairs]
-    order = slots.argsort(stable=True)
-    pairs, slots = pairs[order], slots[order]
     counts = torch.bincount(slots, minlength=w13.shape[0]).tolist()
     xs = x.index_select(0, pairs // k)  # [P, H], grouped by slot
     start = 0
@@ -71,13 +76,9 @@ def moe_padded(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: t
     copied).  `cap` must be at least the largest group; callers pass one value for a whole
     step so that every group's matmul has the same shape in every call."""
     k = slot_ids.shape[1]
-    flat = slot_ids.reshape(-1)
-    pairs = (flat >= 0).nonzero().squeeze(1)  # [P]
+    pairs, slots = _selected_by_slot(slot_ids)
     if pairs.numel() == 0:
         return out
-    slots = flat[pairs]
-    order = slots.argsort(stable=True)
-    pairs, slots = pairs[order], slots[order]
     counts = torch.bincount(slots, minlength=w13.shape[0])  # [S]
     rank = torch.arange(pairs.numel(), device=x.device) - (counts.cumsum(0) - counts)[slots]
     grouped = x.new_zeros(w13.shape[0], cap, x.shape[1])  # [S, cap, H]
