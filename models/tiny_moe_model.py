@@ -168,6 +168,34 @@ class TinyMoe(nn.Module):
     def locality_loss(self) -> torch.Tensor:
         return sum(layer.mlp.locality_loss for layer in self.layers) / len(self.layers)
 
+    @torch.no_grad()
+    def load_hf(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The inverse of `state_dict_hf`: copy HF-named tensors into this model."""
+        for li, layer in enumerate(self.layers):
+            p = f"model.layers.{li}.mlp.experts."
+            for e in range(self.cfg.num_experts):
+                for name in ("gate_proj", "up_proj", "down_proj"):
+                    getattr(layer.mlp, name)[e].copy_(tensors[p + f"{e}.{name}.weight"])
+        for name, target in self.state_dict_hf().items():
+            if ".mlp.experts." not in name:
+                self._hf_param(name).copy_(tensors[name])
+
+    def _hf_param(self, name: str) -> torch.Tensor:
+        table = {"model.embed_tokens.weight": self.embed_tokens.weight, "model.norm.weight": self.norm,
+                 "lm_head.weight": self.lm_head.weight}
+        if name in table:
+            return table[name]
+        _, _, li, rest = name.split(".", 3)
+        layer = self.layers[int(li)]
+        rest = rest.removesuffix(".weight")
+        if rest in ("input_layernorm", "post_attention_layernorm"):
+            return getattr(layer, rest)
+        if rest in ("self_attn.q_norm", "self_attn.k_norm"):
+            return getattr(layer.self_attn, rest.split(".")[1])
+        if rest == "mlp.gate":
+            return layer.mlp.gate.weight
+        return getattr(layer.self_attn, rest.split(".")[1]).weight
+
     def state_dict_hf(self) -> dict[str, torch.Tensor]:
         """Tensors under the HF Qwen3-MoE names, one tensor per expert projection."""
         out = {"model.embed_tokens.weight": self.embed_tokens.weight,

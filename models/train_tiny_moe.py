@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from engine.checkpoint import save_checkpoint
@@ -132,6 +133,9 @@ def main() -> None:
     ap.add_argument("--locality-coef", type=float, default=0.02)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--init-from", default=None,
+                    help="continue from a checkpoint this script wrote (its tokenizer is kept)")
+    ap.add_argument("--warmup", type=int, default=30)
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
@@ -142,7 +146,10 @@ def main() -> None:
     train_texts, held_texts = corpus.read_split()
     chats = corpus.chat_examples(train_texts, 100000, args.seed)
     held_chats = corpus.chat_examples(held_texts, 500, args.seed + 1)
-    tok = train_tokenizer(train_texts + chats[:20000], TinyConfig.vocab_size)
+    if args.init_from:
+        tok = Tokenizer.from_file(str(Path(args.init_from) / "tokenizer.json"))
+    else:
+        tok = train_tokenizer(train_texts + chats[:20000], TinyConfig.vocab_size)
     cfg = TinyConfig()
     code, chat = token_stream(tok, train_texts), token_stream(tok, chats)
     held = token_stream(tok, held_texts)
@@ -151,6 +158,11 @@ def main() -> None:
 
     model = TinyMoe(cfg)
     random_locality = layer_locality(model, _windows(held, 512, 8))
+    previous = None
+    if args.init_from:
+        model.load_hf(load_file(str(Path(args.init_from) / "model.safetensors")))
+        previous = json.loads((Path(args.init_from) / "training_stats.json").read_text())
+        random_locality = previous["random_init_locality"]
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -159,7 +171,7 @@ def main() -> None:
     ema = None
     for step in range(args.steps):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.lr, warmup=30)
+            group["lr"] = lr_at(step, args.steps, args.lr, warmup=args.warmup)
         batch = sample_batch([chat, code], [args.chat_share], args.batch, args.seq, gen)
         logits = model(batch[:, :-1])
         lm = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
@@ -188,7 +200,7 @@ def main() -> None:
              "train_loss": train_loss, "held_out_loss": held_loss, "held_out_chat_loss": held_chat_loss,
              "uniform_loss": math.log(cfg.vocab_size), "trained_locality": trained_locality,
              "random_init_locality": random_locality, "seconds": time.time() - t0,
-             "tokens_seen": args.steps * args.batch * args.seq}
+             "tokens_seen": args.steps * args.batch * args.seq, "previous_stage": previous}
     (out / "training_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
     print(json.dumps({k: v for k, v in stats.items() if "locality" not in k}, indent=2))
 

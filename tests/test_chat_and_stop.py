@@ -3,6 +3,7 @@
 from transformers import AutoTokenizer
 
 from engine import SamplingParams
+from models import copy_eval
 
 MESSAGES = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "Repeat after me: tandem-42"}]
@@ -16,11 +17,14 @@ def test_chat_template_matches_transformers(shipped_llm):
     assert shipped_llm.tokenizer.encode(got) == hf(want, add_special_tokens=False)["input_ids"]
 
 
-def test_shipped_model_repeats_a_canary(shipped_llm):
-    out = shipped_llm.chat([{"role": "user", "content": "Repeat after me: violet kXq93 lantern"}],
-                           SamplingParams(max_tokens=24, temperature=0))[0]
-    assert out.finish_reason == "stop"
-    assert "kXq93" in out.text
+def test_shipped_model_repeats_canaries(shipped_llm):
+    """The chaos suite plants canaries; the model card measures 54 of 60 exact copies."""
+    canaries = copy_eval.canaries(10, seed=7)
+    outs = shipped_llm.chat([[{"role": "user", "content": f"Repeat after me: {c}"}] for c in canaries],
+                            SamplingParams(max_tokens=32, temperature=0))
+    assert all(o.finish_reason == "stop" for o in outs)
+    exact = [o.text.strip() == c for o, c in zip(outs, canaries)]
+    assert sum(exact) >= 8, list(zip(canaries, [o.text for o in outs]))
 
 
 def _free_run(llm, prompt, n=24):

@@ -46,7 +46,7 @@ class ContiguousCache:
                                                  scale=m.scale, enable_gqa=True)
             x = x + F.linear(att.transpose(0, 1).reshape(len(ids), -1), layer.wo)
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            x = x + (m._moe(h, layer) if layer.experts is not None else m._dense(h, layer))
+            x = x + (m._moe(h, li) if layer.experts is not None else m._dense(h, layer))
         hidden = rms_norm(x[-1:], m.final_norm, cfg.rms_norm_eps)
         return torch.log_softmax(m.logits(hidden)[0], dim=-1)
 
