@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.fused_moe import fused_moe_ref, moe_gathered, moe_padded
+from engine.kernels.fused_moe import fused_moe_ref, gathered_all, moe_gathered, moe_padded
 
 # How a step's (token, expert) pairs are computed on the CPU path, by their number
 # (measured with experts of the shipped model's size): up to GATHER_MAX_PAIRS, gather
@@ -34,7 +34,7 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: boo
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(x.dtype), ids
+    return (weights if x.dtype == torch.float32 else weights.to(x.dtype)), ids
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -102,6 +102,9 @@ class ResidentExperts:
     def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; ids: [T, k] expert ids.  Returns y: [T, k, H] (unweighted)."""
         t, k = ids.shape
+        plan = StepPlan.for_step(ids, self.w13.shape[0], self.triton)
+        if plan.strategy == "gathered":  # every pair is selected: no output buffer needed
+            return gathered_all(x, self.w13, self.w2, ids).view(t, k, -1)
         out = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
-        expert_outputs(x, self.w13, self.w2, ids, out, StepPlan.for_step(ids, self.w13.shape[0], self.triton))
+        expert_outputs(x, self.w13, self.w2, ids, out, plan)
         return out.view(t, k, -1)

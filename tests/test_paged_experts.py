@@ -50,10 +50,11 @@ class SpyCopy(DirectCopy):
     def __init__(self):
         self.copied: list[int] = []  # expert ids paged in, in order (w13 copies only)
 
-    def copy(self, dst, src, after=None, prefetch=False):
-        if src.dim() == 2 and src.shape[0] == 8:   # a w13 row: [2I=8, H=4]
-            self.copied.append(int(src[0, 0].item()))
-        return super().copy(dst, src, after, prefetch)
+    def copy(self, pairs, after=None, prefetch=False):
+        for _, src in pairs:
+            if src.dim() == 2 and src.shape[0] == 8:   # a w13 row: [2I=8, H=4]
+                self.copied.append(int(src[0, 0].item()))
+        return super().copy(pairs, after, prefetch)
 
 
 def small_layer(k=3, cache=True):
@@ -86,6 +87,7 @@ def test_lru_slot_choice_and_eviction_order():
     step(layer, [2, 6, 7])         # 2 hits; 6 -> slot 1, 7 -> slot 0 (LRU order 1, 0)
     assert slots.expert_in == [7, 6, 2] and spy.copied == [5, 6, 7]
     assert slots.slot_of[5] == -1 and slots.slot_of[1] == -1
+    assert slots.slot_table.tolist() == slots.slot_of  # the device copy of the map agrees
     c = slots.counters
     assert (c.hits, c.misses, c.waves, c.steps) == (2, 3, 2, 2)
 
@@ -104,6 +106,7 @@ def test_waves_exactly_when_more_than_k_experts_and_no_double_paging():
     step(layer, [0, 1, 2, 3, 4, 5, 6])   # 7 experts, K = 3: waves [3,4,5], [0,1,2], [6]
     assert layer.slots.counters.waves == 1 + 3
     assert sorted(spy.copied) == [0, 1, 2, 6] and len(set(spy.copied)) == len(spy.copied)
+    assert layer.slots.slot_table.tolist() == layer.slots.slot_of
 
 
 def test_stream_all_copies_every_routed_expert_every_step():
@@ -117,10 +120,11 @@ def test_independence_check_fails_on_a_corrupting_copy():
     layer, _ = small_layer()
 
     class Corrupt(DirectCopy):
-        def copy(self, dst, src, after=None, prefetch=False):
-            done = super().copy(dst, src, after, prefetch)
-            if src.dim() == 2 and src.shape[0] == 8 and int(src[0, 0].item()) == 5:
-                dst.view(-1)[3] += 1.0
+        def copy(self, pairs, after=None, prefetch=False):
+            done = super().copy(pairs, after, prefetch)
+            for dst, src in pairs:
+                if src.dim() == 2 and src.shape[0] == 8 and int(src[0, 0].item()) == 5:
+                    dst.view(-1)[3] += 1.0
             return done
     layer.slots.copier = Corrupt()
     with pytest.raises(ExpertCheckError, match="layer 4: expert 5 paged into slot 2 does not match"):

@@ -43,14 +43,14 @@ def check_independence(slots: ExpertSlots, layer: int) -> None:
                                    "checkpoint (experts mixed while stacking?)")
         slot = slots.slot_of[expert]
         if slot < 0:
-            slots.load(expert, probe)
+            slots.load([(expert, probe)])
             slot = probe
         slots.wait([slot])
         if _slot_fingerprint(slots, slot) != store.fingerprints[expert]:
             raise ExpertCheckError(f"layer {layer}: expert {expert} paged into slot {slot} does not match "
                                    "its checkpoint bytes")
     if slots.expert_in[probe] != original and original >= 0:
-        slots.load(original, probe)
+        slots.load([(original, probe)])
         slots.wait([probe])
     slots.counters.bytes_paged = 0
 

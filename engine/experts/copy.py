@@ -7,16 +7,14 @@ next step), and `idle()` tells the prefetcher whether the link has time to spare
   * `CudaStreamCopy` — copies from pinned memory on two side CUDA streams (demand on a
                        high-priority one), ordered with events, so page-ins and prefetches
                        overlap compute;
-  * `EmulatedLink`   — benchmarks on a CPU machine: a copy thread moves the bytes and then
-                       holds the link for bytes / bandwidth, so a page-in costs what it would
-                       over a real link, and prefetches really overlap compute.
+  * `EmulatedLink`   — benchmarks on a CPU machine: each copy holds an emulated link for
+                       bytes / bandwidth, so a page-in costs what it would over a real link,
+                       and prefetches really overlap compute.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import deque
 from typing import Protocol
 
 import torch
@@ -34,8 +32,10 @@ class _Done:
 class DirectCopy:
     name = "direct"
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None, prefetch: bool = False) -> Copy:
-        dst.copy_(src)
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after=None, prefetch: bool = False) -> Copy:
+        """Copy every (dst, src) pair; one `Copy` covers them all."""
+        for dst, src in pairs:
+            dst.copy_(src)
         return _Done()
 
     def idle(self) -> bool:
@@ -62,16 +62,17 @@ class CudaStreamCopy:
         self.background = torch.cuda.Stream(device=device, priority=low)
         self._last: list = []
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None, prefetch: bool = False) -> Copy:
-        """`after`: an event recorded after the last compute that read `dst`; the copy waits
-        for it so a slot is never overwritten while a queued kernel still reads it."""
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after=None, prefetch: bool = False) -> Copy:
+        """`after`: an event recorded after the last compute that read the destinations; the
+        copies wait for it so a slot is never overwritten while a queued kernel reads it."""
         stream = self.background if prefetch else self.demand
         if after is not None:
             stream.wait_event(after)
         else:
             stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         self._last = [e for e in self._last if not e.query()] + [event]
@@ -82,17 +83,29 @@ class CudaStreamCopy:
         return not self._last
 
 
-class _ThreadCopy:
-    def __init__(self, dst: torch.Tensor, src: torch.Tensor):
-        self.dst, self.src = dst, src
-        self.done = threading.Event()
+class _TimedCopy:
+    def __init__(self, finish: float):
+        self.finish = finish
 
     def wait(self) -> None:
-        self.done.wait()
+        # Sleep most of the way (a sleep can overshoot by a few hundred microseconds), then
+        # yield until the end time.
+        if (left := self.finish - time.perf_counter()) > 5e-4:
+            time.sleep(left - 4e-4)
+        while time.perf_counter() < self.finish:
+            time.sleep(0)
 
 
 class EmulatedLink:
-    """One copy thread standing in for a copy engine behind a link of `bytes_per_s`."""
+    """A copy engine behind a link of `bytes_per_s`, for benchmarks on CPU machines.
+
+    The link is a timeline: each batch of copies occupies it for bytes / bandwidth, starting
+    when the link frees up; waiting on a copy blocks until its end time.  The bytes are
+    moved at once (a memcpy, the same in every mode), so compute that runs while a copy is
+    "on the link" really overlaps it, as with a DMA engine and a copy stream.  Prefetches
+    are only issued on an idle link (see PagedExperts.prefetch), so a demand copy waits at
+    most for the prefetch batch in flight.
+    """
 
     name = "emulated-link"
 
@@ -100,34 +113,18 @@ class EmulatedLink:
         if bytes_per_s <= 0:
             raise ValueError(f"link bandwidth must be > 0 bytes/s, got {bytes_per_s}")
         self.bytes_per_s = bytes_per_s
-        self._demand: deque[_ThreadCopy] = deque()
-        self._prefetch: deque[_ThreadCopy] = deque()
-        self._cv = threading.Condition()
-        self._busy = False
-        threading.Thread(target=self._run, name="emulated-link", daemon=True).start()
+        self._free_at = 0.0
+        self.busy_s = 0.0
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None, prefetch: bool = False) -> Copy:
-        job = _ThreadCopy(dst, src)
-        with self._cv:
-            (self._prefetch if prefetch else self._demand).append(job)
-            self._cv.notify()
-        return job
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after=None, prefetch: bool = False) -> Copy:
+        nbytes = 0
+        for dst, src in pairs:
+            dst.copy_(src)
+            nbytes += src.numel() * src.element_size()
+        duration = nbytes / self.bytes_per_s
+        self._free_at = max(time.perf_counter(), self._free_at) + duration
+        self.busy_s += duration
+        return _TimedCopy(self._free_at)
 
     def idle(self) -> bool:
-        with self._cv:
-            return not (self._busy or self._demand or self._prefetch)
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not (self._demand or self._prefetch):
-                    self._busy = False
-                    self._cv.wait()
-                job = (self._demand or self._prefetch).popleft()
-                self._busy = True
-            start = time.perf_counter()
-            job.dst.copy_(job.src)
-            until = start + job.src.numel() * job.src.element_size() / self.bytes_per_s
-            while (left := until - time.perf_counter()) > 0:
-                time.sleep(min(left, 0.001))
-            job.done.set()
+        return time.perf_counter() >= self._free_at

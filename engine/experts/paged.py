@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from engine.experts.slots import ExpertSlots
+from engine.kernels.fused_moe import gathered_all
 from engine.moe import StepPlan, expert_outputs
 
 
@@ -28,6 +29,7 @@ class PagedExperts:
         self.slots = slots
         self.cache = cache
         self.triton = triton
+        self.prefetch_limit: int | None = None  # most experts one prefetch may copy
         self._prefetched: set[int] = set()
 
     @property
@@ -41,10 +43,16 @@ class PagedExperts:
         if not self.cache:
             self.slots.forget_all()
         needed = sorted(set(ids.reshape(-1).tolist()))
+        waves = self.plan_waves(needed)
+        if len(waves) == 1 and plan.strategy == "gathered":  # the decode fast path
+            self._page_in(waves[0])
+            y = gathered_all(x, self.slots.w13, self.slots.w2, self.slots.slot_table[ids])
+            self.slots.mark_used()
+            return y.view(t, k, -1)
         out = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
-        for wave in self.plan_waves(needed):
+        for wave in waves:
             self._page_in(wave)
-            slot_ids = self.slots.slot_lookup(wave, x.device)[ids]  # [T, k], -1 outside the wave
+            slot_ids = self.slots.slot_lookup(wave)[ids]  # [T, k], -1 outside the wave
             expert_outputs(x, self.slots.w13, self.slots.w2, slot_ids, out, plan)
             self.slots.mark_used()  # the next wave's page-ins must not overtake this compute
         return out.view(t, k, -1)
@@ -75,14 +83,14 @@ class PagedExperts:
         slots = self.slots
         missing = [e for e in wave if slots.slot_of[e] < 0]
         protect = {slots.slot_of[e] for e in wave if slots.slot_of[e] >= 0}
-        for expert, slot in zip(missing, slots.policy.victims(len(missing), protect)):
-            slots.load(expert, slot)
+        slots.load(list(zip(missing, slots.policy.victims(len(missing), protect))))
         wave_slots = [slots.slot_of[e] for e in wave]
         slots.wait(wave_slots)
         slots.touch(wave_slots)
 
     def prefetch(self, experts: list[int]) -> None:
-        """Start copying `experts` (a prediction for this layer's next step) into the least
+        """Start copying `experts` (a prediction for this layer's next step, most confident
+        first; at most `prefetch_limit` of them) into the least
         recently used slots that hold none of them, only while the copy engine is idle
         (a wrong guess must never delay a page-in).  Does not wait for the copies."""
         if not self.cache or not self.slots.copier.idle():
@@ -91,8 +99,7 @@ class PagedExperts:
         wanted = [e for e in dict.fromkeys(experts) if slots.slot_of[e] < 0][:slots.num_slots]
         protect = {slots.slot_of[e] for e in experts if slots.slot_of[e] >= 0}
         room = slots.num_slots - len(protect)
-        wanted = wanted[:room]
-        for expert, slot in zip(wanted, slots.policy.victims(len(wanted), protect)):
-            slots.load(expert, slot, prefetch=True)
-            self._prefetched.add(expert)
+        wanted = wanted[:room if self.prefetch_limit is None else min(room, self.prefetch_limit)]
+        slots.load(list(zip(wanted, slots.policy.victims(len(wanted), protect))), prefetch=True)
+        self._prefetched.update(wanted)
         slots.counters.prefetched += len(wanted)

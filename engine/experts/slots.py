@@ -36,6 +36,8 @@ class LRUPolicy:
     def victims(self, count: int, exclude: set[int]) -> list[int]:
         """The `count` least recently used slots outside `exclude`.  Raises RuntimeError
         when fewer are available (a caller bug: waves never ask for more)."""
+        if count == 0:
+            return []
         out = [s for s in self._order if s not in exclude][:count]
         if len(out) < count:
             raise RuntimeError(f"need {count} slots to evict, only {len(out)} are not protected")
@@ -93,34 +95,46 @@ class ExpertSlots:
         self.policy = policy or LRUPolicy(num_slots)
         self.slot_of = [-1] * e                 # expert -> slot
         self.expert_in = [-1] * num_slots       # slot -> expert
+        # slot_of as a device tensor, kept in step with the list (-1: not resident)
+        self.slot_table = torch.full((e,), -1, dtype=torch.int64, device=device)
         self._pending: dict[int, list[Copy]] = {}
         self._last_use = None  # CUDA: an event after the last compute that read the slots
         self.counters = ExpertCounters()
-        for s in range(num_slots):              # warm start: experts 0..K-1, not counted
-            self._place(s, s)
+        self.load([(s, s) for s in range(num_slots)])  # warm start: experts 0..K-1, not counted
         self.wait(range(num_slots))
+        self.counters.bytes_paged = 0
 
-    def load(self, expert: int, slot: int, prefetch: bool = False) -> None:
-        """Page `expert` into `slot` (evicting whoever is there); the copy may be in flight
-        until `wait` is called for the slot."""
-        assert self.slot_of[expert] < 0, f"expert {expert} is already in slot {self.slot_of[expert]}"
-        self._place(expert, slot, prefetch)
-        self.counters.bytes_paged += self.store.bytes_per_expert
+    def load(self, moves: list[tuple[int, int]], prefetch: bool = False) -> None:
+        """Page each (expert, slot) in, evicting whoever holds the slot, as one batch of
+        copies that may be in flight until `wait` is called for the slots."""
+        pairs, evicted = [], []
+        for expert, slot in moves:
+            assert self.slot_of[expert] < 0, f"expert {expert} is already in slot {self.slot_of[expert]}"
+            old = self.expert_in[slot]
+            evicted.append(old)
+            if old >= 0:
+                self.slot_of[old] = -1
+            self.expert_in[slot] = expert
+            self.slot_of[expert] = slot
+            pairs += [(self.w13[slot], self.store.w13[expert]), (self.w2[slot], self.store.w2[expert])]
+        if not moves:
+            return
+        self._sync_table([old for old in evicted if old >= 0] + [e for e, _ in moves])
+        done = self.copier.copy(pairs, self._last_use, prefetch)
+        for _, slot in moves:
+            self._pending.setdefault(slot, []).append(done)
+        self.counters.bytes_paged += len(moves) * self.store.bytes_per_expert
 
-    def _place(self, expert: int, slot: int, prefetch: bool = False) -> None:
-        old = self.expert_in[slot]
-        if old >= 0:
-            self.slot_of[old] = -1
-        self.expert_in[slot] = expert
-        self.slot_of[expert] = slot
-        self._pending[slot] = [
-            self.copier.copy(self.w13[slot], self.store.w13[expert], self._last_use, prefetch),
-            self.copier.copy(self.w2[slot], self.store.w2[expert], self._last_use, prefetch)]
+    def _sync_table(self, experts: list[int]) -> None:
+        idx = torch.tensor(experts, dtype=torch.int64)
+        vals = torch.tensor([self.slot_of[e] for e in experts], dtype=torch.int64)
+        self.slot_table[idx.to(self.slot_table.device)] = vals.to(self.slot_table.device)
 
     def forget_all(self) -> None:
         """Mark every slot empty (no copy): the next step pages in everything it needs."""
         self.slot_of = [-1] * len(self.slot_of)
         self.expert_in = [-1] * self.num_slots
+        self.slot_table.fill_(-1)
 
     def mark_used(self) -> None:
         """Called after a step's compute was queued: later copies into these slots must wait
@@ -139,9 +153,9 @@ class ExpertSlots:
         for s in slots:
             self.policy.touch(s)
 
-    def slot_lookup(self, experts: list[int], device: torch.device) -> torch.Tensor:
+    def slot_lookup(self, experts: list[int]) -> torch.Tensor:
         """[E] tensor: the slot of each expert in `experts`, -1 for every other expert."""
-        lut = [-1] * len(self.slot_of)
-        for e in experts:
-            lut[e] = self.slot_of[e]
-        return torch.tensor(lut, dtype=torch.int64, device=device)
+        lut = torch.full_like(self.slot_table, -1)
+        idx = torch.tensor(experts, dtype=torch.int64).to(lut.device)
+        lut[idx] = self.slot_table[idx]
+        return lut

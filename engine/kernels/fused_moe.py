@@ -48,16 +48,23 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids
     return out
 
 
+def gathered_all(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+    """Every pair selected (no -1): each pair is one item of a batched matmul over its slot's
+    gathered weights.  x: [T, H]; slot_ids: [T, k].  Returns [T*k, H]."""
+    flat = slot_ids.reshape(-1)
+    xs = x.repeat_interleave(slot_ids.shape[1], 0).unsqueeze(-1)  # [T*k, H, 1]
+    gate, up = torch.bmm(w13.index_select(0, flat), xs).squeeze(-1).chunk(2, dim=-1)  # [T*k, I]
+    return torch.bmm(w2.index_select(0, flat), (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+
+
 def moe_gathered(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: torch.Tensor,
                  out: torch.Tensor) -> torch.Tensor:
     """Same contract as `fused_moe_ref`, for a few pairs: each selected pair is one item of
     a batched matmul over its slot's gathered weights (no per-slot Python loop)."""
-    t, k = slot_ids.shape
+    k = slot_ids.shape[1]
     flat = slot_ids.reshape(-1)
-    if bool((flat >= 0).all()):  # every pair selected: no masking needed
-        gate, up = torch.bmm(w13.index_select(0, flat), x.repeat_interleave(k, 0).unsqueeze(-1)
-                             ).squeeze(-1).chunk(2, dim=-1)  # [T*k, I]
-        return out.copy_(torch.bmm(w2.index_select(0, flat), (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1))
+    if bool((flat >= 0).all()):
+        return out.copy_(gathered_all(x, w13, w2, slot_ids))
     pairs = (flat >= 0).nonzero().squeeze(1)  # [P]
     if pairs.numel() == 0:
         return out

@@ -64,6 +64,8 @@ class Qwen3MoeModel:
             x = x + self._attention(rms_norm(x, layer.input_norm, eps), layer, kv[li], batch, rope, plan)
             h = rms_norm(x, layer.post_norm, eps)
             x = x + (self._moe(h, li) if layer.experts is not None else self._dense(h, layer))
+            if self.prefetch_experts and li in self._next_moe:
+                self._prefetch(x, self._next_moe[li])
         return rms_norm(x[batch.logits_indices], self.final_norm, eps)
 
     @torch.inference_mode()
@@ -90,13 +92,17 @@ class Qwen3MoeModel:
     def _moe(self, h: torch.Tensor, li: int) -> torch.Tensor:
         layer, cfg = self.layers[li], self.cfg
         weights, ids = route(h, layer.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        nxt = self._next_moe.get(li)
-        if self.prefetch_experts and nxt is not None:
-            # The next layer's router applied to this layer's input predicts its experts;
-            # their copies overlap this layer's expert compute.
-            _, predicted = route(h, self.layers[nxt].router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-            self.layers[nxt].experts.prefetch(predicted.unique().tolist())
         return combine(layer.experts(h, ids), weights)
+
+    def _prefetch(self, x: torch.Tensor, nxt: int) -> None:
+        """Predict layer `nxt`'s experts by applying its router to the residual stream as
+        it leaves the current layer (normed as `nxt` will norm it, before `nxt`'s attention
+        adds to it) and start their copies, which overlap `nxt`'s attention."""
+        target = self.layers[nxt]
+        h = rms_norm(x, target.post_norm, self.cfg.rms_norm_eps)
+        _, predicted = route(h, target.router, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+        # Most confident first: every token's first choice, then every second choice, ...
+        target.experts.prefetch(list(dict.fromkeys(predicted.t().reshape(-1).tolist())))
 
     def _dense(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         gate, up = F.linear(h, layer.dense_w13).chunk(2, dim=-1)
