@@ -24,19 +24,27 @@ class TorchAttention:
     def __init__(self, page_size: int):
         self.page_size = page_size
 
-    def plan(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The page table as indices, and which key positions each request may see."""
-        table = batch.page_table.long()  # [B, max_pages]
+    def plan(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """The pages that hold keys (reserved pages past the longest request are skipped),
+        and which key positions each request may see (None: a single request, whose keys
+        are cut to its length instead)."""
+        length = batch.max_seq_len
+        table = batch.page_table[:, :-(-length // self.page_size)].long()  # [B, pages]
+        if table.shape[0] == 1:
+            return table, None, length
         keys = torch.arange(table.shape[1] * self.page_size, device=table.device)
         visible = keys[None, :] < batch.seq_lens[:, None]  # [B, L]
-        return table, visible[:, None, None]  # [B, 1, 1, L]
+        return table, visible[:, None, None], length  # mask: [B, 1, 1, L]
 
     def decode(self, q: torch.Tensor, kv_layer: torch.Tensor, plan, scale: float) -> torch.Tensor:
         """q: [B, Hq, D] -> [B, Hq, D]."""
-        table, visible = plan
-        b, max_pages = table.shape
+        table, visible, length = plan
+        b, pages = table.shape
         _, _, s, hkv, d = kv_layer.shape
-        kv = kv_layer[:, table].view(2, b, max_pages * s, hkv, d).transpose(2, 3)  # [2, B, Hkv, L, D]
+        kv = kv_layer[:, table].view(2, b, pages * s, hkv, d)  # [2, B, L, Hkv, D]
+        if visible is None:
+            kv = kv[:, :, :length]
+        kv = kv.transpose(2, 3)  # [2, B, Hkv, L, D]
         out = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], attn_mask=visible,
                                              scale=scale, enable_gqa=True)  # [B, Hq, 1, D]
         return out.squeeze(2)
@@ -62,7 +70,7 @@ class TritonAttention(TorchAttention):
         return batch.page_table, batch.seq_lens
 
     def decode(self, q: torch.Tensor, kv_layer: torch.Tensor, plan, scale: float) -> torch.Tensor:
-        table, seq_lens = plan
+        table, seq_lens = plan  # the kernel reads only the pages below each request's length
         return self._kernel(q, kv_layer[0], kv_layer[1], table, seq_lens, scale)
 
 

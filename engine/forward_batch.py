@@ -24,6 +24,7 @@ class ForwardBatch:
     seq_lens: torch.Tensor       # [B] int32: tokens in the cache after this pass
     logits_indices: torch.Tensor  # [B] int64: flat index of each request's last token
     is_decode: bool
+    max_seq_len: int = 0                  # max(seq_lens), as a Python int
     q_index: torch.Tensor | None = None   # [B, Qmax] int64 (prefill only)
     q_valid: torch.Tensor | None = None   # [B, Qmax] bool (prefill only)
 
@@ -49,12 +50,13 @@ def build_batch(token_ids: list[list[int]], start_positions: list[int], page_tab
     seq_lens = [s + len(t) for s, t in zip(start_positions, token_ids)]
     is_decode = all(len(t) == 1 for t in token_ids)
     as_long = dict(dtype=torch.int64, device=device)
+    flat = torch.tensor([ids, pos, slots], **as_long)  # one host-to-device transfer for all three
     batch = ForwardBatch(
-        input_ids=torch.tensor(ids, **as_long), positions=torch.tensor(pos, **as_long),
-        slot_mapping=torch.tensor(slots, **as_long),
+        input_ids=flat[0], positions=flat[1], slot_mapping=flat[2],
         page_table=torch.tensor(table, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        logits_indices=torch.tensor([r[-1] for r in q_rows], **as_long), is_decode=is_decode)
+        logits_indices=torch.tensor([r[-1] for r in q_rows], **as_long), is_decode=is_decode,
+        max_seq_len=max(seq_lens))
     if not is_decode:
         qmax = max(len(r) for r in q_rows)
         batch.q_index = torch.tensor([r + [0] * (qmax - len(r)) for r in q_rows], **as_long)

@@ -32,7 +32,8 @@ class Rotary:
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for a batch's positions: [T, 1, D] each (computed once per forward)."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        return (cos, sin) if dtype == torch.float32 else (cos.to(dtype), sin.to(dtype))
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from engine.forward_batch import build_batch
 from engine.kv_pool import PagePool
 from engine.sampling import SampleOutput, sample
@@ -14,6 +16,7 @@ class ModelRunner:
         self.pool = pool
         self.device = device
 
+    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> SampleOutput:
         """Forward the batch (writing its K/V into the pool) and sample a token for every
         request whose prompt is complete.  Rows of requests still prefilling hold -1."""

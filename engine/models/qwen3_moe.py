@@ -49,9 +49,9 @@ class Qwen3MoeModel:
         self._next_moe = dict(zip(moe, moe[1:]))  # MoE layer -> the next MoE layer
         self.prefetch_experts = False  # paged experts: predict the next layer's experts
 
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
         """Run every layer, writing this batch's K/V into `kv` at `batch.slot_mapping`.
+        Call under torch.inference_mode() (the model runner does).
 
         kv: [L, 2, P, S, Hkv, D].  Returns the final hidden states of the tokens named by
         `batch.logits_indices`: [B, H].
@@ -66,9 +66,9 @@ class Qwen3MoeModel:
             x = x + (self._moe(h, li) if layer.experts is not None else self._dense(h, layer))
             if self.prefetch_experts and li in self._next_moe:
                 self._prefetch(x, self._next_moe[li])
-        return rms_norm(x[batch.logits_indices], self.final_norm, eps)
+        last = x if batch.is_decode else x[batch.logits_indices]  # decode: one token per request
+        return rms_norm(last, self.final_norm, eps)
 
-    @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, H] -> [B, V] in fp32."""
         return F.linear(hidden, self.lm_head).float()
