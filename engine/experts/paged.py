@@ -65,10 +65,11 @@ class PagedExperts:
         c.steps += 1
         c.hits += len(resident)
         c.misses += len(missing)
-        hit_prefetch = self._prefetched.intersection(resident)
-        c.prefetch_hits += len(hit_prefetch)
-        c.prefetch_wasted_bytes += (len(self._prefetched) - len(hit_prefetch)) * slots.store.bytes_per_expert
-        self._prefetched.clear()
+        if self._prefetched:
+            hit_prefetch = self._prefetched.intersection(resident)
+            c.prefetch_hits += len(hit_prefetch)
+            c.prefetch_wasted_bytes += (len(self._prefetched) - len(hit_prefetch)) * slots.store.bytes_per_expert
+            self._prefetched.clear()
         k = slots.num_slots
         if len(needed) <= k:
             waves = [needed]
@@ -81,10 +82,12 @@ class PagedExperts:
 
     def _page_in(self, wave: list[int]) -> None:
         slots = self.slots
-        missing = [e for e in wave if slots.slot_of[e] < 0]
-        protect = {slots.slot_of[e] for e in wave if slots.slot_of[e] >= 0}
-        slots.load(list(zip(missing, slots.policy.victims(len(missing), protect))))
-        wave_slots = [slots.slot_of[e] for e in wave]
+        where = [slots.slot_of[e] for e in wave]
+        missing = [e for e, s in zip(wave, where) if s < 0]
+        if missing:
+            protect = {s for s in where if s >= 0}
+            slots.load(list(zip(missing, slots.policy.victims(len(missing), protect))))
+        wave_slots = [slots.slot_of[e] for e in wave] if missing else where
         slots.wait(wave_slots)
         slots.touch(wave_slots)
 

@@ -76,9 +76,8 @@ class ExpertStore:
     def num_experts(self) -> int:
         return self.w13.shape[0]
 
-    @property
-    def bytes_per_expert(self) -> int:
-        return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
+    def __post_init__(self) -> None:
+        self.bytes_per_expert = (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
 
 
 class ExpertSlots:
@@ -145,6 +144,8 @@ class ExpertSlots:
 
     def wait(self, slots: Iterable[int]) -> None:
         """Block until the copies into `slots` have landed (on CUDA: order the compute stream)."""
+        if not self._pending:
+            return
         for s in slots:
             for c in self._pending.pop(s, ()):
                 c.wait()
