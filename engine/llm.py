@@ -36,6 +36,8 @@ class LLM:
                  max_prefill_tokens: int = 2048, seed: int = 0, attention: str | None = None,
                  paged_experts_num_resident: int | None = None, paged_experts_prefetch: bool | None = None):
         path = Path(model) if model is not None else SHIPPED_MODEL
+        if torch.device(device).type == "cuda" and torch.device(device).index is not None:
+            torch.cuda.set_device(torch.device(device))  # streams, events and Triton use it
         self.config = EngineConfig(model=str(path), dtype=parse_dtype(dtype), device=device,
                                    page_size=page_size, kv_cache_tokens=kv_cache_tokens,
                                    max_model_len=max_model_len, max_num_seqs=max_num_seqs,

@@ -65,7 +65,10 @@ class CudaStreamCopy:
     def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after=None, prefetch: bool = False) -> Copy:
         """`after`: an event recorded after the last compute that read the destinations; the
         copies wait for it so a slot is never overwritten while a queued kernel reads it."""
-        stream = self.background if prefetch else self.demand
+        stream, other = (self.background, self.demand) if prefetch else (self.demand, self.background)
+        # Copies already queued on the other stream may target the same slot (a wrong
+        # prefetch evicted again by a demand page-in): never let two writes race.
+        stream.wait_stream(other)
         if after is not None:
             stream.wait_event(after)
         else:

@@ -23,6 +23,8 @@ def measure_link(device: str, nbytes: int = PROBE_BYTES, repeats: int = 3) -> tu
     dev = torch.device(device)
     src = torch.empty(nbytes, dtype=torch.uint8)
     if dev.type == "cuda":
+        if dev.index is not None:
+            torch.cuda.set_device(dev)  # the events below time the current device's stream
         src = src.pin_memory()
         dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
         best = math.inf
