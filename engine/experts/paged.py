@@ -103,8 +103,8 @@ class PagedExperts:
         protect = {slots.slot_of[e] for e in experts if slots.slot_of[e] >= 0}
         room = slots.num_slots - len(protect)
         wanted = wanted[:room if self.prefetch_limit is None else min(room, self.prefetch_limit)]
-        moves = list(zip(wanted, slots.policy.victims(len(wanted), protect)))
-        slots.load(moves, prefetch=True)
-        slots.touch(slot for _, slot in moves)  # not the next victims before their step runs
+        # Prefetched slots keep their place in the LRU order (measured: marking them recently
+        # used evicts more useful experts than it saves; see docs/benchmarks.md).
+        slots.load(list(zip(wanted, slots.policy.victims(len(wanted), protect))), prefetch=True)
         self._prefetched.update(wanted)
         slots.counters.prefetched += len(wanted)
