@@ -158,3 +158,31 @@ def test_refuses_unservable_settings(k, dtype, message):
 def test_llm_refuses_k_below_top_k():
     with pytest.raises(ValueError, match="below top_k=4"):
         LLM(paged_experts_num_resident=2)
+
+
+def test_prefetch_changes_no_result_and_is_counted(resident_reference):
+    params, reference = resident_reference
+    llm = LLM(paged_experts_num_resident=16, paged_experts_prefetch=True)
+    for batch in (1, 8):
+        got = llm.generate(NATURAL[:batch], params)
+        assert [(o.token_ids, o.logprobs) for o in got] == \
+               [(o.token_ids, o.logprobs) for o in reference[batch]]
+    stats = llm.expert_stats()
+    assert stats[0]["prefetched"] == 0  # layer 0 has no layer before it to predict from
+    later = [stats[i] for i in range(1, 6)]
+    assert all(s["prefetched"] > 0 for s in later)
+    assert all(0 <= s["prefetch_hits"] <= s["prefetched"] for s in later)
+
+
+def test_emulated_link_moves_the_bytes_and_holds_the_link():
+    from engine.experts.copy import EmulatedLink
+    src, dst = torch.arange(100, dtype=torch.uint8), torch.zeros(100, dtype=torch.uint8)
+    slow = EmulatedLink(bytes_per_s=1.0)   # 100 bytes: the link stays busy for 100 s
+    slow.copy([(dst, src)])
+    assert torch.equal(dst, src) and not slow.idle()
+    fast = EmulatedLink(bytes_per_s=1e15)
+    dst2 = torch.zeros(100, dtype=torch.uint8)
+    fast.copy([(dst2, src)]).wait()
+    assert torch.equal(dst2, src) and fast.idle()
+    with pytest.raises(ValueError, match="link bandwidth must be > 0"):
+        EmulatedLink(0)
