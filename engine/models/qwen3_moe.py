@@ -36,7 +36,8 @@ class LayerWeights:
 # A prefetch that guesses wrong holds the link when a demand page-in arrives.  Measured on
 # the shipped model (bench.experts, K = 16, emulated link): prefetching every predicted
 # expert was right about 35% of the time and slower than demand paging; guesses with at
-# least 0.3 of the routing weight were right about 95% of the time and cost nothing.
+# least 0.3 of the routing weight were right about 95% of the time, within a few percent
+# of demand paging (docs/benchmarks.md).
 PREFETCH_MIN_WEIGHT = 0.3
 
 
