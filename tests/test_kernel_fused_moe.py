@@ -1,11 +1,7 @@
 """The Triton fused-MoE kernel against the torch reference `fused_moe_ref`.
 
-Triton decides at decoration time (when the kernel module is imported) whether a kernel
-runs in the interpreter, and another test may have imported triton or the kernel module
-earlier in this process. So without a GPU every numeric case runs in ONE child python
-(this file run as a script) that sets TRITON_INTERPRET=1 before importing triton; the
-pytest process itself never sets it, so it cannot leak into other tests. With CUDA the
-cases run in-process on the GPU, compiled.
+Without a GPU the numeric cases run in one child Python under the Triton interpreter
+(this file run as a script; see tests/kernel_harness.py for why), with CUDA in-process.
 """
 
 from __future__ import annotations
@@ -15,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-if __name__ == "__main__":  # child: must precede any triton import
+if __name__ == "__main__":  # the child: set before anything imports triton
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -112,16 +108,9 @@ import pytest  # noqa: E402  (the child above never needs pytest)
 
 triton = pytest.importorskip("triton")
 
+from tests.kernel_harness import kernel_case_tests  # noqa: E402
 
-@pytest.fixture(scope="module")
-def case_results() -> dict[str, str | None]:
-    from tests.kernel_harness import case_results as run
-    return run(__file__, run_cases)
-
-
-@pytest.mark.parametrize("name", [c[0] for c in CASES])
-def test_kernel_matches_reference(case_results: dict[str, str | None], name: str) -> None:
-    assert case_results[name] is None, case_results[name]
+case_results, test_kernel_matches_reference = kernel_case_tests(__file__, run_cases, [c[0] for c in CASES])
 
 
 def test_align_block_size() -> None:

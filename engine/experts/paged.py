@@ -99,7 +99,7 @@ class PagedExperts:
         if not self.cache or not self.slots.copier.idle():
             return
         slots = self.slots
-        wanted = [e for e in dict.fromkeys(experts) if slots.slot_of[e] < 0][:slots.num_slots]
+        wanted = [e for e in dict.fromkeys(experts) if slots.slot_of[e] < 0]
         protect = {slots.slot_of[e] for e in experts if slots.slot_of[e] >= 0}
         room = slots.num_slots - len(protect)
         wanted = wanted[:room if self.prefetch_limit is None else min(room, self.prefetch_limit)]

@@ -66,13 +66,8 @@ def moe_gathered(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids:
     if bool((flat >= 0).all()):
         return out.copy_(gathered_all(x, w13, w2, slot_ids))
     pairs = (flat >= 0).nonzero().squeeze(1)  # [P]
-    if pairs.numel() == 0:
-        return out
-    slots = flat[pairs]
-    xs = x.index_select(0, pairs // k).unsqueeze(-1)  # [P, H, 1]
-    gate, up = torch.bmm(w13.index_select(0, slots), xs).squeeze(-1).chunk(2, dim=-1)  # [P, I]
-    act = (F.silu(gate) * up).unsqueeze(-1)  # [P, I, 1]
-    out[pairs] = torch.bmm(w2.index_select(0, slots), act).squeeze(-1)
+    if pairs.numel() > 0:  # the selected pairs as one token each
+        out[pairs] = gathered_all(x.index_select(0, pairs // k), w13, w2, flat[pairs].unsqueeze(1))
     return out
 
 
