@@ -18,7 +18,7 @@ from engine.experts import PagedExperts, check_independence, paged_factory, vali
 from engine.attention import select_attention
 from engine.kv_pool import PagePool
 from engine.loader import load_model
-from engine.moe import ResidentExperts, select_moe_kernel
+from engine.moe import select_moe_kernel
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput
 from engine.sampling import SampleOutput, SamplingParams
@@ -51,11 +51,8 @@ class LLM:
         attn = select_attention(device, attention, page_size)
         self.attention_backend = attn.name
         triton_moe = select_moe_kernel(device)
-        self.model = load_model(path, mc, self.config.dtype, device, attn,
+        self.model = load_model(path, mc, self.config.dtype, device, attn, moe_triton=triton_moe,
                                 make_experts=paged_factory(k, device, triton_moe) if k is not None else None)
-        for layer in self.model.layers:
-            if isinstance(layer.experts, ResidentExperts):
-                layer.experts.triton = triton_moe
         if k is not None:
             for layer, experts in self.paged_experts().items():
                 check_independence(experts.slots, layer)

@@ -17,7 +17,8 @@ PROGRESS_MIN_TENSORS = 2000
 
 
 def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
-               attention: TorchAttention, progress: bool | None = None, make_experts=None):
+               attention: TorchAttention, progress: bool | None = None, make_experts=None,
+               moe_triton: bool = False):
     """Read every tensor, check its name and shape, cast to `dtype` on `device`, fuse.
 
     With `make_experts` (paged experts) the expert tensors stay in host memory and the
@@ -54,4 +55,4 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: s
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"missing tensor {missing[0]} (expected shape {list(expected[missing[0]])})"
                               f"{more} in {path}")
-    return spec.assemble(cfg, loaded, attention, make_experts)
+    return spec.assemble(cfg, loaded, attention, make_experts, moe_triton)

@@ -48,11 +48,11 @@ def ignorable(cfg: ModelConfig, name: str) -> bool:
 
 
 def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], attention: TorchAttention,
-             make_experts: ExpertsFactory | None = None) -> Qwen3MoeModel:
+             make_experts: ExpertsFactory | None = None, moe_triton: bool = False) -> Qwen3MoeModel:
     """Fuse loaded tensors (already in the target dtype and place) into the model.
 
     `make_experts(layer, w13, w2, fingerprints)` builds each MoE layer's experts object
-    (default: all resident); fingerprints are per expert, taken from the checkpoint's
+    (default: all resident, run by the Triton kernel when `moe_triton`); fingerprints are per expert, taken from the checkpoint's
     own tensors before stacking.  Consumes `t`: tensors are popped as they are fused.
     """
     layers = []
@@ -68,7 +68,8 @@ def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], attention: TorchAtten
         if cfg.is_moe_layer(li):
             layer.router = t.pop(p + "mlp.gate.weight")
             w13, w2, prints = _stack_experts(cfg, t, p, with_fingerprints=make_experts is not None)
-            layer.experts = make_experts(li, w13, w2, prints) if make_experts else ResidentExperts(w13, w2)
+            layer.experts = make_experts(li, w13, w2, prints) if make_experts else \
+                ResidentExperts(w13, w2, moe_triton)
         else:
             layer.dense_w13 = torch.cat([t.pop(p + "mlp.gate_proj.weight"), t.pop(p + "mlp.up_proj.weight")])
             layer.dense_w2 = t.pop(p + "mlp.down_proj.weight")
