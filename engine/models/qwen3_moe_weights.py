@@ -52,8 +52,8 @@ def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], attention: TorchAtten
     """Fuse loaded tensors (already in the target dtype and place) into the model.
 
     `make_experts(layer, w13, w2, fingerprints)` builds each MoE layer's experts object
-    (default: all resident, run by the Triton kernel when `moe_triton`); fingerprints are per expert, taken from the checkpoint's
-    own tensors before stacking.  Consumes `t`: tensors are popped as they are fused.
+    (default: all resident, run by the Triton kernel when `moe_triton`); fingerprints are
+    per expert, taken from the checkpoint's own tensors before stacking.  Consumes `t`: tensors are popped as they are fused.
     """
     layers = []
     for li in range(cfg.num_hidden_layers):
