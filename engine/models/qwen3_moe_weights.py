@@ -53,7 +53,8 @@ def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], attention: TorchAtten
 
     `make_experts(layer, w13, w2, fingerprints)` builds each MoE layer's experts object
     (default: all resident, run by the Triton kernel when `moe_triton`); fingerprints are
-    per expert, taken from the checkpoint's own tensors before stacking.  Consumes `t`: tensors are popped as they are fused.
+    per expert, taken from the checkpoint's own tensors before stacking.  Consumes `t`:
+    tensors are popped as they are fused.
     """
     layers = []
     for li in range(cfg.num_hidden_layers):
