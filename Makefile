@@ -8,7 +8,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: serve test install clean-venv
+.PHONY: serve test install proto clean-venv
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ serve: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+proto: install
+	$(PY) -m proto.build
 
 clean-venv:
 	rm -rf $(VENV)

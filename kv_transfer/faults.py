@@ -1,0 +1,155 @@
+"""Named fault injection points on the sending side of KV transfers (driven by `chaos/`).
+
+A sender has `faults=None` unless a chaos run installs a `FaultInjector`; then every
+frame passes through `on_frame`, which may alter, hold, repeat or drop it.  Each armed
+point fires a bounded number of times, optionally with a seeded probability, and
+`fired` counts what was actually injected (the chaos report compares it with the
+receivers' refusal counters).
+
+    point            what the receiver should see
+    corrupt_payload  one payload bit flipped after the checksum      BAD_CHECKSUM
+    alter_header     the header's seq changed after the checksum     BAD_CHECKSUM
+    swap_pages       payloads exchanged between two transfers         BAD_CHECKSUM (both; counts 2)
+    drop             a frame never sent (then commit)                 INCOMPLETE
+    duplicate        a frame sent twice                               DUPLICATE
+    reorder          a frame sent after the next one                  (legal: must succeed)
+    replay_stale     a frame of an earlier transfer sent again        EXPIRED / AFTER_COMMIT / UNKNOWN
+    replay_foreign   an earlier transfer's frame re-aimed at this one BAD_TAG
+    commit_early     commit right after this frame (the placeholder)  INCOMPLETE
+    delay            sleep `seconds` before sending this frame        (must not break a healthy stream)
+    cut              the stream is closed here, without a commit      STREAM_CLOSED
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+
+import torch
+
+from kv_transfer.errors import Refusal, TransferRefused
+from proto import kv_transfer_pb2 as pb
+
+POINTS = ("corrupt_payload", "alter_header", "swap_pages", "drop", "duplicate", "reorder",
+          "replay_stale", "replay_foreign", "commit_early", "delay", "cut")
+
+
+@dataclass
+class Rule:
+    times: int
+    after: int              # frames to let pass before the point may fire
+    probability: float
+    seconds: float
+    seen: int = 0
+
+
+class FaultInjector:
+    def __init__(self, seed: int = 0):
+        self._rng = random.Random(seed)
+        self._rules: dict[str, Rule] = {}
+        self._lock = threading.Lock()
+        self._held: dict[bytes, list] = {}           # transfer id -> frames held back
+        self._swap: tuple | None = None               # (ticket, header, payload, stream)
+        self._earlier: deque = deque(maxlen=8)        # (transfer id, header, payload) of past transfers
+        self.fired: Counter[str] = Counter()
+
+    def arm(self, point: str, times: int = 1, after: int = 0, probability: float = 1.0,
+            seconds: float = 0.0) -> None:
+        if point not in POINTS:
+            raise ValueError(f"unknown fault point {point!r}; known: {', '.join(POINTS)}")
+        if times < 1 or after < 0 or not 0.0 < probability <= 1.0 or seconds < 0:
+            raise ValueError(f"fault {point}: times={times} (>= 1), after={after} (>= 0), "
+                             f"probability={probability} (in (0, 1]), seconds={seconds} (>= 0)")
+        with self._lock:
+            self._rules[point] = Rule(times, after, probability, seconds)
+
+    def _fires(self, point: str) -> Rule | None:
+        rule = self._rules.get(point)
+        if rule is None or rule.times <= 0:
+            return None
+        rule.seen += 1
+        if rule.seen <= rule.after or self._rng.random() >= rule.probability:
+            return None
+        rule.times -= 1
+        self.fired[point] += 1
+        return rule
+
+    def on_frame(self, ticket, h: pb.FrameHeader, payload: torch.Tensor, stream) -> bool:
+        """Send the frame through `stream` as the armed faults say.  Returns True when the
+        sender must commit now (commit_early).  Raises TransferRefused(TRANSPORT) for `cut`."""
+        with self._lock:
+            actions = {p: self._fires(p) for p in POINTS if p in self._rules}
+            held = self._held.pop(ticket.transfer_id, [])
+            earlier = next((e for e in reversed(self._earlier) if e[0] != ticket.transfer_id), None)
+            if not any(e[0] == ticket.transfer_id for e in self._earlier):
+                self._earlier.append((ticket.transfer_id, _copy(h), payload.clone()))
+        if actions.get("delay"):
+            time.sleep(actions["delay"].seconds)
+        if actions.get("cut"):
+            stream.close()
+            raise TransferRefused(Refusal.TRANSPORT, "stream cut by fault injection")
+        if actions.get("corrupt_payload"):
+            payload = payload.clone()
+            payload.view(torch.uint8).view(-1)[0] ^= 1
+        if actions.get("alter_header"):
+            h = _copy(h)
+            h.seq += 1000
+        out = [(h, payload)]
+        if actions.get("swap_pages") and not self._swap_with(ticket, h, payload, stream, out):
+            out = []
+        if actions.get("reorder"):
+            with self._lock:
+                self._held.setdefault(ticket.transfer_id, []).extend(out)
+            out = []
+        if actions.get("duplicate"):
+            out = out + out
+        if actions.get("drop"):
+            out = []
+        if earlier is not None and actions.get("replay_stale"):
+            out.append((earlier[1], earlier[2]))
+        if earlier is not None and actions.get("replay_foreign"):
+            foreign = _copy(earlier[1])
+            foreign.transfer_id = ticket.transfer_id
+            out.append((foreign, earlier[2]))
+        for fh, fp in out + held:
+            stream.send(fh, fp)
+        return bool(actions.get("commit_early"))
+
+    def _swap_with(self, ticket, h, payload, stream, out: list) -> bool:
+        """Pair this frame with one held from another transfer and exchange their payloads.
+        Returns False when the frame was held instead (waiting for a partner)."""
+        with self._lock:
+            partner = self._swap
+            if partner is None or partner[0].transfer_id == ticket.transfer_id:
+                self.fired["swap_pages"] -= 1            # counted once the swap really happens
+                self._rules["swap_pages"].times += 1
+                if partner is not None:
+                    return True                          # same transfer: send unchanged
+                self._swap = (ticket, h, payload.clone(), stream)
+                return False
+            self._swap = None
+            self.fired["swap_pages"] += 1                # two frames corrupted, one per transfer
+        _, ph, pp, pstream = partner
+        pstream.send(ph, payload.clone())                 # the partner's header with our bytes
+        out[0] = (h, pp)
+        return True
+
+    def flush(self, ticket, stream) -> None:
+        """Before commit: send frames still held for this transfer, unchanged."""
+        with self._lock:
+            held = self._held.pop(ticket.transfer_id, [])
+            if self._swap is not None and self._swap[0].transfer_id == ticket.transfer_id:
+                _, h, p, _ = self._swap
+                held.append((h, p))
+                self._swap = None
+        for h, p in held:
+            stream.send(h, p)
+
+
+def _copy(h: pb.FrameHeader) -> pb.FrameHeader:
+    c = pb.FrameHeader()
+    c.CopyFrom(h)
+    return c

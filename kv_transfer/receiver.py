@@ -1,0 +1,235 @@
+"""The receiving side of KV transfers, in front of a decode worker's `PagePool`.
+
+The pool's owner allocates a request's pages and calls `reserve`; transports hand every
+frame to `receive` and the closing commit to `commit`; the owner calls `release` when the
+request ends and only then frees the pages.  The receiver writes page bytes and marks pages
+written, and never allocates or frees a page.
+
+Thread safety: one lock guards the reservation table; checksums and page copies run
+outside it.  A write claims its (page, layers) under the lock first, and `release` waits
+until no claimed write is still running (I5: freed only when no writer can still write).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, OrderedDict
+from typing import Callable
+
+from engine.kv_pool import PagePool
+from kv_transfer.errors import Refusal, TransferRefused
+from kv_transfer.frame import (PROTOCOL_VERSION, SUPPORTED_VERSIONS, check_secret, commit_digest,
+                               frame_checksum, new_transfer_id, ownership_tag, tags_equal)
+from kv_transfer.pages import block_parts, view_payload, write_block
+from kv_transfer.reservation import Reservation, State
+from proto import kv_transfer_pb2 as pb
+
+TOMBSTONES = 65536   # released transfer ids remembered so late frames read EXPIRED
+
+
+class TransferReceiver:
+    def __init__(self, pool: PagePool, secret: bytes, timeout_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_failed: Callable[[Reservation], None] | None = None):
+        if timeout_s <= 0:
+            raise ValueError(f"transfer timeout_s={timeout_s} must be > 0")
+        self.pool = pool
+        self._secret = check_secret(secret)
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._on_failed = on_failed
+        self._lock = threading.Condition()
+        self._live: dict[bytes, Reservation] = {}
+        self._gone: OrderedDict[bytes, str] = OrderedDict()
+        self.refused: Counter[str] = Counter()
+        self.accepted_frames = 0
+        self.accepted_bytes = 0
+        self.committed = 0
+
+    # ---- the pool owner's side ---------------------------------------------------
+    def reserve(self, request_id: str, tenant: str, prompt_len: int) -> Reservation:
+        """Open a transfer into the first ceil(prompt_len / page_size) pages the pool already
+        gave `request_id`.  Returns the reservation (its `transfer_id` goes to the sender)."""
+        n = self.pool.pages_for(prompt_len)
+        refs = self.pool.refs(request_id)
+        if prompt_len < 1 or n > len(refs):
+            raise ValueError(f"request {request_id}: a prompt of {prompt_len} tokens needs {n} "
+                             f"pages, it holds {len(refs)}")
+        tid = new_transfer_id()
+        res = Reservation(tid, request_id, tenant, ownership_tag(self._secret, tenant, request_id, tid),
+                          prompt_len, refs[:n], self.pool.kv.shape[0], self.pool.page_size,
+                          self._clock() + self.timeout_s)
+        with self._lock:
+            self._live[tid] = res
+        return res
+
+    def release(self, transfer_id: bytes, reason: Refusal = Refusal.CANCELLED) -> Reservation | None:
+        """End the transfer (failing it with `reason` unless it already ended), wait until no
+        write into its pages is running, and forget it.  After this returns the owner may
+        free the pages.  Returns the reservation, or None if it was unknown."""
+        with self._lock:
+            res = self._live.get(transfer_id)
+            if res is None:
+                return None
+            if not res.terminal:
+                self._fail(res, reason, "released by the pool owner")
+            self._lock.wait_for(lambda: res.writers == 0)
+            del self._live[transfer_id]
+            self._gone[transfer_id] = res.request_id
+            while len(self._gone) > TOMBSTONES:
+                self._gone.popitem(last=False)
+        return res
+
+    def expire(self) -> list[Reservation]:
+        """Fail every open transfer whose timeout passed; returns them (the owner releases them)."""
+        now = self._clock()
+        with self._lock:
+            late = [r for r in self._live.values() if not r.terminal and r.deadline <= now]
+            for res in late:
+                self._fail(res, Refusal.EXPIRED, f"no frame for {self.timeout_s}s")
+        return late
+
+    def get(self, transfer_id: bytes) -> Reservation | None:
+        with self._lock:
+            return self._live.get(transfer_id)
+
+    @property
+    def open_transfers(self) -> int:
+        with self._lock:
+            return sum(not r.terminal for r in self._live.values())
+
+    # ---- the transports' side ----------------------------------------------------
+    @staticmethod
+    def hello(versions: list[int]) -> int:
+        """The highest protocol version both sides speak; raises BAD_VERSION if none."""
+        common = set(versions) & set(SUPPORTED_VERSIONS)
+        if not common:
+            raise TransferRefused(Refusal.BAD_VERSION, f"sender speaks {sorted(versions)}, "
+                                  f"receiver speaks {list(SUPPORTED_VERSIONS)}")
+        return max(common)
+
+    def receive(self, h: pb.FrameHeader, payload) -> None:
+        """Verify one frame and write it into its reserved page.  Raises TransferRefused
+        (having written nothing, and failing the transfer if it was open) on any refusal."""
+        with self._lock:
+            res = self._checked(h.transfer_id, h.protocol_version, h.ownership_tag, h.tenant, h.request_id)
+            self._guard(res, lambda: (res.check_geometry(h, len(payload), self.pool), res.check_new(h)))
+        if frame_checksum(h, [payload]) != h.checksum:
+            with self._lock:
+                self._guard(res, lambda: self._raise(Refusal.BAD_CHECKSUM, f"frame seq {h.seq} page "
+                                                     f"{h.page_index}: header + payload do not match"))
+        ref = res.pages[h.page_index]
+        with self._lock:
+            self._checked(h.transfer_id, h.protocol_version, h.ownership_tag, h.tenant, h.request_id)
+            self._guard(res, lambda: (res.check_new(h), self._check_page(res, ref)))
+            res.claim(h)
+        try:
+            block = view_payload(payload, self.pool, h.layer_start, h.layer_end, h.num_tokens)
+            write_block(self.pool, ref.page, h.layer_start, h.layer_end, block)
+        except BaseException as e:
+            with self._lock:
+                res.writers -= 1
+                self._lock.notify_all()
+                self._refuse(res, Refusal.TRANSPORT, f"writing frame seq {h.seq} failed: {e!r}")
+        with self._lock:
+            res.writers -= 1
+            if res.page_complete(h.page_index) and res.state == State.RECEIVING:
+                self.pool.mark_written(res.request_id, [ref.page])
+            res.deadline = self._clock() + self.timeout_s
+            self.accepted_frames += 1
+            self.accepted_bytes += len(payload)
+            self._lock.notify_all()
+
+    def stream_closed(self, transfer_id: bytes) -> None:
+        """A transport's stream for `transfer_id` ended without a commit: fail the transfer."""
+        with self._lock:
+            res = self._live.get(transfer_id)
+            if res is not None and not res.terminal:
+                self.refused[Refusal.STREAM_CLOSED.value] += 1
+                self._fail(res, Refusal.STREAM_CLOSED, "the stream ended before the commit")
+
+    def commit(self, c: pb.Commit) -> Reservation:
+        """Close the transfer: coverage, digest and a re-checksum of the destination pages.
+        Returns the committed reservation; raises TransferRefused (failing it) otherwise."""
+        with self._lock:
+            res = self._checked(c.transfer_id, c.protocol_version, c.ownership_tag, c.tenant, c.request_id)
+            self._lock.wait_for(lambda: res.writers == 0)
+            self._guard(res, lambda: self._check_coverage(res, c))
+            records = list(res.frames.values())
+        bad = [r.header.seq for r in records
+               if frame_checksum(r.header, block_parts(self.pool, r.page, r.header.layer_start,
+                                                       r.header.layer_end, r.header.num_tokens))
+               != r.header.checksum]
+        with self._lock:
+            self._checked(c.transfer_id, c.protocol_version, c.ownership_tag, c.tenant, c.request_id)
+            if bad:
+                self._guard(res, lambda: self._raise(Refusal.RECHECK_FAILED, f"destination pages of frames "
+                                                     f"{bad[:8]} do not hash as sent"))
+            self._guard(res, lambda: [self._check_page(res, ref) for ref in res.pages])
+            res.state, res.first_token_id, res.first_logprob = State.COMMITTED, c.first_token_id, c.first_logprob
+            self.committed += 1
+        return res
+
+    # ---- checks (called with the lock held) ----------------------------------------
+    def _checked(self, tid: bytes, version: int, tag: bytes, tenant: str, request_id: str) -> Reservation:
+        res = self._live.get(tid)
+        if version != PROTOCOL_VERSION:
+            self._refuse(res, Refusal.BAD_VERSION, f"protocol version {version}, receiver speaks "
+                         f"{list(SUPPORTED_VERSIONS)}")
+        if res is None:
+            code = Refusal.EXPIRED if tid in self._gone else Refusal.UNKNOWN_TRANSFER
+            self._refuse(None, code, f"transfer {tid.hex()[:16]}")
+        if res.state == State.COMMITTED:
+            self._refuse(None, Refusal.AFTER_COMMIT, f"transfer of {res.request_id} is committed")
+        if res.state == State.FAILED:
+            self._refuse(None, Refusal.AFTER_FAILURE, f"transfer of {res.request_id} failed: {res.reason}")
+        if not (tags_equal(tag, res.tag) and tenant == res.tenant and request_id == res.request_id):
+            self._refuse(res, Refusal.BAD_TAG, f"frame for ({tenant!r}, {request_id!r}) does not match "
+                         f"the reservation of {res.request_id!r}")
+        return res
+
+    def _check_page(self, res: Reservation, ref) -> None:
+        owner, gen = self.pool.owner(ref.page), self.pool.generation(ref.page)
+        if owner != res.request_id or gen != ref.generation:
+            self._raise(Refusal.STALE_PAGE, f"page {ref.page} is now ({owner}, generation {gen}), "
+                        f"reserved as ({res.request_id}, generation {ref.generation})")
+
+    @staticmethod
+    def _check_coverage(res: Reservation, c: pb.Commit) -> None:
+        missing = [i for i in range(len(res.pages)) if not res.page_complete(i)]
+        if missing:
+            raise TransferRefused(Refusal.INCOMPLETE, f"prompt pages {missing[:8]} of "
+                                  f"{len(res.pages)} not fully written")
+        seqs = sorted(res.frames)
+        covered = sum(r.header.num_tokens for r in res.frames.values()
+                      if r.header.layer_start == 0)
+        if c.frame_count != len(seqs) or seqs != list(range(len(seqs))) or \
+                c.tokens_covered != res.prompt_len or covered != res.prompt_len:
+            raise TransferRefused(Refusal.BAD_COVERAGE, f"commit says {c.frame_count} frames / "
+                                  f"{c.tokens_covered} tokens; received seqs 0..{len(seqs) - 1} "
+                                  f"({len(seqs)} frames) covering {covered} of {res.prompt_len} tokens")
+        if commit_digest([res.frames[s].header.checksum for s in seqs]) != c.digest:
+            raise TransferRefused(Refusal.BAD_DIGEST, "digest over frame checksums differs")
+
+    def _guard(self, res: Reservation, check: Callable[[], object]) -> None:
+        try:
+            check()
+        except TransferRefused as e:
+            self._refuse(res, e.reason, e.detail)
+
+    @staticmethod
+    def _raise(reason: Refusal, detail: str) -> None:
+        raise TransferRefused(reason, detail)
+
+    def _refuse(self, res: Reservation | None, reason: Refusal, detail: str) -> None:
+        self.refused[reason.value] += 1
+        if res is not None and not res.terminal:
+            self._fail(res, reason, detail)
+        raise TransferRefused(reason, detail)
+
+    def _fail(self, res: Reservation, reason: Refusal, detail: str) -> None:
+        res.fail(reason, detail)
+        self._lock.notify_all()
+        if self._on_failed is not None:
+            self._on_failed(res)

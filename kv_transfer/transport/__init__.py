@@ -1,0 +1,33 @@
+"""Transports behind one interface: `connect(endpoint) -> SenderStream` on the sending side,
+a server that feeds a `TransferReceiver` on the receiving side.
+
+    local://NAME          in-process (tests, the colocated worker)
+    shm://PATH            same node: payloads in shared memory, headers over a Unix socket
+    grpc://HOST:PORT      across nodes: gRPC client streaming
+
+`connect` picks the transport from the endpoint's scheme.
+"""
+
+from __future__ import annotations
+
+from kv_transfer.transport.base import TransportConfig
+
+
+def connect(endpoint: str, config: TransportConfig | None = None, sender: str = ""):
+    """Open a stream to the receiver at `endpoint`; the capability handshake happens here and
+    raises TransferRefused(BAD_VERSION) when the two sides share no protocol version."""
+    config = config or TransportConfig()
+    scheme, _, rest = endpoint.partition("://")
+    if scheme == "local":
+        from kv_transfer.transport.local import LocalStream
+        return LocalStream(rest, sender)
+    if scheme == "shm":
+        from kv_transfer.transport.shm import ShmStream
+        return ShmStream(rest, config, sender)
+    if scheme == "grpc":
+        from kv_transfer.transport.grpc_stream import GrpcStream
+        return GrpcStream(rest, config, sender)
+    raise ValueError(f"transfer endpoint {endpoint!r}: scheme must be local://, shm:// or grpc://")
+
+
+__all__ = ["TransportConfig", "connect"]

@@ -1,0 +1,58 @@
+"""What every transport shares: its settings and the sender-side bookkeeping of a stream."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kv_transfer.frame import SUPPORTED_VERSIONS
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """Transport settings (one frozen config for all three).
+
+    message_bytes: gRPC payload bytes batched into one message.
+    streams: parallel gRPC streams per transfer.
+    max_message_bytes: hard gRPC message size limit on both sides.
+    deadline_s: the application's deadline for a whole transfer (gRPC deadline, socket timeout).
+    keepalive_s / keepalive_timeout_s: HTTP/2 pings.  A healthy peer answers pings even while
+        it applies backpressure, so a slow reader is never cut; only a dead peer is.
+    shm_bytes: size of the shared-memory segment of in-flight payloads.
+    versions: protocol versions this side offers at the handshake.
+    """
+    message_bytes: int = 4 << 20
+    streams: int = 2
+    max_message_bytes: int = 64 << 20
+    deadline_s: float = 120.0
+    keepalive_s: float = 10.0
+    keepalive_timeout_s: float = 20.0
+    shm_bytes: int = 32 << 20
+    queue_messages: int = 8
+    versions: tuple[int, ...] = SUPPORTED_VERSIONS
+
+    def __post_init__(self) -> None:
+        if not 0 < self.message_bytes <= self.max_message_bytes // 2:
+            raise ValueError(f"message_bytes={self.message_bytes} must be in (0, max_message_bytes/2="
+                             f"{self.max_message_bytes // 2}]")
+        if not 1 <= self.streams <= 16:
+            raise ValueError(f"streams={self.streams} must be in [1, 16]")
+        if self.deadline_s <= 0 or self.keepalive_s <= 0 or self.keepalive_timeout_s <= 0:
+            raise ValueError("deadline_s, keepalive_s and keepalive_timeout_s must be > 0")
+        if self.shm_bytes < 1 << 16:
+            raise ValueError(f"shm_bytes={self.shm_bytes} must be at least 64 KiB")
+        if self.queue_messages < 1:
+            raise ValueError(f"queue_messages={self.queue_messages} must be >= 1")
+
+
+class StagingBuffer:
+    """A reusable CPU buffer for payloads of transports that copy them anyway."""
+
+    def __init__(self):
+        self._buf = torch.empty(0, dtype=torch.uint8)
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        if self._buf.numel() < nbytes:
+            self._buf = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buf[:nbytes]

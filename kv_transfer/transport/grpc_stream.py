@@ -1,0 +1,160 @@
+"""gRPC transport, sending side: a transfer's frames over one or more client streams.
+
+Frames are batched into messages of about `message_bytes`; with `streams > 1` they are
+spread over that many streams, each on its own connection (a TCP connection per stream
+keeps one slow socket from holding the others back).  Stream 0 carries the commit, after
+every other stream has ended and reported its frames accepted.
+"""
+
+from __future__ import annotations
+
+import queue
+
+import grpc
+import torch
+
+from kv_transfer.errors import Refusal, TransferRefused
+from kv_transfer.pages import as_bytes
+from kv_transfer.transport.base import StagingBuffer, TransportConfig
+from proto import kv_transfer_pb2 as pb
+from proto import kv_transfer_pb2_grpc as pb_grpc
+
+_END = object()
+
+
+def channel_options(config: TransportConfig, lane: int) -> list[tuple[str, object]]:
+    return [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.keepalive_time_ms", int(config.keepalive_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_s * 1000)),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.lookahead_bytes", 4 * config.message_bytes),
+        ("grpc.http2.bdp_probe", 1),
+        ("tandem.kv_lane", lane),     # a distinct argument: a connection of its own per lane
+    ]
+
+
+def _refused(reply: pb.PushReply) -> TransferRefused:
+    return TransferRefused(reply.reason or Refusal.TRANSPORT.value, reply.detail)
+
+
+class _Lane:
+    """One client stream: a bounded queue of messages feeding `Push`."""
+
+    def __init__(self, target: str, config: TransportConfig, index: int, sender: str):
+        self.channel = grpc.insecure_channel(target, options=channel_options(config, index))
+        stub = pb_grpc.KvTransferStub(self.channel)
+        if index == 0:
+            try:
+                reply = stub.Handshake(pb.Hello(versions=list(config.versions), sender=sender),
+                                       timeout=config.deadline_s, wait_for_ready=False)
+            except grpc.RpcError as e:
+                self.channel.close()
+                raise TransferRefused(Refusal.TRANSPORT, f"{target}: {e.code().name} {e.details()}") from e
+            if reply.version == 0:
+                self.channel.close()
+                raise TransferRefused(Refusal.BAD_VERSION, reply.reason)
+        self._q: queue.Queue = queue.Queue(maxsize=config.queue_messages)
+        hello = pb.Hello(versions=list(config.versions), sender=sender, streams=config.streams,
+                         stream_index=index)
+        self.future = stub.Push.future(self._messages(pb.PushMessage(hello=hello)),
+                                       timeout=config.deadline_s)
+        self.pending: list[pb.Frame] = []
+        self.pending_bytes = 0
+
+    def _messages(self, hello: pb.PushMessage):
+        yield hello
+        while (msg := self._q.get()) is not _END:
+            yield msg
+
+    def put(self, msg) -> None:
+        """Enqueue, waiting for room (backpressure); raises if the server already answered."""
+        while True:
+            if self.future.done():
+                raise self.failure()
+            try:
+                self._q.put(msg, timeout=0.05)
+                return
+            except queue.Full:
+                continue
+
+    def flush(self) -> None:
+        if self.pending:
+            self.put(pb.PushMessage(frames=pb.Frames(frames=self.pending)))
+            self.pending, self.pending_bytes = [], 0
+
+    def finish(self) -> pb.PushReply:
+        self.flush()
+        self.put(_END)
+        try:
+            return self.future.result()
+        except grpc.RpcError as e:
+            raise TransferRefused(Refusal.TRANSPORT, f"{e.code().name}: {e.details()}") from e
+
+    def failure(self) -> TransferRefused:
+        try:
+            return _refused(self.future.result())
+        except grpc.RpcError as e:
+            return TransferRefused(Refusal.TRANSPORT, f"{e.code().name}: {e.details()}")
+        except grpc.FutureCancelledError:
+            return TransferRefused(Refusal.TRANSPORT, "stream cancelled")
+
+
+class GrpcStream:
+    def __init__(self, target: str, config: TransportConfig, sender: str = ""):
+        self.config = config
+        self._lanes = [_Lane(target, config, 0, sender)]
+        self._lanes += [_Lane(target, config, i, sender) for i in range(1, config.streams)]
+        self._staging = StagingBuffer()
+        self._next = 0
+        self.closed = False
+
+    def stage(self, nbytes: int) -> torch.Tensor:
+        return self._staging.get(nbytes)
+
+    def send(self, header: pb.FrameHeader, payload: torch.Tensor) -> None:
+        if self.closed:
+            raise TransferRefused(Refusal.TRANSPORT, "stream is closed")
+        lane = self._lanes[self._next]
+        self._next = (self._next + 1) % len(self._lanes)
+        lane.pending.append(pb.Frame(header=header, payload=bytes(as_bytes(payload))))
+        lane.pending_bytes += payload.numel() * payload.element_size()
+        if lane.pending_bytes >= self.config.message_bytes:
+            lane.flush()
+
+    def commit(self, commit: pb.Commit) -> pb.PushReply:
+        try:
+            for lane in self._lanes[1:]:
+                reply = lane.finish()
+                if not reply.ok:
+                    raise _refused(reply)
+            primary = self._lanes[0]
+            primary.flush()
+            primary.put(pb.PushMessage(commit=commit))
+            reply = primary.finish()
+            if not reply.ok:
+                raise _refused(reply)
+            return reply
+        except TransferRefused:
+            self.close()
+            raise
+        finally:
+            self._shutdown()
+
+    def close(self) -> None:
+        """Cut every stream (the receiver fails the transfer: STREAM_CLOSED)."""
+        if not self.closed:
+            self.closed = True
+            for lane in self._lanes:
+                lane.future.cancel()
+                try:
+                    lane._q.put_nowait(_END)      # unblock the request iterator's thread
+                except queue.Full:
+                    pass
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        self.closed = True
+        for lane in self._lanes:
+            lane.channel.close()

@@ -1,0 +1,68 @@
+"""In-process transport: frames go straight into the receiver (tests, the colocated worker)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from kv_transfer.errors import Refusal, TransferRefused
+from kv_transfer.frame import SUPPORTED_VERSIONS
+from kv_transfer.pages import as_bytes
+from kv_transfer.receiver import TransferReceiver
+from kv_transfer.transport.base import StagingBuffer
+from proto import kv_transfer_pb2 as pb
+
+_ENDPOINTS: dict[str, TransferReceiver] = {}
+_LOCK = threading.Lock()
+
+
+class LocalServer:
+    """Makes a receiver reachable as local://NAME inside this process."""
+
+    def __init__(self, receiver: TransferReceiver, name: str):
+        self.receiver, self.name = receiver, name
+        with _LOCK:
+            if name in _ENDPOINTS:
+                raise ValueError(f"local transfer endpoint {name!r} is already served")
+            _ENDPOINTS[name] = receiver
+
+    @property
+    def endpoint(self) -> str:
+        return f"local://{self.name}"
+
+    def stop(self) -> None:
+        with _LOCK:
+            _ENDPOINTS.pop(self.name, None)
+
+
+class LocalStream:
+    def __init__(self, name: str, sender: str = "", versions=SUPPORTED_VERSIONS):
+        with _LOCK:
+            self._receiver = _ENDPOINTS.get(name)
+        if self._receiver is None:
+            raise TransferRefused(Refusal.TRANSPORT, f"no local transfer endpoint {name!r}")
+        self.version = self._receiver.hello(list(versions))
+        self._staging = StagingBuffer()
+        self._open: set[bytes] = set()
+        self.closed = False
+
+    def stage(self, nbytes: int) -> torch.Tensor:
+        return self._staging.get(nbytes)
+
+    def send(self, header: pb.FrameHeader, payload: torch.Tensor) -> None:
+        if self.closed:
+            raise TransferRefused(Refusal.TRANSPORT, "stream is closed")
+        self._open.add(header.transfer_id)
+        self._receiver.receive(header, as_bytes(payload))
+
+    def commit(self, commit: pb.Commit) -> pb.PushReply:
+        self._open.discard(commit.transfer_id)
+        res = self._receiver.commit(commit)
+        return pb.PushReply(ok=True, committed=True, frames_accepted=len(res.frames))
+
+    def close(self) -> None:
+        self.closed = True
+        for tid in self._open:
+            self._receiver.stream_closed(tid)
+        self._open.clear()
