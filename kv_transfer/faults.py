@@ -102,7 +102,8 @@ class FaultInjector:
             out = []
         if actions.get("reorder"):
             with self._lock:
-                self._held.setdefault(ticket.transfer_id, []).extend(out)
+                self._held.setdefault(ticket.transfer_id, []).extend(
+                    (fh, fp.clone()) for fh, fp in out)          # the staging buffer is reused
             out = []
         if actions.get("duplicate"):
             out = out + out
@@ -133,7 +134,10 @@ class FaultInjector:
             self._swap = None
             self.fired["swap_pages"] += 1                # two frames corrupted, one per transfer
         _, ph, pp, pstream = partner
-        pstream.send(ph, payload.clone())                 # the partner's header with our bytes
+        try:
+            pstream.send(ph, payload.clone())             # the partner's header with our bytes
+        except TransferRefused:
+            pass                                          # the partner's sender learns it itself
         out[0] = (h, pp)
         return True
 

@@ -52,6 +52,9 @@ class TransferReceiver:
         """Open a transfer into the first ceil(prompt_len / page_size) pages the pool already
         gave `request_id`.  Returns the reservation (its `transfer_id` goes to the sender)."""
         n = self.pool.pages_for(prompt_len)
+        if not self.pool.has(request_id):
+            raise ValueError(f"request {request_id} holds no pages: the pool owner allocates "
+                             f"before reserving")
         refs = self.pool.refs(request_id)
         if prompt_len < 1 or n > len(refs):
             raise ValueError(f"request {request_id}: a prompt of {prompt_len} tokens needs {n} "

@@ -24,29 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\ttandem.kv\"t\n\x05Hello\x12\x10\n\x08versions\x18\x01 \x03(\r\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\x0f\n\x07streams\x18\x03 \x01(\r\x12\x14\n\x0cstream_index\x18\x04 \x01(\r\x12\x10\n\x08shm_name\x18\x05 \x01(\t\x12\x10\n\x08shm_size\x18\x06 \x01(\x04\"\x99\x02\n\x0b\x46rameHeader\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0btransfer_id\x18\x02 \x01(\x0c\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x15\n\rownership_tag\x18\x05 \x01(\x0c\x12\x0b\n\x03seq\x18\x06 \x01(\r\x12\x13\n\x0blayer_start\x18\x07 \x01(\r\x12\x11\n\tlayer_end\x18\x08 \x01(\r\x12\x12\n\npage_index\x18\t \x01(\r\x12\x13\n\x0b\x66irst_token\x18\n \x01(\r\x12\x12\n\nnum_tokens\x18\x0b \x01(\r\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\r\n\x05shape\x18\r \x03(\r\x12\x10\n\x08\x63hecksum\x18\x0e \x01(\x06\"h\n\x05\x46rame\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x16.tandem.kv.FrameHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x12\n\nshm_offset\x18\x03 \x01(\x04\x12\x12\n\nshm_length\x18\x04 \x01(\x04\"\xde\x01\n\x06\x43ommit\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0btransfer_id\x18\x02 \x01(\x0c\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x15\n\rownership_tag\x18\x05 \x01(\x0c\x12\x13\n\x0b\x66rame_count\x18\x06 \x01(\r\x12\x16\n\x0etokens_covered\x18\x07 \x01(\r\x12\x0e\n\x06\x64igest\x18\x08 \x01(\x06\x12\x16\n\x0e\x66irst_token_id\x18\t \x01(\x05\x12\x15\n\rfirst_logprob\x18\n \x01(\x02\"\xa5\x01\n\x0bPushMessage\x12!\n\x05hello\x18\x01 \x01(\x0b\x32\x10.tandem.kv.HelloH\x00\x12!\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x10.tandem.kv.FrameH\x00\x12#\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x11.tandem.kv.CommitH\x00\x12#\n\x06\x66rames\x18\x04 \x01(\x0b\x32\x11.tandem.kv.FramesH\x00\x42\x06\n\x04kind\"*\n\x06\x46rames\x12 \n\x06\x66rames\x18\x01 \x03(\x0b\x32\x10.tandem.kv.Frame\"-\n\nHelloReply\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x89\x01\n\tPushReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x17\n\x0f\x66rames_accepted\x18\x04 \x01(\r\x12\x11\n\tcommitted\x18\x05 \x01(\x08\x12$\n\x05hello\x18\x06 \x01(\x0b\x32\x15.tandem.kv.HelloReply2z\n\nKvTransfer\x12\x34\n\tHandshake\x12\x10.tandem.kv.Hello\x1a\x15.tandem.kv.HelloReply\x12\x36\n\x04Push\x12\x16.tandem.kv.PushMessage\x1a\x14.tandem.kv.PushReply(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\ttandem.kv\"\x89\x01\n\x05Hello\x12\x10\n\x08versions\x18\x01 \x03(\r\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\x0f\n\x07streams\x18\x03 \x01(\r\x12\x14\n\x0cstream_index\x18\x04 \x01(\r\x12\x10\n\x08shm_name\x18\x05 \x01(\t\x12\x10\n\x08shm_size\x18\x06 \x01(\x04\x12\x13\n\x0btransfer_id\x18\x07 \x01(\x0c\"\x99\x02\n\x0b\x46rameHeader\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0btransfer_id\x18\x02 \x01(\x0c\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x15\n\rownership_tag\x18\x05 \x01(\x0c\x12\x0b\n\x03seq\x18\x06 \x01(\r\x12\x13\n\x0blayer_start\x18\x07 \x01(\r\x12\x11\n\tlayer_end\x18\x08 \x01(\r\x12\x12\n\npage_index\x18\t \x01(\r\x12\x13\n\x0b\x66irst_token\x18\n \x01(\r\x12\x12\n\nnum_tokens\x18\x0b \x01(\r\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\r\n\x05shape\x18\r \x03(\r\x12\x10\n\x08\x63hecksum\x18\x0e \x01(\x06\"h\n\x05\x46rame\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x16.tandem.kv.FrameHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x12\n\nshm_offset\x18\x03 \x01(\x04\x12\x12\n\nshm_length\x18\x04 \x01(\x04\"\xde\x01\n\x06\x43ommit\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0btransfer_id\x18\x02 \x01(\x0c\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x15\n\rownership_tag\x18\x05 \x01(\x0c\x12\x13\n\x0b\x66rame_count\x18\x06 \x01(\r\x12\x16\n\x0etokens_covered\x18\x07 \x01(\r\x12\x0e\n\x06\x64igest\x18\x08 \x01(\x06\x12\x16\n\x0e\x66irst_token_id\x18\t \x01(\x05\x12\x15\n\rfirst_logprob\x18\n \x01(\x02\"\xa5\x01\n\x0bPushMessage\x12!\n\x05hello\x18\x01 \x01(\x0b\x32\x10.tandem.kv.HelloH\x00\x12!\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x10.tandem.kv.FrameH\x00\x12#\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x11.tandem.kv.CommitH\x00\x12#\n\x06\x66rames\x18\x04 \x01(\x0b\x32\x11.tandem.kv.FramesH\x00\x42\x06\n\x04kind\"*\n\x06\x46rames\x12 \n\x06\x66rames\x18\x01 \x03(\x0b\x32\x10.tandem.kv.Frame\"-\n\nHelloReply\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x89\x01\n\tPushReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x17\n\x0f\x66rames_accepted\x18\x04 \x01(\r\x12\x11\n\tcommitted\x18\x05 \x01(\x08\x12$\n\x05hello\x18\x06 \x01(\x0b\x32\x15.tandem.kv.HelloReply2z\n\nKvTransfer\x12\x34\n\tHandshake\x12\x10.tandem.kv.Hello\x1a\x15.tandem.kv.HelloReply\x12\x36\n\x04Push\x12\x16.tandem.kv.PushMessage\x1a\x14.tandem.kv.PushReply(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_HELLO']._serialized_start=32
-  _globals['_HELLO']._serialized_end=148
-  _globals['_FRAMEHEADER']._serialized_start=151
-  _globals['_FRAMEHEADER']._serialized_end=432
-  _globals['_FRAME']._serialized_start=434
-  _globals['_FRAME']._serialized_end=538
-  _globals['_COMMIT']._serialized_start=541
-  _globals['_COMMIT']._serialized_end=763
-  _globals['_PUSHMESSAGE']._serialized_start=766
-  _globals['_PUSHMESSAGE']._serialized_end=931
-  _globals['_FRAMES']._serialized_start=933
-  _globals['_FRAMES']._serialized_end=975
-  _globals['_HELLOREPLY']._serialized_start=977
-  _globals['_HELLOREPLY']._serialized_end=1022
-  _globals['_PUSHREPLY']._serialized_start=1025
-  _globals['_PUSHREPLY']._serialized_end=1162
-  _globals['_KVTRANSFER']._serialized_start=1164
-  _globals['_KVTRANSFER']._serialized_end=1286
+  _globals['_HELLO']._serialized_start=33
+  _globals['_HELLO']._serialized_end=170
+  _globals['_FRAMEHEADER']._serialized_start=173
+  _globals['_FRAMEHEADER']._serialized_end=454
+  _globals['_FRAME']._serialized_start=456
+  _globals['_FRAME']._serialized_end=560
+  _globals['_COMMIT']._serialized_start=563
+  _globals['_COMMIT']._serialized_end=785
+  _globals['_PUSHMESSAGE']._serialized_start=788
+  _globals['_PUSHMESSAGE']._serialized_end=953
+  _globals['_FRAMES']._serialized_start=955
+  _globals['_FRAMES']._serialized_end=997
+  _globals['_HELLOREPLY']._serialized_start=999
+  _globals['_HELLOREPLY']._serialized_end=1044
+  _globals['_PUSHREPLY']._serialized_start=1047
+  _globals['_PUSHREPLY']._serialized_end=1184
+  _globals['_KVTRANSFER']._serialized_start=1186
+  _globals['_KVTRANSFER']._serialized_end=1308
 # @@protoc_insertion_point(module_scope)

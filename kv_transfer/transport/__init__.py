@@ -13,20 +13,21 @@ from __future__ import annotations
 from kv_transfer.transport.base import TransportConfig
 
 
-def connect(endpoint: str, config: TransportConfig | None = None, sender: str = ""):
-    """Open a stream to the receiver at `endpoint`; the capability handshake happens here and
-    raises TransferRefused(BAD_VERSION) when the two sides share no protocol version."""
+def connect(endpoint: str, transfer_id: bytes, config: TransportConfig | None = None, sender: str = ""):
+    """Open a stream for transfer `transfer_id` to the receiver at `endpoint`.  The capability
+    handshake happens here: TransferRefused(BAD_VERSION) when the two sides share no protocol
+    version, TransferRefused(TRANSPORT) when the receiver cannot be reached."""
     config = config or TransportConfig()
     scheme, _, rest = endpoint.partition("://")
     if scheme == "local":
         from kv_transfer.transport.local import LocalStream
-        return LocalStream(rest, sender)
+        return LocalStream(rest, transfer_id, sender, config.versions)
     if scheme == "shm":
         from kv_transfer.transport.shm import ShmStream
-        return ShmStream(rest, config, sender)
+        return ShmStream(rest, transfer_id, config, sender)
     if scheme == "grpc":
         from kv_transfer.transport.grpc_stream import GrpcStream
-        return GrpcStream(rest, config, sender)
+        return GrpcStream(rest, transfer_id, config, sender)
     raise ValueError(f"transfer endpoint {endpoint!r}: scheme must be local://, shm:// or grpc://")
 
 

@@ -50,6 +50,7 @@ class _Servicer(pb_grpc.KvTransferServicer):
                 raise TransferRefused(Refusal.BAD_VERSION, "a stream must open with Hello")
             self.receiver.hello(list(first.hello.versions))
             side = first.hello.stream_index > 0
+            seen.add(first.hello.transfer_id)
             for msg in request_iterator:
                 kind = msg.WhichOneof("kind")
                 if kind == "commit":

@@ -42,7 +42,7 @@ def _refused(reply: pb.PushReply) -> TransferRefused:
 class _Lane:
     """One client stream: a bounded queue of messages feeding `Push`."""
 
-    def __init__(self, target: str, config: TransportConfig, index: int, sender: str):
+    def __init__(self, target: str, transfer_id: bytes, config: TransportConfig, index: int, sender: str):
         self.channel = grpc.insecure_channel(target, options=channel_options(config, index))
         stub = pb_grpc.KvTransferStub(self.channel)
         if index == 0:
@@ -57,7 +57,7 @@ class _Lane:
                 raise TransferRefused(Refusal.BAD_VERSION, reply.reason)
         self._q: queue.Queue = queue.Queue(maxsize=config.queue_messages)
         hello = pb.Hello(versions=list(config.versions), sender=sender, streams=config.streams,
-                         stream_index=index)
+                         stream_index=index, transfer_id=transfer_id)
         self.future = stub.Push.future(self._messages(pb.PushMessage(hello=hello)),
                                        timeout=config.deadline_s)
         self.pending: list[pb.Frame] = []
@@ -102,10 +102,10 @@ class _Lane:
 
 
 class GrpcStream:
-    def __init__(self, target: str, config: TransportConfig, sender: str = ""):
+    def __init__(self, target: str, transfer_id: bytes, config: TransportConfig, sender: str = ""):
         self.config = config
-        self._lanes = [_Lane(target, config, 0, sender)]
-        self._lanes += [_Lane(target, config, i, sender) for i in range(1, config.streams)]
+        self._lanes = [_Lane(target, transfer_id, config, 0, sender)]
+        self._lanes += [_Lane(target, transfer_id, config, i, sender) for i in range(1, config.streams)]
         self._staging = StagingBuffer()
         self._next = 0
         self.closed = False

@@ -37,14 +37,14 @@ class LocalServer:
 
 
 class LocalStream:
-    def __init__(self, name: str, sender: str = "", versions=SUPPORTED_VERSIONS):
+    def __init__(self, name: str, transfer_id: bytes, sender: str = "", versions=SUPPORTED_VERSIONS):
         with _LOCK:
             self._receiver = _ENDPOINTS.get(name)
         if self._receiver is None:
             raise TransferRefused(Refusal.TRANSPORT, f"no local transfer endpoint {name!r}")
         self.version = self._receiver.hello(list(versions))
         self._staging = StagingBuffer()
-        self._open: set[bytes] = set()
+        self._open: set[bytes] = {transfer_id}
         self.closed = False
 
     def stage(self, nbytes: int) -> torch.Tensor:

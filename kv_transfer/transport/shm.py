@@ -69,6 +69,7 @@ class ShmTransferServer:
                 send_msg(conn, pb.PushReply(ok=False, reason=Refusal.BAD_VERSION.value, detail=e.detail,
                                             hello=pb.HelloReply(version=0, reason=e.detail)))
                 return
+            seen.add(first.hello.transfer_id)
             shm = _map_segment(first.hello.shm_name)
             send_msg(conn, pb.PushReply(ok=True, hello=pb.HelloReply(version=version)))
             self._frames(conn, shm, seen)
@@ -133,7 +134,7 @@ def _map_segment(name: str) -> mmap.mmap:
 
 
 class ShmStream:
-    def __init__(self, path: str, config: TransportConfig, sender: str = ""):
+    def __init__(self, path: str, transfer_id: bytes, config: TransportConfig, sender: str = ""):
         self.config = config
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(config.deadline_s)
@@ -150,7 +151,7 @@ class ShmStream:
         try:
             send_msg(self._sock, pb.PushMessage(hello=pb.Hello(
                 versions=list(config.versions), sender=sender, shm_name=self._shm.name,
-                shm_size=self._shm.size)))
+                shm_size=self._shm.size, transfer_id=transfer_id)))
             reply = recv_msg(self._sock, pb.PushReply)
         except OSError as e:
             self.close()

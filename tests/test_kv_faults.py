@@ -1,0 +1,121 @@
+"""The fault hooks: each named injection point produces the refusal the receiver must
+report (or, for reorder and delay, a transfer that still succeeds)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kv_transfer.errors import Refusal, TransferRefused
+from kv_transfer.faults import POINTS, FaultInjector
+from kv_transfer.receiver import TransferReceiver
+from kv_transfer.reservation import State
+from kv_transfer.sender import TransferSender, TransferTicket
+from kv_transfer.transport import connect
+from kv_transfer.transport.local import LocalServer
+from tests.kv_helpers import LAYERS, SECRET, make_pool, pages_equal
+
+PROMPT = 18     # 5 pages
+
+
+@pytest.fixture
+def cluster():
+    src, dst = make_pool(64, seed=1), make_pool(64, seed=2)
+    recv = TransferReceiver(dst, SECRET)
+    server = LocalServer(recv, f"faults-{id(recv)}")
+    yield src, dst, recv, server
+    server.stop()
+    dst.check_integrity()
+    assert dst.num_free == dst.num_pages
+
+
+def open_transfer(src, dst, recv, server, rid, faults):
+    src.allocate(rid, src.pages_for(PROMPT))
+    dst.allocate(rid, dst.pages_for(PROMPT) + 1)
+    res = recv.reserve(rid, "acme", PROMPT)
+    sender = TransferSender(connect(server.endpoint, res.transfer_id),
+                            TransferTicket(res.transfer_id, rid, "acme"), SECRET, src,
+                            src.page_table(rid), PROMPT, faults=faults)
+    return res, sender
+
+
+def run(sender) -> TransferRefused | None:
+    try:
+        sender.send_layers(0, LAYERS)
+        sender.commit(3, -0.1)
+    except TransferRefused as e:
+        return e
+    return None
+
+
+def end(src, dst, recv, res, rid):
+    recv.release(res.transfer_id)
+    dst.free(rid)
+    src.free(rid)
+
+
+@pytest.mark.parametrize("point, reason", [
+    ("corrupt_payload", Refusal.BAD_CHECKSUM),
+    ("alter_header", Refusal.BAD_CHECKSUM),
+    ("drop", Refusal.INCOMPLETE),
+    ("duplicate", Refusal.DUPLICATE),
+    ("commit_early", Refusal.INCOMPLETE),
+    ("replay_foreign", Refusal.BAD_TAG),
+    ("cut", Refusal.STREAM_CLOSED),
+    ("reorder", None),
+    ("delay", None),
+])
+def test_each_point_is_caught_with_its_code(cluster, point, reason):
+    src, dst, recv, server = cluster
+    faults = FaultInjector(seed=1)
+    first, sender = open_transfer(src, dst, recv, server, "warm", faults)
+    assert run(sender) is None                            # an earlier transfer to replay from
+    faults.arm(point, after=1, seconds=0.05)
+    res, sender = open_transfer(src, dst, recv, server, "victim", faults)
+    err = run(sender)
+    assert faults.fired[point] == 1
+    if reason is None:
+        assert err is None and res.state == State.COMMITTED
+        assert pages_equal(src, dst, "victim", PROMPT)
+    else:
+        assert err is not None and res.state == State.FAILED and res.reason == reason, (err, res.reason)
+        assert recv.refused[reason.value] >= 1
+    end(src, dst, recv, res, "victim")
+    end(src, dst, recv, first, "warm")
+
+
+def test_a_stale_replay_is_refused_and_spares_the_live_transfer(cluster):
+    src, dst, recv, server = cluster
+    faults = FaultInjector()
+    old, sender = open_transfer(src, dst, recv, server, "old", faults)
+    assert run(sender) is None
+    end(src, dst, recv, old, "old")                      # finished and released
+    faults.arm("replay_stale")
+    res, sender = open_transfer(src, dst, recv, server, "new", faults)
+    err = run(sender)
+    assert err is not None and err.reason == Refusal.EXPIRED
+    assert recv.refused[Refusal.EXPIRED.value] == 1
+    end(src, dst, recv, res, "new")
+
+
+def test_swapped_pages_fail_both_transfers(cluster):
+    src, dst, recv, server = cluster
+    faults = FaultInjector()
+    faults.arm("swap_pages")
+    a, sa = open_transfer(src, dst, recv, server, "a", faults)
+    b, sb = open_transfer(src, dst, recv, server, "b", faults)
+    sa.send_page(0, 0, LAYERS)                            # held until a partner comes
+    with pytest.raises(TransferRefused) as e:
+        sb.send_page(0, 0, LAYERS)                        # a gets b's bytes, b gets a's
+    assert e.value.reason == Refusal.BAD_CHECKSUM
+    assert a.reason == b.reason == Refusal.BAD_CHECKSUM and faults.fired["swap_pages"] == 2
+    end(src, dst, recv, a, "a")
+    end(src, dst, recv, b, "b")
+
+
+def test_arming_checks_its_arguments():
+    faults = FaultInjector()
+    with pytest.raises(ValueError, match="unknown fault point 'melt'"):
+        faults.arm("melt")
+    with pytest.raises(ValueError, match="probability=0"):
+        faults.arm("drop", probability=0)
+    assert set(POINTS) >= {"corrupt_payload", "swap_pages", "replay_stale", "cut"}
