@@ -12,7 +12,9 @@ ownership: that belongs to the pool's owner.
 from __future__ import annotations
 
 import warnings
+import weakref
 
+import numpy as np
 import torch
 
 from engine.kv_pool import PagePool
@@ -48,35 +50,47 @@ def as_bytes(t: torch.Tensor) -> memoryview:
 def read_block(pool: PagePool, page: int, l0: int, l1: int, n: int,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """Copy kv[l0:l1, :, page, :n] into `out` (a CPU uint8 tensor of the block's size) or a new
-    CPU tensor; returns it with the block's dtype and shape."""
-    src = pool.kv[l0:l1, :, page, :n]
+    CPU tensor; returns `out`."""
     if out is None:
-        pin = pool.kv.device.type == "cuda"
-        out = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+        out = torch.empty(block_nbytes(pool, l0, l1, n), dtype=torch.uint8,
+                          pin_memory=pool.kv.device.type == "cuda")
+    if pool.kv.device.type == "cpu":
+        src = pool_bytes(pool)[l0:l1, :, page, :n]
+        np.copyto(out.numpy().reshape(src.shape), src)
     else:
-        out = out.view(src.dtype).view(src.shape)
-    out.copy_(src)
+        src = pool.kv[l0:l1, :, page, :n]
+        out.view(src.dtype).view(src.shape).copy_(src)
     return out
 
 
-def view_payload(payload, pool: PagePool, l0: int, l1: int, n: int) -> torch.Tensor:
-    """A payload buffer seen as the block it carries (no copy; the caller checked its size)."""
+def write_payload(pool: PagePool, page: int, l0: int, l1: int, n: int, payload) -> None:
+    """kv[l0:l1, :, page, :n] = the block `payload` carries (the caller checked its size)."""
+    if pool.kv.device.type == "cpu":
+        dst = pool_bytes(pool)[l0:l1, :, page, :n]
+        np.copyto(dst, np.frombuffer(payload, dtype=np.uint8).reshape(dst.shape))
+        return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only buffers: the tensor is only read
         flat = torch.frombuffer(payload, dtype=torch.uint8)
-    return flat.view(pool.kv.dtype).view(block_shape(pool, l0, l1, n))
+    block = flat.view(pool.kv.dtype).view(block_shape(pool, l0, l1, n))
+    pool.kv[l0:l1, :, page, :n].copy_(block)
 
 
-def write_block(pool: PagePool, page: int, l0: int, l1: int, block: torch.Tensor) -> None:
-    """kv[l0:l1, :, page, :n] = block (on the pool's device)."""
-    pool.kv[l0:l1, :, page, :block.shape[2]].copy_(block, non_blocking=False)
+_BYTES: "weakref.WeakKeyDictionary[PagePool, np.ndarray]" = weakref.WeakKeyDictionary()
+
+
+def pool_bytes(pool: PagePool) -> np.ndarray:
+    """The CPU pool's storage as a uint8 array [L, 2, P, S, Hkv, D * itemsize] (no copy, cached)."""
+    arr = _BYTES.get(pool)
+    if arr is None:
+        kv = pool.kv
+        arr = _BYTES[pool] = kv.view(torch.uint8).numpy().reshape(*kv.shape[:-1], -1)
+    return arr
 
 
 def block_parts(pool: PagePool, page: int, l0: int, l1: int, n: int) -> list[memoryview]:
     """The bytes of kv[l0:l1, :, page, :n] where they lie, as contiguous parts in payload order."""
-    block = pool.kv[l0:l1, :, page, :n]
-    if block.device.type != "cpu":
-        return [as_bytes(block.cpu())]
-    if block.is_contiguous():
-        return [as_bytes(block)]
-    return [as_bytes(block[i, j]) for i in range(block.shape[0]) for j in range(2)]
+    if pool.kv.device.type != "cpu":
+        return [as_bytes(pool.kv[l0:l1, :, page, :n].cpu())]
+    arr = pool_bytes(pool)
+    return [memoryview(arr[layer, j, page, :n]) for layer in range(l0, l1) for j in (0, 1)]

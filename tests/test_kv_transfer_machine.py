@@ -84,11 +84,13 @@ class TransferMachine(RuleBasedStateMachine):
         if rid is None:
             return
         t = self.live[rid]
-        h, p = t.frames[data.draw(st.integers(0, len(t.frames) - 1))]
+        i = data.draw(st.integers(0, len(t.frames) - 1))
+        h, p = t.frames[i]
         if kind == "corrupt":
             bad = bytearray(p)
             bad[-1] ^= 0x80
-            call, reason = (lambda: self.recv.receive(h, bytes(bad))), Refusal.BAD_CHECKSUM
+            reason = Refusal.DUPLICATE if i in self.sent[rid] else Refusal.BAD_CHECKSUM
+            call = lambda: self.recv.receive(h, bytes(bad))  # noqa: E731
         elif kind == "range":
             h2 = copy_header(h, page_index=len(t.res.pages))
             call, reason = (lambda: self.recv.receive(h2, p)), Refusal.OUT_OF_RANGE

@@ -9,6 +9,7 @@ every other stream has ended and reported its frames accepted.
 from __future__ import annotations
 
 import queue
+import threading
 
 import grpc
 import torch
@@ -20,6 +21,27 @@ from proto import kv_transfer_pb2 as pb
 from proto import kv_transfer_pb2_grpc as pb_grpc
 
 _END = object()
+_CHANNELS: dict[tuple, grpc.Channel] = {}
+_CHANNELS_LOCK = threading.Lock()
+
+
+def _channel(target: str, config: TransportConfig, lane: int) -> grpc.Channel:
+    """One long-lived channel per (target, lane, settings): connections are reused across
+    transfers, so a transfer pays no TCP or HTTP/2 set-up."""
+    key = (target, lane, config)
+    with _CHANNELS_LOCK:
+        ch = _CHANNELS.get(key)
+        if ch is None:
+            ch = _CHANNELS[key] = grpc.insecure_channel(target, options=channel_options(config, lane))
+        return ch
+
+
+def close_channels() -> None:
+    """Close every cached channel (tests, shutdown)."""
+    with _CHANNELS_LOCK:
+        for ch in _CHANNELS.values():
+            ch.close()
+        _CHANNELS.clear()
 
 
 def channel_options(config: TransportConfig, lane: int) -> list[tuple[str, object]]:
@@ -43,17 +65,14 @@ class _Lane:
     """One client stream: a bounded queue of messages feeding `Push`."""
 
     def __init__(self, target: str, transfer_id: bytes, config: TransportConfig, index: int, sender: str):
-        self.channel = grpc.insecure_channel(target, options=channel_options(config, index))
-        stub = pb_grpc.KvTransferStub(self.channel)
+        stub = pb_grpc.KvTransferStub(_channel(target, config, index))
         if index == 0:
             try:
                 reply = stub.Handshake(pb.Hello(versions=list(config.versions), sender=sender),
                                        timeout=config.deadline_s, wait_for_ready=False)
             except grpc.RpcError as e:
-                self.channel.close()
                 raise TransferRefused(Refusal.TRANSPORT, f"{target}: {e.code().name} {e.details()}") from e
             if reply.version == 0:
-                self.channel.close()
                 raise TransferRefused(Refusal.BAD_VERSION, reply.reason)
         self._q: queue.Queue = queue.Queue(maxsize=config.queue_messages)
         hello = pb.Hello(versions=list(config.versions), sender=sender, streams=config.streams,
@@ -140,7 +159,7 @@ class GrpcStream:
             self.close()
             raise
         finally:
-            self._shutdown()
+            self.closed = True
 
     def close(self) -> None:
         """Cut every stream (the receiver fails the transfer: STREAM_CLOSED)."""
@@ -152,9 +171,3 @@ class GrpcStream:
                     lane._q.put_nowait(_END)      # unblock the request iterator's thread
                 except queue.Full:
                     pass
-            self._shutdown()
-
-    def _shutdown(self) -> None:
-        self.closed = True
-        for lane in self._lanes:
-            lane.channel.close()

@@ -1,0 +1,180 @@
+"""KV transfer throughput: one 64 MiB transfer through each transport, against raw memcpy
+and a raw loopback TCP socket measured in the same run.
+
+    python -m bench.transfer [--json] [--repeats 5] [--streams 2] [--message-kib 4096]
+
+The shape is a large model's cache (bench/transfer_shape.py: 32 layers, 8 KV heads, head
+dim 128, bf16, 16-token pages, 512 prompt tokens = 64 MiB), sent in frames of 4 layers of
+one page as prefill would produce them.  `local` runs in this process; `shm`, `grpc` and
+`tcp` cross to a second process (bench/transfer_peer.py).  A transfer's time runs from
+opening the stream to the commit's acknowledgement, and its bytes are checked: the
+receiver's pages must hash as the sender's.  Each figure is the median of `--repeats`.
+
+checksum_overhead: time spent on checksums and tags (sender checksums + the receiver's
+verification and post-commit re-checksum, summed although the two processes run at the
+same time) as a share of the gRPC transfer's wall time.  Rates are GB/s (10^9 bytes/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from bench.transfer_shape import LAYER_GROUP, PROMPT_TOKENS, SHAPE, make_pool, payload_bytes, pool_digest
+from kv_transfer.frame import new_cluster_secret
+from kv_transfer.receiver import TransferReceiver
+from kv_transfer.sender import TransferSender, TransferTicket
+from kv_transfer.transport import TransportConfig, connect
+from kv_transfer.transport.local import LocalServer
+
+
+class Peer:
+    """The receiving process."""
+
+    def __init__(self, kind: str, secret: bytes, config: dict, path: str = ""):
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.transfer_peer", kind, secret.hex(),
+                                      json.dumps(config), path], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.endpoint = self._read()["endpoint"]
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"transfer peer exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def ask(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def push(src, secret, endpoint, tid: bytes, rid: str, config: TransportConfig) -> tuple[float, float]:
+    """One whole transfer; returns (seconds, sender checksum seconds)."""
+    t0 = time.perf_counter()
+    stream = connect(endpoint, tid, config)
+    sender = TransferSender(stream, TransferTicket(tid, rid, "bench"), secret, src,
+                            src.page_table("s"), PROMPT_TOKENS)
+    for l0 in range(0, SHAPE["layers"], LAYER_GROUP):
+        sender.send_layers(l0, l0 + LAYER_GROUP)
+    reply = sender.commit(1, -0.5)
+    dt = time.perf_counter() - t0
+    assert reply.committed, reply
+    return dt, sender.checksum_s
+
+
+def run_memcpy(nbytes: int, repeats: int) -> list[float]:
+    a = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def run_tcp(secret: bytes, nbytes: int, repeats: int) -> list[float]:
+    peer = Peer("tcp", secret, {})
+    data = memoryview(bytearray(os.urandom(1 << 20)) * (nbytes >> 20))
+    times = []
+    try:
+        for _ in range(repeats):
+            port = peer.ask(cmd="sink", nbytes=nbytes)["port"]
+            t0 = time.perf_counter()
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                for off in range(0, nbytes, 1 << 20):
+                    s.sendall(data[off:off + (1 << 20)])
+                assert s.recv(1) == b"k"
+            times.append(time.perf_counter() - t0)
+    finally:
+        peer.stop()
+    return times
+
+
+def run_local(src, secret, want: int, config, repeats: int) -> list[float]:
+    dst = make_pool(seed=2)
+    recv = TransferReceiver(dst, secret)
+    server = LocalServer(recv, "bench")
+    times = []
+    for i in range(repeats):
+        rid = f"r{i}"
+        dst.allocate(rid, dst.pages_for(PROMPT_TOKENS))
+        res = recv.reserve(rid, "bench", PROMPT_TOKENS)
+        times.append(push(src, secret, server.endpoint, res.transfer_id, rid, config)[0])
+        assert pool_digest(dst, dst.page_table(rid), PROMPT_TOKENS) == want, "local: bytes differ"
+        recv.release(res.transfer_id)
+        dst.free(rid)
+    server.stop()
+    return times
+
+
+def run_remote(kind, src, secret, want, config, repeats, path="") -> tuple[list[float], list[float]]:
+    peer = Peer(kind, secret, config.__dict__ if kind == "grpc" else {}, path)
+    times, overhead = [], []
+    try:
+        for i in range(repeats):
+            rid = f"r{i}"
+            tid = bytes.fromhex(peer.ask(cmd="reserve", rid=rid, prompt_len=PROMPT_TOKENS)["transfer_id"])
+            dt, send_ck = push(src, secret, peer.endpoint, tid, rid, config)
+            got = peer.ask(cmd="digest", rid=rid)
+            assert got["state"] == "COMMITTED" and got["xxh3"] == want, f"{kind}: bytes differ"
+            times.append(dt)
+            overhead.append((send_ck + got["checksum_s"]) / dt)
+            peer.ask(cmd="release", rid=rid)
+    finally:
+        peer.stop()
+    return times, overhead
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--streams", type=int, default=TransportConfig.streams)
+    ap.add_argument("--message-kib", type=int, default=TransportConfig.message_bytes >> 10)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    secret = new_cluster_secret()
+    src = make_pool(seed=1)
+    src.allocate("s", src.pages_for(PROMPT_TOKENS))
+    nbytes = payload_bytes(src)
+    want = pool_digest(src, src.page_table("s"), PROMPT_TOKENS)
+    config = TransportConfig(streams=args.streams, message_bytes=args.message_kib << 10)
+    gbps = lambda times: nbytes / statistics.median(times) / 1e9  # noqa: E731
+    r = {"payload_mib": nbytes / 2**20, "shape": SHAPE, "units": "GB/s (1e9 bytes/s)",
+         "streams": config.streams, "message_kib": args.message_kib, "repeats": args.repeats}
+    r["memcpy_gbps"] = gbps(run_memcpy(nbytes, args.repeats))
+    r["tcp_gbps"] = gbps(run_tcp(secret, nbytes, args.repeats))
+    r["local_gbps"] = gbps(run_local(src, secret, want, config, args.repeats))
+    with tempfile.TemporaryDirectory() as tmp:
+        r["shm_gbps"] = gbps(run_remote("shm", src, secret, want, config, args.repeats,
+                                        os.path.join(tmp, "kv.sock"))[0])
+    times, overhead = run_remote("grpc", src, secret, want, config, args.repeats)
+    r["grpc_gbps"] = gbps(times)
+    r["checksum_overhead"] = statistics.median(overhead)
+    r["shm_vs_memcpy"] = r["shm_gbps"] / r["memcpy_gbps"]
+    r["grpc_vs_tcp"] = r["grpc_gbps"] / r["tcp_gbps"]
+    if args.json:
+        print(json.dumps(r, indent=2))
+    else:
+        for k, v in r.items():
+            print(f"{k:20s} {v:.3f}" if isinstance(v, float) else f"{k:20s} {v}")
+
+
+if __name__ == "__main__":
+    main()
