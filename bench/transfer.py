@@ -1,7 +1,7 @@
 """KV transfer throughput: one 64 MiB transfer through each transport, against raw memcpy
 and a raw loopback TCP socket measured in the same run.
 
-    python -m bench.transfer [--json] [--repeats 5] [--streams 2] [--message-kib 4096]
+    python -m bench.transfer [--json] [--repeats 7] [--streams 1] [--message-kib 1024]
 
 The shape is a large model's cache (bench/transfer_shape.py: 32 layers, 8 KV heads, head
 dim 128, bf16, 16-token pages, 512 prompt tokens = 64 MiB), sent in frames of 4 layers of
@@ -123,7 +123,7 @@ def run_local(src, secret, want: int, config, repeats: int) -> list[float]:
     return times
 
 
-def run_remote(kind, src, secret, want, config, repeats, path="") -> tuple[list[float], list[float]]:
+def run_remote(kind, src, secret, want, config, repeats, path="") -> tuple[list[float], list[tuple]]:
     peer = Peer(kind, secret, config.__dict__ if kind == "grpc" else {}, path)
     times, overhead = [], []
     try:
@@ -134,7 +134,7 @@ def run_remote(kind, src, secret, want, config, repeats, path="") -> tuple[list[
             got = peer.ask(cmd="digest", rid=rid)
             assert got["state"] == "COMMITTED" and got["xxh3"] == want, f"{kind}: bytes differ"
             times.append(dt)
-            overhead.append((send_ck + got["checksum_s"]) / dt)
+            overhead.append(((send_ck + got["checksum_s"]) / dt, send_ck / dt, got["checksum_s"] / dt))
             peer.ask(cmd="release", rid=rid)
     finally:
         peer.stop()
@@ -144,7 +144,7 @@ def run_remote(kind, src, secret, want, config, repeats, path="") -> tuple[list[
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--streams", type=int, default=TransportConfig.streams)
     ap.add_argument("--message-kib", type=int, default=TransportConfig.message_bytes >> 10)
     args = ap.parse_args()
@@ -166,7 +166,9 @@ def main() -> None:
                                         os.path.join(tmp, "kv.sock"))[0])
     times, overhead = run_remote("grpc", src, secret, want, config, args.repeats)
     r["grpc_gbps"] = gbps(times)
-    r["checksum_overhead"] = statistics.median(overhead)
+    r["checksum_overhead"] = statistics.median(o[0] for o in overhead)
+    r["checksum_overhead_sender"] = statistics.median(o[1] for o in overhead)
+    r["checksum_overhead_receiver"] = statistics.median(o[2] for o in overhead)
     r["shm_vs_memcpy"] = r["shm_gbps"] / r["memcpy_gbps"]
     r["grpc_vs_tcp"] = r["grpc_gbps"] / r["tcp_gbps"]
     if args.json:

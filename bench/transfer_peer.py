@@ -47,7 +47,7 @@ def main() -> None:
     recv = TransferReceiver(pool, secret, timeout_s=600)
     config = TransportConfig(**json.loads(arg)) if kind == "grpc" else None
     if kind == "shm":
-        from kv_transfer.transport.shm import ShmTransferServer
+        from kv_transfer.transport.shm_server import ShmTransferServer
         server = ShmTransferServer(recv, sys.argv[4])
     elif kind == "grpc":
         from kv_transfer.transport.grpc_server import GrpcTransferServer

@@ -85,15 +85,14 @@ class FaultInjector:
             held = self._held.pop(ticket.transfer_id, [])
             earlier = next((e for e in reversed(self._earlier) if e[0] != ticket.transfer_id), None)
             if not any(e[0] == ticket.transfer_id for e in self._earlier):
-                self._earlier.append((ticket.transfer_id, _copy(h), payload.clone()))
+                self._earlier.append((ticket.transfer_id, _copy(h), _keep(payload)))
         if actions.get("delay"):
             time.sleep(actions["delay"].seconds)
         if actions.get("cut"):
             stream.close()
             raise TransferRefused(Refusal.TRANSPORT, "stream cut by fault injection")
         if actions.get("corrupt_payload"):
-            payload = payload.clone()
-            payload.view(torch.uint8).view(-1)[0] ^= 1
+            payload = _flipped(payload)
         if actions.get("alter_header"):
             h = _copy(h)
             h.seq += 1000
@@ -103,7 +102,7 @@ class FaultInjector:
         if actions.get("reorder"):
             with self._lock:
                 self._held.setdefault(ticket.transfer_id, []).extend(
-                    (fh, fp.clone()) for fh, fp in out)          # the staging buffer is reused
+                    (fh, _keep(fp)) for fh, fp in out)          # the staging buffer is reused
             out = []
         if actions.get("duplicate"):
             out = out + out
@@ -129,13 +128,13 @@ class FaultInjector:
                 self._rules["swap_pages"].times += 1
                 if partner is not None:
                     return True                          # same transfer: send unchanged
-                self._swap = (ticket, h, payload.clone(), stream)
+                self._swap = (ticket, h, _keep(payload), stream)
                 return False
             self._swap = None
             self.fired["swap_pages"] += 1                # two frames corrupted, one per transfer
         _, ph, pp, pstream = partner
         try:
-            pstream.send(ph, payload.clone())             # the partner's header with our bytes
+            pstream.send(ph, _keep(payload))             # the partner's header with our bytes
         except TransferRefused:
             pass                                          # the partner's sender learns it itself
         out[0] = (h, pp)
@@ -151,6 +150,22 @@ class FaultInjector:
                 self._swap = None
         for h, p in held:
             stream.send(h, p)
+
+
+def _keep(p):
+    """A payload that outlives the stream's staging buffer."""
+    return p.clone() if isinstance(p, torch.Tensor) else p
+
+
+def _flipped(p):
+    """The payload with its first bit flipped (a copy)."""
+    if isinstance(p, torch.Tensor):
+        p = p.clone()
+        p.view(torch.uint8).view(-1)[0] ^= 1
+        return p
+    b = bytearray(p)
+    b[0] ^= 1
+    return bytes(b)
 
 
 def _copy(h: pb.FrameHeader) -> pb.FrameHeader:

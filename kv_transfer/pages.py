@@ -47,6 +47,20 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+Payload = torch.Tensor | bytes     # a staged uint8 tensor, or bytes for transports that want them
+
+
+def payload_view(p: Payload) -> memoryview:
+    return as_bytes(p) if isinstance(p, torch.Tensor) else memoryview(p)
+
+
+def read_bytes(pool: PagePool, page: int, l0: int, l1: int, n: int) -> bytes:
+    """kv[l0:l1, :, page, :n] gathered straight into a new bytes object (one copy)."""
+    if pool.kv.device.type == "cpu":
+        return pool_bytes(pool)[l0:l1, :, page, :n].tobytes()
+    return as_bytes(read_block(pool, page, l0, l1, n)).tobytes()
+
+
 def read_block(pool: PagePool, page: int, l0: int, l1: int, n: int,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """Copy kv[l0:l1, :, page, :n] into `out` (a CPU uint8 tensor of the block's size) or a new

@@ -19,7 +19,8 @@ import torch
 
 from engine.kv_pool import PagePool
 from kv_transfer.frame import PROTOCOL_VERSION, commit_digest, frame_checksum, ownership_tag
-from kv_transfer.pages import as_bytes, block_nbytes, block_shape, dtype_name, read_block
+from kv_transfer.pages import (Payload, block_nbytes, block_shape, dtype_name, payload_view,
+                               read_block, read_bytes)
 from proto import kv_transfer_pb2 as pb
 
 
@@ -34,11 +35,12 @@ class TransferTicket:
 class SenderStream(Protocol):
     """One open stream to a receiver (see kv_transfer.transport)."""
 
-    def stage(self, nbytes: int) -> torch.Tensor:
-        """A CPU uint8 buffer of `nbytes` to gather the next payload into."""
+    def stage(self, nbytes: int) -> torch.Tensor | None:
+        """A CPU uint8 buffer of `nbytes` to gather the next payload into, or None when the
+        stream wants the payload as a bytes object."""
 
-    def send(self, header: pb.FrameHeader, payload: torch.Tensor) -> None:
-        """Send one frame (payload: the staged buffer).  May raise TransferRefused."""
+    def send(self, header: pb.FrameHeader, payload: Payload) -> None:
+        """Send one frame (payload: the staged buffer, or bytes).  May raise TransferRefused."""
 
     def commit(self, commit: pb.Commit) -> pb.PushReply:
         """Send the commit and wait for the outcome; raises TransferRefused if refused."""
@@ -80,10 +82,14 @@ class TransferSender:
         if self._early_commit:
             return                   # a fault injector committed this transfer early
         h = self.header(page_index, l0, l1)
-        buf = self.stream.stage(block_nbytes(self.pool, l0, l1, h.num_tokens))
-        read_block(self.pool, self.page_table[page_index], l0, l1, h.num_tokens, out=buf)
+        page, n = self.page_table[page_index], h.num_tokens
+        buf = self.stream.stage(block_nbytes(self.pool, l0, l1, n))
+        if buf is None:
+            buf = read_bytes(self.pool, page, l0, l1, n)
+        else:
+            read_block(self.pool, page, l0, l1, n, out=buf)
         t0 = time.perf_counter()
-        h.checksum = frame_checksum(h, [as_bytes(buf)])
+        h.checksum = frame_checksum(h, [payload_view(buf)])
         self.checksum_s += time.perf_counter() - t0
         self.checksums.append(h.checksum)
         if self.faults is None:

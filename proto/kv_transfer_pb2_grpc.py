@@ -50,8 +50,7 @@ class KvTransferServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Handshake(self, request, context):
-        """Client streaming: Hello, then frames, then Commit.  One reply at the end.
-        The capability handshake, once per connection, before any stream: fails closed when the
+        """The capability handshake, once per connection, before any stream: fails closed when the
         two sides share no protocol version.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -59,7 +58,11 @@ class KvTransferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Push(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
+        """Client streaming: Hello, then frames, then Commit; one reply at the end.  Each request
+        message travels as [u32 length][PushMessage][the payloads of its frames] (a gRPC custom
+        serializer in kv_transfer/transport/framing.py: the payload bytes are never copied into
+        or out of a protobuf message), so the generated stub for Push is not used.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -15,9 +15,9 @@ from kv_transfer.reservation import State
 from kv_transfer.sender import TransferSender, TransferTicket
 from kv_transfer.transport import TransportConfig, connect
 from kv_transfer.transport.grpc_server import GrpcTransferServer
-from kv_transfer.transport.grpc_stream import close_channels
+from kv_transfer.transport import grpc_stream, shm
 from kv_transfer.transport.local import LocalServer
-from kv_transfer.transport.shm import ShmTransferServer
+from kv_transfer.transport.shm_server import ShmTransferServer
 from tests.kv_helpers import LAYERS, SECRET, make_pool, pages_equal
 
 KINDS = {
@@ -142,7 +142,8 @@ def test_a_cut_stream_fails_the_transfer(served):
 @pytest.fixture(autouse=True, scope="module")
 def _close_cached_channels():
     yield
-    close_channels()
+    grpc_stream.close_channels()
+    shm.close_channels()
 
 
 def test_a_stalled_but_healthy_grpc_receiver_is_not_cut():

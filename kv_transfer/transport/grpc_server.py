@@ -8,6 +8,7 @@ import grpc
 
 from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.receiver import TransferReceiver
+from kv_transfer.transport import framing
 from kv_transfer.transport.base import TransportConfig
 from proto import kv_transfer_pb2 as pb
 from proto import kv_transfer_pb2_grpc as pb_grpc
@@ -45,23 +46,25 @@ class _Servicer(pb_grpc.KvTransferServicer):
         accepted = 0
         side = False
         try:
-            first = next(request_iterator, None)
+            data = next(request_iterator, None)
+            first = framing.decode(data)[0] if data is not None else None
             if first is None or first.WhichOneof("kind") != "hello":
                 raise TransferRefused(Refusal.BAD_VERSION, "a stream must open with Hello")
             self.receiver.hello(list(first.hello.versions))
             side = first.hello.stream_index > 0
             seen.add(first.hello.transfer_id)
-            for msg in request_iterator:
-                kind = msg.WhichOneof("kind")
-                if kind == "commit":
+            for data in request_iterator:
+                msg, payloads = framing.decode(data)
+                if msg.WhichOneof("kind") == "commit":
                     res = self.receiver.commit(msg.commit)
                     seen.discard(msg.commit.transfer_id)
                     return pb.PushReply(ok=True, committed=True, frames_accepted=len(res.frames))
-                for f in (msg.frames.frames if kind == "frames" else [msg.frame]):
+                for f, payload in zip(framing.frames_of(msg), payloads):
                     seen.add(f.header.transfer_id)
-                    self.receiver.receive(f.header, f.payload)
+                    self.receiver.receive(f.header, payload)
                     accepted += 1
         except TransferRefused as e:
+            self._close(seen)            # a stream that refused ends: its transfers with it
             reason = getattr(e.reason, "value", str(e.reason))
             return pb.PushReply(ok=False, reason=reason, detail=e.detail, frames_accepted=accepted)
         except Exception as e:  # the client went away (cancelled, deadline, connection lost)
@@ -87,7 +90,15 @@ class GrpcTransferServer:
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                              thread_name_prefix="kv-recv"),
                                   options=server_options(self.config))
-        pb_grpc.add_KvTransferServicer_to_server(_Servicer(receiver), self.server)
+        servicer = _Servicer(receiver)
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("tandem.kv.KvTransfer", {
+            "Handshake": grpc.unary_unary_rpc_method_handler(
+                servicer.Handshake, request_deserializer=pb.Hello.FromString,
+                response_serializer=pb.HelloReply.SerializeToString),
+            "Push": grpc.stream_unary_rpc_method_handler(      # framed bytes: see framing.py
+                servicer.Push, request_deserializer=None,
+                response_serializer=pb.PushReply.SerializeToString),
+        }),))
         self.host = host
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:

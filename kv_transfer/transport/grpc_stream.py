@@ -12,15 +12,15 @@ import queue
 import threading
 
 import grpc
-import torch
-
 from kv_transfer.errors import Refusal, TransferRefused
-from kv_transfer.pages import as_bytes
-from kv_transfer.transport.base import StagingBuffer, TransportConfig
+from kv_transfer.pages import Payload, payload_view
+from kv_transfer.transport import framing
+from kv_transfer.transport.base import TransportConfig
 from proto import kv_transfer_pb2 as pb
 from proto import kv_transfer_pb2_grpc as pb_grpc
 
 _END = object()
+PUSH = "/tandem.kv.KvTransfer/Push"
 _CHANNELS: dict[tuple, grpc.Channel] = {}
 _CHANNELS_LOCK = threading.Lock()
 
@@ -65,7 +65,8 @@ class _Lane:
     """One client stream: a bounded queue of messages feeding `Push`."""
 
     def __init__(self, target: str, transfer_id: bytes, config: TransportConfig, index: int, sender: str):
-        stub = pb_grpc.KvTransferStub(_channel(target, config, index))
+        channel = _channel(target, config, index)
+        stub = pb_grpc.KvTransferStub(channel)
         if index == 0:
             try:
                 reply = stub.Handshake(pb.Hello(versions=list(config.versions), sender=sender),
@@ -77,12 +78,15 @@ class _Lane:
         self._q: queue.Queue = queue.Queue(maxsize=config.queue_messages)
         hello = pb.Hello(versions=list(config.versions), sender=sender, streams=config.streams,
                          stream_index=index, transfer_id=transfer_id)
-        self.future = stub.Push.future(self._messages(pb.PushMessage(hello=hello)),
-                                       timeout=config.deadline_s)
+        push = channel.stream_unary(PUSH, request_serializer=None,        # already framed bytes
+                                    response_deserializer=pb.PushReply.FromString)
+        self.future = push.future(self._messages(framing.encode(pb.PushMessage(hello=hello))),
+                                  timeout=config.deadline_s)
         self.pending: list[pb.Frame] = []
+        self.payloads: list[bytes] = []
         self.pending_bytes = 0
 
-    def _messages(self, hello: pb.PushMessage):
+    def _messages(self, hello: bytes):
         yield hello
         while (msg := self._q.get()) is not _END:
             yield msg
@@ -100,8 +104,8 @@ class _Lane:
 
     def flush(self) -> None:
         if self.pending:
-            self.put(pb.PushMessage(frames=pb.Frames(frames=self.pending)))
-            self.pending, self.pending_bytes = [], 0
+            self.put(framing.encode(pb.PushMessage(frames=pb.Frames(frames=self.pending)), self.payloads))
+            self.pending, self.payloads, self.pending_bytes = [], [], 0
 
     def finish(self) -> pb.PushReply:
         self.flush()
@@ -125,20 +129,22 @@ class GrpcStream:
         self.config = config
         self._lanes = [_Lane(target, transfer_id, config, 0, sender)]
         self._lanes += [_Lane(target, transfer_id, config, i, sender) for i in range(1, config.streams)]
-        self._staging = StagingBuffer()
         self._next = 0
         self.closed = False
 
-    def stage(self, nbytes: int) -> torch.Tensor:
-        return self._staging.get(nbytes)
+    def stage(self, nbytes: int) -> None:
+        return None                  # payloads are gathered straight into bytes
 
-    def send(self, header: pb.FrameHeader, payload: torch.Tensor) -> None:
+    def send(self, header: pb.FrameHeader, payload: Payload) -> None:
         if self.closed:
             raise TransferRefused(Refusal.TRANSPORT, "stream is closed")
+        if not isinstance(payload, bytes):
+            payload = payload_view(payload).tobytes()
         lane = self._lanes[self._next]
         self._next = (self._next + 1) % len(self._lanes)
-        lane.pending.append(pb.Frame(header=header, payload=bytes(as_bytes(payload))))
-        lane.pending_bytes += payload.numel() * payload.element_size()
+        lane.pending.append(pb.Frame(header=header))
+        lane.payloads.append(payload)
+        lane.pending_bytes += len(payload)
         if lane.pending_bytes >= self.config.message_bytes:
             lane.flush()
 
@@ -150,7 +156,7 @@ class GrpcStream:
                     raise _refused(reply)
             primary = self._lanes[0]
             primary.flush()
-            primary.put(pb.PushMessage(commit=commit))
+            primary.put(framing.encode(pb.PushMessage(commit=commit)))
             reply = primary.finish()
             if not reply.ok:
                 raise _refused(reply)

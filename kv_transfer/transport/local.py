@@ -8,7 +8,7 @@ import torch
 
 from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.frame import SUPPORTED_VERSIONS
-from kv_transfer.pages import as_bytes
+from kv_transfer.pages import Payload, payload_view
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.transport.base import StagingBuffer
 from proto import kv_transfer_pb2 as pb
@@ -50,11 +50,11 @@ class LocalStream:
     def stage(self, nbytes: int) -> torch.Tensor:
         return self._staging.get(nbytes)
 
-    def send(self, header: pb.FrameHeader, payload: torch.Tensor) -> None:
+    def send(self, header: pb.FrameHeader, payload: Payload) -> None:
         if self.closed:
             raise TransferRefused(Refusal.TRANSPORT, "stream is closed")
         self._open.add(header.transfer_id)
-        self._receiver.receive(header, as_bytes(payload))
+        self._receiver.receive(header, payload_view(payload))
 
     def commit(self, commit: pb.Commit) -> pb.PushReply:
         self._open.discard(commit.transfer_id)

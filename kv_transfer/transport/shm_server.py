@@ -1,0 +1,130 @@
+"""Shared-memory transport, receiving side: a Unix socket of control messages in front of
+a `TransferReceiver`; payloads are read where the sender put them, in its shared segment."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import threading
+
+from kv_transfer.errors import Refusal, TransferRefused
+from kv_transfer.receiver import TransferReceiver
+from kv_transfer.transport import framing
+from kv_transfer.transport.wire import recv_msg, send_msg
+from proto import kv_transfer_pb2 as pb
+
+
+class ShmTransferServer:
+    """Serves `receiver` at shm://PATH (a Unix socket; one thread per connected sender)."""
+
+    def __init__(self, receiver: TransferReceiver, path: str):
+        self.receiver, self.path = receiver, path
+        if os.path.exists(path):
+            os.unlink(path)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(path)
+        self._sock.listen(64)
+        self._stopping = False
+        self._threads: list[threading.Thread] = []
+        self._accept = threading.Thread(target=self._serve, name="kv-shm-accept", daemon=True)
+        self._accept.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"shm://{self.path}"
+
+    def _serve(self) -> None:
+        while not self._stopping:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            t = threading.Thread(target=self._connection, args=(conn,), name="kv-shm-conn", daemon=True)
+            t.start()
+            self._threads = [x for x in self._threads if x.is_alive()] + [t]
+
+    def _connection(self, conn: socket.socket) -> None:
+        seen: set[bytes] = set()
+        shm = None
+        try:
+            first = recv_msg(conn, pb.PushMessage)
+            if first is None or first.WhichOneof("kind") != "hello":
+                return
+            try:
+                version = self.receiver.hello(list(first.hello.versions))
+            except TransferRefused as e:
+                send_msg(conn, pb.PushReply(ok=False, reason=Refusal.BAD_VERSION.value, detail=e.detail,
+                                            hello=pb.HelloReply(version=0, reason=e.detail)))
+                return
+            if first.hello.transfer_id:
+                seen.add(first.hello.transfer_id)
+            shm = _map_segment(first.hello.shm_name)
+            send_msg(conn, pb.PushReply(ok=True, hello=pb.HelloReply(version=version)))
+            self._frames(conn, shm, seen)
+        except (OSError, ConnectionError):
+            pass
+        finally:
+            for tid in seen:
+                self.receiver.stream_closed(tid)
+            if shm is not None:
+                shm.close()
+            conn.close()
+
+    def _frames(self, conn: socket.socket, shm: mmap.mmap, seen: set[bytes]) -> None:
+        """One reply per message: a batch of frames, a transfer's Hello, or its commit."""
+        while (msg := recv_msg(conn, pb.PushMessage)) is not None:
+            kind = msg.WhichOneof("kind")
+            try:
+                if kind == "hello":                       # the next transfer on this connection
+                    self.receiver.hello(list(msg.hello.versions))
+                    seen.add(msg.hello.transfer_id)
+                    continue
+                if kind == "commit":
+                    res = self.receiver.commit(msg.commit)
+                    seen.discard(msg.commit.transfer_id)
+                    send_msg(conn, pb.PushReply(ok=True, committed=True, frames_accepted=len(res.frames)))
+                    continue
+                frames = framing.frames_of(msg)
+                for f in frames:
+                    seen.add(f.header.transfer_id)
+                    self._receive(shm, f)
+                send_msg(conn, pb.PushReply(ok=True, frames_accepted=len(frames)))
+            except TransferRefused as e:
+                reason = getattr(e.reason, "value", str(e.reason))
+                send_msg(conn, pb.PushReply(ok=False, reason=reason, detail=e.detail))
+
+    def _receive(self, shm: mmap.mmap, f: pb.Frame) -> None:
+        end = f.payload_offset + f.payload_length
+        if end > len(shm):
+            raise TransferRefused(Refusal.BAD_GEOMETRY, f"payload [{f.payload_offset}, {end}) outside "
+                                  f"the shared segment of {len(shm)} bytes")
+        view = memoryview(shm)[f.payload_offset:end]
+        try:
+            self.receiver.receive(f.header, view)
+        finally:
+            view.release()
+
+    def stop(self) -> None:
+        self._stopping = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        self._accept.join(timeout=5)
+        for t in self._threads:
+            t.join(timeout=5)
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+def _map_segment(name: str) -> mmap.mmap:
+    """Map the sender's segment by name.  (Not through SharedMemory: that would register it
+    with this process's resource tracker, which would unlink the sender's segment.)"""
+    import _posixshmem
+    fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDWR, mode=0o600)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
