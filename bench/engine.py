@@ -12,12 +12,12 @@ Each is the best of `--repeats` timed runs after one warm-up run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
 import torch
 
+from bench.report import emit
 from engine import LLM, SamplingParams
 from engine.config import SHIPPED_MODEL
 
@@ -80,11 +80,7 @@ def main() -> None:
     }
     result["ratio_single"] = result["engine_single_tok_s"] / result["hf_single_tok_s"]
     result["ratio_batch16"] = result["engine_batch16_tok_s"] / result["hf_single_tok_s"]
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        for key, value in result.items():
-            print(f"{key:24s} {value:.2f}" if isinstance(value, float) else f"{key:24s} {value}")
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from bench.report import emit
 from bench.transfer_shape import LAYER_GROUP, PROMPT_TOKENS, SHAPE, make_pool, payload_bytes, pool_digest
 from kv_transfer.frame import new_cluster_secret
 from kv_transfer.receiver import TransferReceiver
@@ -171,11 +172,7 @@ def main() -> None:
     r["checksum_overhead_receiver"] = statistics.median(o[2] for o in overhead)
     r["shm_vs_memcpy"] = r["shm_gbps"] / r["memcpy_gbps"]
     r["grpc_vs_tcp"] = r["grpc_gbps"] / r["tcp_gbps"]
-    if args.json:
-        print(json.dumps(r, indent=2))
-    else:
-        for k, v in r.items():
-            print(f"{k:20s} {v:.3f}" if isinstance(v, float) else f"{k:20s} {v}")
+    emit(r, args.json)
 
 
 if __name__ == "__main__":

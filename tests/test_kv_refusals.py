@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kv_transfer.errors import Refusal, TransferRefused
-from kv_transfer.frame import commit_digest, new_transfer_id
+from kv_transfer.frame import commit_digest
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import State
 from tests.kv_helpers import (SECRET, copy_commit, copy_header, make_pool, pages_equal, prepare)
