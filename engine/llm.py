@@ -23,7 +23,7 @@ from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput
 from engine.sampling import SampleOutput, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.stop import check_stop, final_text
+from engine.stop import StopChecker
 from engine.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -61,13 +61,14 @@ class LLM:
         self.pool = PagePool(self.config.num_pages, page_size, mc.num_hidden_layers,
                              mc.num_key_value_heads, mc.head_dim, self.config.dtype, device)
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_prefill_tokens)
-        self.runner = ModelRunner(self.model, self.pool, device)
+        self.runner = None
         limit = mc.max_position_embeddings
         self.max_model_len = min(max_model_len, limit) if max_model_len else limit
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
+        self.runner = ModelRunner(self.model, self.pool, device, self.eos_ids)
         self._seed_rng = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()
 
@@ -135,7 +136,11 @@ class LLM:
         seed = params.seed if params.seed is not None else \
             int(torch.randint(0, 2**62, (), generator=self._seed_rng))
         return Request(request_id=f"req-{next(self._ids)}", prompt_token_ids=ids, params=params,
-                       generator=torch.Generator().manual_seed(seed), prompt=text)
+                       generator=torch.Generator().manual_seed(seed), prompt=text,
+                       stopper=self.stop_checker(params))
+
+    def stop_checker(self, params: SamplingParams) -> StopChecker:
+        return StopChecker(params, self.tokenizer, self.eos_ids, self.max_model_len)
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -162,7 +167,7 @@ class LLM:
             req.output_token_ids.append(token)
             if lp is not None:
                 req.logprobs.append(lp)
-            reason = check_stop(req, self.tokenizer, self.eos_ids, self.max_model_len)
+            reason = req.stopper.append(token, req.num_tokens)
             if reason is not None:
                 self.scheduler.finish(req, reason)
                 finished.append(self._output(req))
@@ -177,6 +182,6 @@ class LLM:
     def _output(self, req: Request) -> RequestOutput:
         return RequestOutput(request_id=req.request_id, prompt=req.prompt,
                              prompt_token_ids=req.prompt_token_ids, token_ids=list(req.output_token_ids),
-                             text=final_text(req, self.tokenizer, self.eos_ids),
+                             text=req.stopper.final_text(),
                              logprobs=req.logprobs if req.params.logprobs is not None else None,
-                             finish_reason=req.finish_reason)
+                             finish_reason=req.finish_reason, matched_stop=req.stopper.matched_stop)

@@ -11,30 +11,43 @@ from engine.scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model, pool: PagePool, device: str):
+    def __init__(self, model, pool: PagePool, device: str, eos_ids: frozenset[int] = frozenset()):
         self.model = model
         self.pool = pool
         self.device = device
+        self.eos_ids = eos_ids
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> SampleOutput:
+    def run(self, batch: ScheduledBatch, on_layer=None) -> SampleOutput:
         """Forward the batch (writing its K/V into the pool) and sample a token for every
-        request whose prompt is complete.  Rows of requests still prefilling hold -1."""
+        request whose prompt is complete.  Rows of requests still prefilling hold -1.
+        `on_layer(i)` is called after layer i has written its K/V (transfer overlap)."""
         reqs = batch.requests
         tokens = [[r.token_at(p) for p in range(r.num_computed, r.num_computed + n)]
                   for r, n in zip(reqs, batch.num_new_tokens)]
         fb = build_batch(tokens, [r.num_computed for r in reqs],
                          [self.pool.page_table(r.request_id) for r in reqs],
                          self.pool.page_size, self.device)
-        hidden = self.model.forward(fb, self.pool.kv)  # [B, H]
+        hidden = self.model.forward(fb, self.pool.kv, on_layer)  # [B, H]
         samples = batch.samples()
         rows = [i for i, s in enumerate(samples) if s]
         out = SampleOutput([-1] * len(reqs), [None] * len(reqs))
         if not rows:
             return out
         logits = self.model.logits(hidden[rows] if len(rows) < len(reqs) else hidden)
+        self._mask_early_stops(logits, [reqs[i] for i in rows])
         picked = sample(logits, [reqs[i].params for i in rows], [reqs[i].generator for i in rows])
         for j, i in enumerate(rows):
             out.tokens[i] = picked.tokens[j]
             out.logprobs[i] = picked.logprobs[j]
         return out
+
+    def _mask_early_stops(self, logits: torch.Tensor, reqs: list) -> None:
+        """Rows of requests under `min_tokens` cannot pick EOS (unless ignored) or a stop token."""
+        for row, req in enumerate(reqs):
+            if req.under_min_tokens:
+                banned = set(req.params.stop_token_ids)
+                if not req.params.ignore_eos:
+                    banned |= self.eos_ids
+                if banned:
+                    logits[row, sorted(banned)] = float("-inf")

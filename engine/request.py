@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.sampling import SamplingParams
+from engine.stop import StopChecker
 
 
 class Status(enum.Enum):
@@ -28,7 +29,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
-    stop_text_end: int | None = None           # cut the text here when a stop string matched
+    stopper: StopChecker | None = None         # stop conditions and the output text
 
     @property
     def num_tokens(self) -> int:
@@ -42,6 +43,10 @@ class Request:
     @property
     def prefilling(self) -> bool:
         return self.num_computed < len(self.prompt_token_ids)
+
+    @property
+    def under_min_tokens(self) -> bool:
+        return len(self.output_token_ids) < self.params.min_tokens
 
     def token_at(self, position: int) -> int:
         n = len(self.prompt_token_ids)
@@ -57,3 +62,4 @@ class RequestOutput:
     text: str
     logprobs: list[dict[int, float]] | None
     finish_reason: str
+    matched_stop: str | int | None = None      # the stop string, regex pattern or token id

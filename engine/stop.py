@@ -1,34 +1,110 @@
-"""Stop conditions of a request: EOS, stop token ids, stop strings, length."""
+"""Stop conditions and the output text of one request, also while it streams.
+
+Per request a `StopChecker` keeps the decoded output text and decides, after each new
+token, whether the request stops: a stop token (EOS unless `ignore_eos`, `stop_token_ids`),
+a stop string, a stop regex (matched against the text, never searched for literally), or
+length.  None of them fires before `min_tokens`.  A matched stop string or regex match is
+cut from the text with everything after it; `no_stop_trim` keeps the match (and a stop
+token's text).  While streaming, `delta()` holds back text that might still become part of
+a stop: a suffix that is a prefix of a stop string, a partial regex match, or an
+incomplete UTF-8 character.
+"""
 
 from __future__ import annotations
 
-from engine.request import Request
+import regex
+
+from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 
-
-def check_stop(req: Request, tokenizer: Tokenizer, eos_ids: frozenset[int], max_model_len: int) -> str | None:
-    """After a token was appended: the finish reason, or None to go on.
-
-    On a stop string, records where the text is cut (the match and all after it).
-    """
-    token = req.output_token_ids[-1]
-    if token in req.params.stop_token_ids or (token in eos_ids and not req.params.ignore_eos):
-        return "stop"
-    if req.params.stop:
-        text = tokenizer.decode(req.output_token_ids)
-        hits = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]
-        if hits:
-            req.stop_text_end = min(hits)
-            return "stop"
-    if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= max_model_len:
-        return "length"
-    return None
+REPLACEMENT = "\ufffd"   # what decoding shows for an incomplete UTF-8 sequence
 
 
-def final_text(req: Request, tokenizer: Tokenizer, eos_ids: frozenset[int]) -> str:
-    """The output text: without a final stop/EOS token, cut before a matched stop string."""
-    ids = req.output_token_ids
-    if req.finish_reason == "stop" and ids and (ids[-1] in req.params.stop_token_ids or ids[-1] in eos_ids):
-        ids = ids[:-1]
-    text = tokenizer.decode(ids)
-    return text[:req.stop_text_end] if req.stop_text_end is not None else text
+class StopChecker:
+    def __init__(self, params: SamplingParams, tokenizer: Tokenizer, eos_ids: frozenset[int],
+                 max_model_len: int):
+        self.params, self.tokenizer = params, tokenizer
+        self.eos_ids, self.max_model_len = eos_ids, max_model_len
+        self._regexes = [regex.compile(p) for p in params.stop_regex]
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.cut: int | None = None          # the final text ends here (a stop string / regex)
+        self.drop_last_token = False         # a stop token that is not part of the text
+        self.matched_stop: str | int | None = None
+        self.finish_reason: str | None = None
+        self._emitted = 0
+
+    def append(self, token: int, num_tokens: int) -> str | None:
+        """Record a generated token (`num_tokens`: prompt + output so far).  Returns the
+        finish reason ("stop", "length") or None to go on."""
+        self.token_ids.append(token)
+        before = len(self.text)
+        self.text = self.tokenizer.decode(self.token_ids)
+        reason = self._check(token, before, num_tokens)
+        self.finish_reason = reason
+        return reason
+
+    def _check(self, token: int, before: int, num_tokens: int) -> str | None:
+        p = self.params
+        if len(self.token_ids) >= p.min_tokens:
+            if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
+                self.matched_stop = token
+                self.drop_last_token = not p.no_stop_trim
+                return "stop"
+            if self._match_text(before):
+                return "stop"
+        if len(self.token_ids) >= p.max_tokens or num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _match_text(self, before: int) -> bool:
+        """Earliest stop string or regex match ending in the new text; sets cut/matched_stop."""
+        best: tuple[int, int, str] | None = None      # (start, end, what matched)
+        longest = max((len(s) for s in self.params.stop), default=0)
+        start_from = max(0, before - longest + 1)
+        for s in self.params.stop:
+            i = self.text.find(s, start_from)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, i + len(s), s)
+        for rx in self._regexes:
+            m = rx.search(self.text)
+            if m and m.end() > 0 and (best is None or m.start() < best[0]):
+                best = (m.start(), m.end(), rx.pattern)
+        if best is None:
+            return False
+        self.cut = best[1] if self.params.no_stop_trim else best[0]
+        self.matched_stop = best[2]
+        return True
+
+    def final_text(self) -> str:
+        """The whole output text as the client sees it at the end."""
+        if self.cut is not None:
+            return self.text[:self.cut]
+        if self.drop_last_token:
+            return self.tokenizer.decode(self.token_ids[:-1])
+        return self.text
+
+    def delta(self) -> str:
+        """Text that became safe to stream since the last call (all of the rest once finished)."""
+        if self.finish_reason is not None:
+            end = max(self._emitted, len(self.final_text()))
+            out = self.final_text()[self._emitted:end]
+        else:
+            end = max(self._emitted, self._safe_end())
+            out = self.text[self._emitted:end]
+        self._emitted = end
+        return out
+
+    def _safe_end(self) -> int:
+        text = self.text
+        end = len(text.rstrip(REPLACEMENT))
+        for s in self.params.stop:                 # a suffix that may grow into a stop string
+            for k in range(min(len(s) - 1, end), 0, -1):
+                if text.endswith(s[:k], 0, end):
+                    end -= k
+                    break
+        for rx in self._regexes:                   # a match that may still complete
+            m = rx.search(text, partial=True)
+            if m is not None and m.partial:
+                end = min(end, m.start())
+        return end

@@ -57,7 +57,7 @@ class Qwen3MoeModel:
         self._next_moe = dict(zip(moe, moe[1:]))  # MoE layer -> the next MoE layer
         self.prefetch_experts = False  # paged experts: predict the next layer's experts
 
-    def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv: torch.Tensor, on_layer=None) -> torch.Tensor:
         """Run every layer, writing this batch's K/V into `kv` at `batch.slot_mapping`.
         Call under torch.inference_mode() (the model runner does).
 
@@ -74,6 +74,8 @@ class Qwen3MoeModel:
             x = x + (self._moe(h, li) if layer.experts is not None else self._dense(h, layer))
             if self.prefetch_experts and li in self._next_moe:
                 self._prefetch(x, self._next_moe[li])
+            if on_layer is not None:
+                on_layer(li)           # layer li's K/V are in the pool
         last = x if batch.is_decode else x[batch.logits_indices]  # decode: one token per request
         return rms_norm(last, self.final_norm, eps)
 
