@@ -29,24 +29,39 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, max_num_seqs: int, max_prefill_tokens: int):
+    """`reserve_output=False` (a prefill worker) reserves pages for the prompt only."""
+
+    def __init__(self, pool: PagePool, max_num_seqs: int, max_prefill_tokens: int,
+                 reserve_output: bool = True):
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
+        self.reserve_output = reserve_output
         self.waiting: deque[Request] = deque()
+        self.ready: deque[Request] = deque()     # prefilled elsewhere, pages held: decode only
         self.running: list[Request] = []
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def add_prefilled(self, req: Request) -> None:
+        """A request whose prompt KV is already in its pages (imported by a decode worker):
+        it joins the running batch at the next decode step with room for it."""
+        req.num_computed = len(req.prompt_token_ids)
+        self.ready.append(req)
+
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.ready)
 
     def schedule(self) -> ScheduledBatch | None:
         """Pick this step's batch: unfinished prefills and new admissions first, else decode."""
         prefill = self._schedule_prefill()
         if prefill is not None:
             return prefill
+        while self.ready and len(self.running) < self.max_num_seqs:
+            req = self.ready.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
         if self.running:
             return ScheduledBatch(list(self.running), [1] * len(self.running), is_prefill=False)
         return None
@@ -62,7 +77,8 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            need = self.pool.pages_for(req.max_total_tokens)
+            need = self.pool.pages_for(req.max_total_tokens if self.reserve_output
+                                       else len(req.prompt_token_ids))
             if need > self.pool.num_free:
                 break  # first come, first served: wait for pages to be freed
             self.waiting.popleft()
@@ -82,8 +98,31 @@ class Scheduler:
         self.running.remove(req)
         self.pool.free(req.request_id)
 
+    def detach(self, req: Request) -> None:
+        """Take a request out of the batch, keeping its pages (a prefill worker exports them
+        and frees them itself once the push has ended)."""
+        req.status = Status.FINISHED
+        self.running.remove(req)
+
+    def remove(self, req: Request) -> bool:
+        """Drop a request wherever it is (abort), freeing any pages it holds.  Returns
+        whether it was here."""
+        for queue in (self.waiting, self.ready):
+            if req in queue:
+                queue.remove(req)
+                self.pool.free(req.request_id)
+                req.status = Status.FINISHED
+                return True
+        if req in self.running:
+            self.finish(req, "abort")
+            return True
+        return False
+
     def abort_all(self) -> None:
         """Drop every request, returning all their pages (used when a step fails)."""
         for req in list(self.running):
             self.finish(req, "abort")
+        for req in self.ready:
+            self.pool.free(req.request_id)
         self.waiting.clear()
+        self.ready.clear()

@@ -32,14 +32,16 @@ TOMBSTONES = 65536   # released transfer ids remembered so late frames read EXPI
 class TransferReceiver:
     def __init__(self, pool: PagePool, secret: bytes, timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic,
-                 on_failed: Callable[[Reservation], None] | None = None):
+                 on_failed: Callable[[Reservation], None] | None = None,
+                 on_committed: Callable[[Reservation], None] | None = None):
         if timeout_s <= 0:
             raise ValueError(f"transfer timeout_s={timeout_s} must be > 0")
         self.pool = pool
         self._secret = check_secret(secret)
         self.timeout_s = timeout_s
         self._clock = clock
-        self._on_failed = on_failed
+        self._on_failed = on_failed          # both callbacks must not block: the owner
+        self._on_committed = on_committed    # schedules its reaction on its own thread
         self._lock = threading.Condition()
         self._live: dict[bytes, Reservation] = {}
         self._gone: OrderedDict[bytes, str] = OrderedDict()
@@ -177,7 +179,10 @@ class TransferReceiver:
                                                      f"{bad[:8]} do not hash as sent"))
             self._guard(res, lambda: [self._check_page(res, ref) for ref in res.pages])
             res.state, res.first_token_id, res.first_logprob = State.COMMITTED, c.first_token_id, c.first_logprob
+            res.first_top = dict(zip(c.first_top_ids, c.first_top_logprobs))
             self.committed += 1
+        if self._on_committed is not None:
+            self._on_committed(res)
         return res
 
     # ---- checks (called with the lock held) ----------------------------------------

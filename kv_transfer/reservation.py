@@ -51,6 +51,7 @@ class Reservation:
     frames: dict[int, FrameRecord] = field(default_factory=dict)  # seq -> record
     first_token_id: int | None = None
     first_logprob: float | None = None
+    first_top: dict[int, float] = field(default_factory=dict)   # the first token's top-N
 
     def __post_init__(self) -> None:
         self.layers_done = [bytearray(self.num_layers) for _ in self.pages]

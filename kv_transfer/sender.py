@@ -97,12 +97,14 @@ class TransferSender:
         else:
             self._early_commit = self.faults.on_frame(self.ticket, h, buf, self.stream)
 
-    def commit(self, first_token_id: int, first_logprob: float) -> pb.PushReply:
+    def commit(self, first_token_id: int, first_logprob: float,
+               first_top: dict[int, float] | None = None) -> pb.PushReply:
         c = pb.Commit(protocol_version=PROTOCOL_VERSION, transfer_id=self.ticket.transfer_id,
                       request_id=self.ticket.request_id, tenant=self.ticket.tenant,
                       ownership_tag=self.tag, frame_count=len(self.checksums),
                       tokens_covered=self.prompt_len, digest=commit_digest(self.checksums),
-                      first_token_id=first_token_id, first_logprob=first_logprob)
+                      first_token_id=first_token_id, first_logprob=first_logprob,
+                      first_top_ids=list(first_top or ()), first_top_logprobs=list((first_top or {}).values()))
         if self.faults is not None:
             self.faults.flush(self.ticket, self.stream)
         return self.stream.commit(c)

@@ -1,0 +1,76 @@
+"""Driving one request through a decode worker and (disaggregated) a prefill worker, as the
+gateway does: open `Generate`, take the reservation, send `Prefill` with it, stream tokens.
+
+    for msg in generate(decode_channel, prefill_channel, "r1", "acme", ids, params):
+        ...   # GenerateResponse: reservation, tokens..., then finish or error
+
+If prefill fails, the `Generate` call is cancelled at once (the decode worker frees the
+reservation) and the stream ends with prefill's coded error.  Closing the iterator early
+cancels both calls.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator
+
+import grpc
+
+from decode_worker.messages import params_to_proto
+from engine.sampling import SamplingParams
+from proto import worker_pb2 as wpb
+from proto import worker_pb2_grpc as wpb_grpc
+
+
+def generate(decode: grpc.Channel, prefill: grpc.Channel | None, request_id: str, tenant: str,
+             ids: list[int], params: SamplingParams, timeout_s: float = 600.0) -> Iterator[wpb.GenerateResponse]:
+    call = wpb_grpc.DecodeServiceStub(decode).Generate(wpb.GenerateRequest(
+        request_id=request_id, tenant=tenant, prompt_token_ids=ids, params=params_to_proto(params)),
+        timeout=timeout_s)
+    failure: list[wpb.Error] = []
+    pending = None
+    try:
+        first = next(call)
+        yield first
+        if first.WhichOneof("kind") != "reservation":
+            return
+        if prefill is not None:
+            pending = _prefill(prefill, request_id, tenant, ids, params, first.reservation, timeout_s,
+                               call, failure)
+        for msg in call:
+            yield msg
+    except grpc.RpcError as e:
+        if failure:
+            yield wpb.GenerateResponse(error=failure[0])
+        else:
+            yield wpb.GenerateResponse(error=wpb.Error(code="DECODE_UNAVAILABLE",
+                                                       message=f"{e.code().name}: {e.details()}"))
+    finally:
+        call.cancel()
+        if pending is not None and not pending.done():
+            pending.cancel()
+
+
+def _prefill(channel, request_id, tenant, ids, params, res: wpb.Reservation, timeout_s, call, failure):
+    p = params_to_proto(params)
+    p.has_seed, p.seed = True, res.seed
+    future = wpb_grpc.PrefillServiceStub(channel).Prefill.future(wpb.PrefillRequest(
+        request_id=request_id, tenant=tenant, prompt_token_ids=ids, params=p,
+        decode_endpoint=res.transfer_endpoint, transfer_id=res.transfer_id), timeout=timeout_s)
+    lock = threading.Lock()
+
+    def done(f) -> None:
+        try:
+            reply = f.result()
+            error = None if reply.ok else reply.error
+        except grpc.FutureCancelledError:
+            return
+        except grpc.RpcError as e:
+            error = wpb.Error(code="PREFILL_UNAVAILABLE", message=f"{e.code().name}: {e.details()}")
+        if error is not None:
+            with lock:
+                failure.append(error)
+            call.cancel()            # the decode worker frees the reservation at once
+
+    future.add_done_callback(done)
+    return future

@@ -1,0 +1,44 @@
+"""Settings of a worker process (prefill, decode or colocated): one frozen config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str | None = None              # checkpoint directory; None: the shipped tiny-moe
+    dtype: str = "float32"
+    device: str = "cpu"
+    kv_cache_tokens: int = 16384
+    page_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_prefill_tokens: int = 2048
+    paged_experts_num_resident: int | None = None
+    seed: int = 0
+    host: str = "127.0.0.1"
+    port: int = 0                         # 0: a free port
+    transfer: str = "grpc"                # how prefill reaches this decode worker: grpc or shm
+    transfer_port: int = 0
+    transfer_timeout_s: float = 30.0      # a reservation that receives nothing for this long ends
+    layer_group: int = 2                  # prefill sends every `layer_group` layers as computed
+    secret: bytes = field(default=b"", repr=False)   # the cluster secret (never printed)
+
+    def __post_init__(self) -> None:
+        if self.transfer not in ("grpc", "shm"):
+            raise ValueError(f"transfer={self.transfer!r}: choose grpc or shm")
+        if self.transfer_timeout_s <= 0:
+            raise ValueError(f"transfer_timeout_s={self.transfer_timeout_s} must be > 0")
+        if self.layer_group < 1:
+            raise ValueError(f"layer_group={self.layer_group} must be >= 1")
+        if len(self.secret) < 16:
+            raise ValueError("the cluster secret must be at least 16 bytes (every worker of a "
+                             "cluster gets the same one at start-up)")
+
+    def llm_kwargs(self) -> dict:
+        return dict(model=self.model, dtype=self.dtype, device=self.device,
+                    kv_cache_tokens=self.kv_cache_tokens, page_size=self.page_size,
+                    max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+                    max_prefill_tokens=self.max_prefill_tokens, seed=self.seed,
+                    paged_experts_num_resident=self.paged_experts_num_resident)

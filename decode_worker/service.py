@@ -1,0 +1,78 @@
+"""The `DecodeService` gRPC servicer (also the colocated worker's, which prefills itself)."""
+
+from __future__ import annotations
+
+import queue
+
+import grpc
+
+from decode_worker.engine import DecodeEngine
+from decode_worker.messages import WorkerError, params_from_proto
+from decode_worker.stats import health, stats
+from proto import worker_pb2 as wpb
+from proto import worker_pb2_grpc as wpb_grpc
+
+POLL_S = 0.5     # how often a stream waiting for tokens checks that its client is still there
+
+
+class DecodeServicer(wpb_grpc.DecodeServiceServicer):
+    def __init__(self, engine: DecodeEngine, transfer_endpoint: str, role: str = "decode", prefill=None):
+        self.engine, self.endpoint, self.role = engine, transfer_endpoint, role
+        self.prefill = prefill            # a PrefillEngine when colocated
+
+    def Generate(self, request: wpb.GenerateRequest, context):
+        rid = request.request_id
+        try:
+            params = params_from_proto(request.params)
+            dreq = self.engine.reserve(rid, request.tenant, list(request.prompt_token_ids), params)
+        except WorkerError as e:
+            yield wpb.GenerateResponse(error=e.to_proto())
+            return
+        cancel = lambda: self.engine.abort(rid, "CANCELLED", "the Generate stream was cancelled")  # noqa: E731
+        if not context.add_callback(cancel):
+            cancel()                      # the stream already ended
+            return
+        res = dreq.reservation
+        yield wpb.GenerateResponse(reservation=wpb.Reservation(
+            transfer_id=res.transfer_id, transfer_endpoint=self.endpoint, prompt_tokens=res.prompt_len,
+            reserved_pages=len(self.engine.pool.page_table(rid)), seed=dreq.req.params.seed))
+        if self.prefill is not None:
+            self._prefill_here(dreq, request)
+        while True:
+            try:
+                msg = dreq.events.get(timeout=POLL_S)
+            except queue.Empty:
+                if not context.is_active():
+                    return
+                continue
+            yield msg
+            if msg.WhichOneof("kind") in ("finish", "error"):
+                return
+
+    def _prefill_here(self, dreq, request: wpb.GenerateRequest) -> None:
+        try:
+            self.prefill.submit(request.request_id, request.tenant, list(request.prompt_token_ids),
+                                dreq.req.params, self.endpoint, dreq.reservation.transfer_id)
+        except WorkerError as e:
+            self.engine.abort(request.request_id, e.code, e.message)
+
+    def Abort(self, request: wpb.AbortRequest, context) -> wpb.AbortReply:
+        found = self.engine.abort(request.request_id, "ABORTED", "aborted by the caller")
+        if self.prefill is not None:
+            self.prefill.cancel(request.request_id, "aborted by the caller")
+        return wpb.AbortReply(found=found)
+
+    def Health(self, request, context) -> wpb.HealthReply:
+        return health(self.engine.llm, self.role)
+
+    def Stats(self, request, context) -> wpb.StatsReply:
+        e = self.engine
+        r = e.receiver
+        waiting = sum(1 for d in list(e.requests.values()) if not d.reservation.terminal)
+        return stats(e.llm, self.role, running=len(e.scheduler.running), waiting=waiting,
+                     accepted=r.accepted_frames, refused=dict(r.refused),
+                     finished=e.counts["finished"], failed=e.counts["failed"])
+
+
+def add_to_server(servicer: DecodeServicer, server: grpc.Server) -> None:
+    wpb_grpc.add_DecodeServiceServicer_to_server(servicer, server)

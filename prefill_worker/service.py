@@ -1,0 +1,51 @@
+"""The `PrefillService` gRPC servicer."""
+
+from __future__ import annotations
+
+import grpc
+
+from decode_worker.messages import WorkerError, params_from_proto
+from decode_worker.stats import health, stats
+from prefill_worker.engine import PrefillEngine
+from proto import worker_pb2 as wpb
+from proto import worker_pb2_grpc as wpb_grpc
+
+POLL_S = 0.5
+
+
+class PrefillServicer(wpb_grpc.PrefillServiceServicer):
+    def __init__(self, engine: PrefillEngine):
+        self.engine = engine
+
+    def Prefill(self, request: wpb.PrefillRequest, context) -> wpb.PrefillReply:
+        """Prefill, push the pages and the commit to the decode worker; reply once the push was
+        acknowledged, or with a coded error."""
+        try:
+            params = params_from_proto(request.params)
+            job = self.engine.submit(request.request_id, request.tenant, list(request.prompt_token_ids),
+                                     params, request.decode_endpoint, request.transfer_id)
+        except WorkerError as e:
+            return wpb.PrefillReply(ok=False, error=e.to_proto())
+        while not job.done.wait(POLL_S):
+            if not context.is_active():
+                self.engine.cancel(request.request_id, "the Prefill call was cancelled")
+                job.done.wait(POLL_S * 10)
+                return wpb.PrefillReply(ok=False, error=wpb.Error(code="CANCELLED", message="cancelled"))
+        if job.error is not None:
+            return wpb.PrefillReply(ok=False, error=job.error.to_proto(), frames=job.frames)
+        return wpb.PrefillReply(ok=True, first_token_id=job.first_token, first_logprob=job.first_logprob,
+                                frames=job.frames)
+
+    def Health(self, request, context) -> wpb.HealthReply:
+        return health(self.engine.llm, "prefill")
+
+    def Stats(self, request, context) -> wpb.StatsReply:
+        e = self.engine
+        s = e.scheduler
+        return stats(e.llm, "prefill", running=len(s.running), waiting=len(s.waiting),
+                     waiting_tokens=e.queued_tokens, accepted=e.counts["pushed"],
+                     finished=e.counts["pushed"], failed=e.counts["failed"])
+
+
+def add_to_server(servicer: PrefillServicer, server: grpc.Server) -> None:
+    wpb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
