@@ -103,6 +103,11 @@ class PrefillEngine:
             for req in batch.requests:
                 self._fail_before_push(req, WorkerError("INTERNAL", f"prefill step failed: {e!r}"))
             raise
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            table = self.pool.page_table(req.request_id) if self.pool.has(req.request_id) else []
+            size = self.pool.page_size
+            self.pool.mark_written(req.request_id, table[req.num_computed // size:(req.num_computed + n - 1) // size + 1])
+            req.num_computed += n
         for req, token, lp in zip(batch.requests, output.tokens, output.logprobs):
             job = self.jobs.get(req.request_id)
             if token < 0 or job is None or job.done.is_set() or req not in self.scheduler.running:

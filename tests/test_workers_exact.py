@@ -1,0 +1,86 @@
+"""Disaggregated (and colocated) greedy output equals the single-process engine's (I7), with
+paged experts on (K = E/4) and off, for 18 prompts decoded concurrently."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from decode_worker.colocated import start_colocated_worker
+from decode_worker.server import start_decode_worker
+from engine.sampling import SamplingParams
+from prefill_worker.server import start_prefill_worker
+from tests.workers import config, run, wait_idle
+
+CHATS = ["Repeat after me: blue kettle", "What does isinstance do?", "Say hello to Ada.",
+         "Please repeat: paged experts keep the hot experts resident", "Name a Python keyword.",
+         "Repeat after me: tandem-canary-7f3a", "What is a list?", "Write a haiku about pages."]
+TEXTS = ["def add(a, b):\n    return", "import os\n\nfor name in os.listdir(", "class Stack:\n    def push(self",
+         "The quick brown fox", "# Copyright 2026\n", "x = [i * i for i in range(", "while True:\n",
+         "SELECT name FROM users WHERE", "if __name__ == '__main__':\n", "try:\n    value = int("]
+PARAMS = SamplingParams(max_tokens=24, temperature=0, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def prompts(shipped_llm):
+    tok = shipped_llm.tokenizer
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}])) for c in CHATS]
+    ids += [tok.encode(t) for t in TEXTS]
+    ids.append(tok.encode("word " * 300))       # 300+ tokens: chunked prefill (budget below)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def reference(shipped_llm, prompts):
+    return shipped_llm.generate(prompts, PARAMS)
+
+
+@pytest.mark.parametrize("resident", [None, 16])
+def test_disaggregated_greedy_equals_the_engine(prompts, reference, resident):
+    cfg = config(paged_experts_num_resident=resident, max_prefill_tokens=128, layer_group=2)
+    decode, prefill = start_decode_worker(cfg), start_prefill_worker(cfg)
+    try:
+        dch, pch = grpc.insecure_channel(decode.address), grpc.insecure_channel(prefill.address)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(lambda i: run(dch, pch, f"r{i}", prompts[i], PARAMS), range(len(prompts))))
+        for want, got in zip(reference, results):
+            assert got.error is None, got.error
+            assert got.token_ids == want.token_ids
+            assert got.finish.finish_reason == want.finish_reason
+            assert got.text == want.text
+            assert got.finish.completion_tokens == len(want.token_ids)
+        if resident is not None:
+            assert decode.llm.expert_stats()[0]["misses"] > 0      # experts really were paged
+        wait_idle(decode, prefill)
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+def test_colocated_greedy_equals_the_engine(prompts, reference):
+    worker = start_colocated_worker(config(max_prefill_tokens=128))
+    try:
+        ch = grpc.insecure_channel(worker.address)
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda i: run(ch, None, f"c{i}", prompts[i], PARAMS), range(len(prompts))))
+        for want, got in zip(reference, results):
+            assert got.error is None and got.token_ids == want.token_ids and got.text == want.text
+        wait_idle(worker)
+    finally:
+        worker.stop()
+
+
+def test_seeded_sampling_continues_the_engines_stream(shipped_llm, prompts):
+    """The first token is sampled on the prefill worker, the rest on the decode worker: the
+    seeded stream still equals the single-process one."""
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234)
+    want = shipped_llm.generate(prompts[:4], params)
+    worker = start_colocated_worker(config())
+    try:
+        ch = grpc.insecure_channel(worker.address)
+        for i, w in enumerate(want):
+            assert run(ch, None, f"s{i}", prompts[i], params).token_ids == w.token_ids
+    finally:
+        worker.stop()

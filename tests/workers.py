@@ -1,0 +1,60 @@
+"""Starting real workers on loopback for tests, and reading a Generate stream."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from decode_worker.client import generate
+from decode_worker.config import WorkerConfig
+from decode_worker.server import WorkerHandle
+from engine.sampling import SamplingParams
+
+SECRET = b"tandem-test-cluster-secret-0123"
+
+
+def config(**kw) -> WorkerConfig:
+    kw.setdefault("kv_cache_tokens", 8192)
+    return WorkerConfig(secret=SECRET, **kw)
+
+
+@dataclass
+class Result:
+    token_ids: list[int]
+    text: str                 # the streamed text deltas, concatenated
+    deltas: list[str]
+    finish: object | None     # wpb.Finish
+    error: object | None      # wpb.Error
+    reservation: object | None
+
+
+def run(decode: grpc.Channel, prefill: grpc.Channel | None, rid: str, ids: list[int],
+        params: SamplingParams, tenant: str = "acme") -> Result:
+    r = Result([], "", [], None, None, None)
+    for msg in generate(decode, prefill, rid, tenant, ids, params, timeout_s=120):
+        kind = msg.WhichOneof("kind")
+        if kind == "reservation":
+            r.reservation = msg.reservation
+        elif kind == "tokens":
+            r.token_ids += list(msg.tokens.token_ids)
+            r.deltas.append(msg.tokens.text)
+            r.text += msg.tokens.text
+        elif kind == "finish":
+            r.finish = msg.finish
+        else:
+            r.error = msg.error
+    return r
+
+
+def wait_idle(*handles: WorkerHandle, timeout_s: float = 10.0) -> None:
+    """Every worker's pool intact and fully free (I6), waiting for in-flight ends to land."""
+    end = time.monotonic() + timeout_s
+    for h in handles:
+        pool = h.llm.pool
+        while pool.num_free != pool.num_pages and time.monotonic() < end:
+            time.sleep(0.02)
+        pool.check_integrity()
+        assert pool.num_free == pool.num_pages, \
+            f"{h.role}: {pool.num_pages - pool.num_free} KV pages still in use"
