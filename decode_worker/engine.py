@@ -45,8 +45,8 @@ class DecodeEngine:
         from engine.scheduler import Scheduler
         self.scheduler = Scheduler(llm.pool, llm.config.max_num_seqs, llm.config.max_prefill_tokens)
         self.receiver = TransferReceiver(llm.pool, secret, transfer_timeout_s,
-                                         on_failed=lambda r: self._inbox.put(("failed", r.request_id)),
-                                         on_committed=lambda r: self._inbox.put(("commit", r.request_id)))
+                                         on_failed=lambda r: self._post("failed", r.request_id),
+                                         on_committed=lambda r: self._post("commit", r.request_id))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
         self.requests: dict[str, DecodeRequest] = {}
@@ -78,9 +78,13 @@ class DecodeEngine:
         with self.lock:
             live = request_id in self.requests and not self.requests[request_id].done
         if live:
-            self._inbox.put(("abort", request_id, code, message))
-            self.wake.set()
+            self._post("abort", request_id, code, message)
         return live
+
+    def _post(self, *item) -> None:
+        """Hand an event to the loop's thread (receiver callbacks, aborts) and wake it."""
+        self._inbox.put(item)
+        self.wake.set()
 
     # ---- the loop's side -----------------------------------------------------------
     def has_work(self) -> bool:

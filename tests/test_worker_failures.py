@@ -19,7 +19,7 @@ from decode_worker.server import build_llm, start_decode_worker
 from engine.sampling import SamplingParams
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
-from tests.workers import SECRET, config, run, wait_idle
+from tests.workers import SECRET, config, wait_idle
 
 LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
 

@@ -11,6 +11,8 @@ import pytest
 from decode_worker.colocated import start_colocated_worker
 from decode_worker.server import start_decode_worker
 from engine.sampling import SamplingParams
+from proto import worker_pb2 as wpb
+from proto import worker_pb2_grpc as wpb_grpc
 from prefill_worker.server import start_prefill_worker
 from tests.workers import config, run, wait_idle
 
@@ -37,9 +39,10 @@ def reference(shipped_llm, prompts):
     return shipped_llm.generate(prompts, PARAMS)
 
 
-@pytest.mark.parametrize("resident", [None, 16])
-def test_disaggregated_greedy_equals_the_engine(prompts, reference, resident):
-    cfg = config(paged_experts_num_resident=resident, max_prefill_tokens=128, layer_group=2)
+@pytest.mark.parametrize("resident, transfer", [(None, "grpc"), (16, "grpc"), (None, "shm")])
+def test_disaggregated_greedy_equals_the_engine(prompts, reference, resident, transfer):
+    cfg = config(paged_experts_num_resident=resident, max_prefill_tokens=128, layer_group=2,
+                 transfer=transfer)
     decode, prefill = start_decode_worker(cfg), start_prefill_worker(cfg)
     try:
         dch, pch = grpc.insecure_channel(decode.address), grpc.insecure_channel(prefill.address)
@@ -51,9 +54,18 @@ def test_disaggregated_greedy_equals_the_engine(prompts, reference, resident):
             assert got.finish.finish_reason == want.finish_reason
             assert got.text == want.text
             assert got.finish.completion_tokens == len(want.token_ids)
-        if resident is not None:
-            assert decode.llm.expert_stats()[0]["misses"] > 0      # experts really were paged
         wait_idle(decode, prefill)
+        stats = wpb_grpc.DecodeServiceStub(dch).Stats(wpb.StatsRequest())
+        assert stats.role == "decode" and stats.requests_finished == len(prompts)
+        assert stats.kv_pages_free == stats.kv_pages_capacity and stats.running == stats.waiting == 0
+        assert stats.transfers_accepted > 0 and not stats.transfers_refused
+        assert len(stats.experts) == (6 if resident else 0)
+        if resident is not None:
+            assert sum(layer.misses for layer in stats.experts) > 0    # experts really were paged
+        pstats = wpb_grpc.PrefillServiceStub(pch).Stats(wpb.StatsRequest())
+        assert pstats.role == "prefill" and pstats.requests_finished == len(prompts)
+        health = wpb_grpc.PrefillServiceStub(pch).Health(wpb.HealthRequest())
+        assert health.ready and health.max_model_len == 2048 and health.kv_capacity_tokens == 8192
     finally:
         decode.stop()
         prefill.stop()
