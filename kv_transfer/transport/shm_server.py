@@ -27,6 +27,7 @@ class ShmTransferServer:
         self._sock.listen(64)
         self._stopping = False
         self._threads: list[threading.Thread] = []
+        self._conns: set[socket.socket] = set()
         self._accept = threading.Thread(target=self._serve, name="kv-shm-accept", daemon=True)
         self._accept.start()
 
@@ -40,6 +41,7 @@ class ShmTransferServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
+            self._conns.add(conn)
             t = threading.Thread(target=self._connection, args=(conn,), name="kv-shm-conn", daemon=True)
             t.start()
             self._threads = [x for x in self._threads if x.is_alive()] + [t]
@@ -69,6 +71,7 @@ class ShmTransferServer:
                 self.receiver.stream_closed(tid)
             if shm is not None:
                 shm.close()
+            self._conns.discard(conn)
             conn.close()
 
     def _frames(self, conn: socket.socket, shm: mmap.mmap, seen: set[bytes]) -> None:
@@ -106,11 +109,14 @@ class ShmTransferServer:
             view.release()
 
     def stop(self) -> None:
+        """Stop accepting, cut every connection (their transfers fail: STREAM_CLOSED), and wait
+        for the connection threads."""
         self._stopping = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        for sock in [self._sock, *list(self._conns)]:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         self._sock.close()
         self._accept.join(timeout=5)
         for t in self._threads:
