@@ -41,11 +41,9 @@ class WorkerHandle:
         if self.stopped:
             return
         self.stopped = True
+        self.loop.stop()                # from here on, only this thread changes page ownership
         for engine in self.engines:
             engine.shutdown()
-        self.loop.stop()
-        for engine in self.engines:     # pushes ended by the shutdown report on the loop's inbox
-            engine.step()
         self.server.stop(grace_s).wait()
         for close in self.closers:
             close()

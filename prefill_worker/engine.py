@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -177,10 +178,17 @@ class PrefillEngine:
         elif job is not None:
             self._finish(job, error)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """(The loop stopped) cancel every job and wait, bounded, for their pushers to end."""
         for job in list(self.jobs.values()):
             self.cancel(job.request_id, "worker shutting down")
-        self._drain()
+        end = time.monotonic() + timeout_s
+        while True:
+            self._drain()
+            if not self.jobs or time.monotonic() > end:
+                return
+            self.wake.wait(0.01)
+            self.wake.clear()
 
 
 def _with_logprobs(params: SamplingParams) -> SamplingParams:

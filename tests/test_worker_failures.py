@@ -120,3 +120,14 @@ def test_a_prefill_worker_killed_mid_push(decode, ids):
 def test_start_up_refuses_a_pool_smaller_than_the_context():
     with pytest.raises(ValueError, match="raise --kv-cache-tokens to at least 2048"):
         build_llm(config(kv_cache_tokens=512))
+
+
+def test_stopping_a_worker_ends_its_streams_with_an_explicit_error(prefill, ids):
+    decode = start_decode_worker(config())
+    gen = generate(grpc.insecure_channel(decode.address), grpc.insecure_channel(prefill.address),
+                   "in-flight", "acme", ids, LONG)
+    assert [next(gen).WhichOneof("kind") for _ in range(3)] == ["reservation", "tokens", "tokens"]
+    decode.stop()
+    last = list(gen)[-1]
+    assert last.WhichOneof("kind") == "error" and last.error.code in ("UNAVAILABLE", "DECODE_UNAVAILABLE")
+    wait_idle(decode, prefill)
