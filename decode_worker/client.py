@@ -25,7 +25,8 @@ from proto import worker_pb2_grpc as wpb_grpc
 def generate(decode: grpc.Channel, prefill: grpc.Channel | None, request_id: str, tenant: str,
              ids: list[int], params: SamplingParams, timeout_s: float = 600.0) -> Iterator[wpb.GenerateResponse]:
     call = wpb_grpc.DecodeServiceStub(decode).Generate(wpb.GenerateRequest(
-        request_id=request_id, tenant=tenant, prompt_token_ids=ids, params=params_to_proto(params)),
+        request_id=request_id, tenant=tenant, prompt_token_ids=ids, params=params_to_proto(params),
+        timeout_s=timeout_s),
         timeout=timeout_s)
     failure: list[wpb.Error] = []
     pending = None

@@ -53,7 +53,8 @@ class DecodeEngine:
         self.counts: Counter[str] = Counter()
 
     # ---- called from RPC threads -------------------------------------------------
-    def reserve(self, request_id: str, tenant: str, ids: list[int], params: SamplingParams) -> DecodeRequest:
+    def reserve(self, request_id: str, tenant: str, ids: list[int], params: SamplingParams,
+                timeout_s: float | None = None) -> DecodeRequest:
         """Check the request, reserve its pages and open its transfer.  Raises WorkerError
         (INVALID_REQUEST, PROMPT_TOO_LONG, KV_FULL) having reserved nothing."""
         llm = self.llm
@@ -67,7 +68,7 @@ class DecodeEngine:
                 self.pool.allocate(request_id, self.pool.pages_for(len(ids) + params.max_tokens))
             except PoolExhausted as e:
                 raise WorkerError("KV_FULL", str(e)) from None
-            res = self.receiver.reserve(request_id, tenant, len(ids))
+            res = self.receiver.reserve(request_id, tenant, len(ids), timeout_s)
             req = Request(request_id=request_id, prompt_token_ids=list(ids), params=params,
                           generator=decode_generator(params, llm), stopper=llm.stop_checker(params))
             dreq = self.requests[request_id] = DecodeRequest(req, tenant, res)

@@ -24,7 +24,8 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         rid = request.request_id
         try:
             params = params_from_proto(request.params)
-            dreq = self.engine.reserve(rid, request.tenant, list(request.prompt_token_ids), params)
+            dreq = self.engine.reserve(rid, request.tenant, list(request.prompt_token_ids), params,
+                                       request.timeout_s or None)
         except WorkerError as e:
             yield wpb.GenerateResponse(error=e.to_proto())
             return

@@ -52,9 +52,14 @@ class TransferReceiver:
         self.checksum_s = 0.0   # time spent verifying and re-checksumming (benchmark figure)
 
     # ---- the pool owner's side ---------------------------------------------------
-    def reserve(self, request_id: str, tenant: str, prompt_len: int) -> Reservation:
+    def reserve(self, request_id: str, tenant: str, prompt_len: int,
+                timeout_s: float | None = None) -> Reservation:
         """Open a transfer into the first ceil(prompt_len / page_size) pages the pool already
-        gave `request_id`.  Returns the reservation (its `transfer_id` goes to the sender)."""
+        gave `request_id`.  `timeout_s` (default: the receiver's) ends it when no frame arrives
+        for that long.  Returns the reservation (its `transfer_id` goes to the sender)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if timeout_s <= 0:
+            raise ValueError(f"transfer timeout_s={timeout_s} must be > 0")
         n = self.pool.pages_for(prompt_len)
         if not self.pool.has(request_id):
             raise ValueError(f"request {request_id} holds no pages: the pool owner allocates "
@@ -66,7 +71,7 @@ class TransferReceiver:
         tid = new_transfer_id()
         res = Reservation(tid, request_id, tenant, ownership_tag(self._secret, tenant, request_id, tid),
                           prompt_len, refs[:n], self.pool.kv.shape[0], self.pool.page_size,
-                          self._clock() + self.timeout_s)
+                          self._clock() + timeout_s, timeout_s)
         with self._lock:
             self._live[tid] = res
         return res
@@ -92,9 +97,11 @@ class TransferReceiver:
         """Fail every open transfer whose timeout passed; returns them (the owner releases them)."""
         now = self._clock()
         with self._lock:
-            late = [r for r in self._live.values() if not r.terminal and r.deadline <= now]
+            # a transfer with a write in progress is not idle, however slow this side is
+            late = [r for r in self._live.values() if not r.terminal and r.deadline <= now
+                    and r.writers == 0]
             for res in late:
-                self._fail(res, Refusal.EXPIRED, f"no frame for {self.timeout_s}s")
+                self._fail(res, Refusal.EXPIRED, f"no frame for {res.timeout_s}s")
         return late
 
     def get(self, transfer_id: bytes) -> Reservation | None:
@@ -145,7 +152,7 @@ class TransferReceiver:
             res.writers -= 1
             if res.page_complete(h.page_index) and res.state == State.RECEIVING:
                 self.pool.mark_written(res.request_id, [ref.page])
-            res.deadline = self._clock() + self.timeout_s
+            res.deadline = self._clock() + res.timeout_s
             self.accepted_frames += 1
             self.accepted_bytes += len(payload)
             self._lock.notify_all()

@@ -43,6 +43,7 @@ class Reservation:
     num_layers: int
     page_size: int
     deadline: float
+    timeout_s: float = 30.0   # idle timeout: no frame arriving for this long ends the transfer
     state: State = State.RESERVED
     reason: Refusal | None = None
     detail: str = ""
