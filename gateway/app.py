@@ -1,0 +1,153 @@
+"""The gateway: FastAPI on uvicorn, speaking the OpenAI API in front of the workers.
+
+    app = create_app(GatewayConfig(decode_workers=("127.0.0.1:50052",), prefill_workers=(...)))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+from engine.config import SHIPPED_MODEL, ModelConfig
+from engine.tokenizer import Tokenizer
+from gateway.admission import AdmissionQueue, Rejected
+from gateway.completions import CompletionHandler
+from gateway.config import GatewayConfig
+from gateway.metrics import Metrics
+from gateway.openai_format import error_body
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.routing import WorkerPool
+
+log = logging.getLogger("tandem.gateway")
+
+
+class Gateway:
+    """Everything one gateway process holds: settings, tokenizer, workers, queue, metrics."""
+
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        path = config.model or SHIPPED_MODEL
+        self.tokenizer = Tokenizer(path)
+        self.model_config = ModelConfig.from_path(path)
+        self.vocab_size = self.model_config.vocab_size
+        self.pool = WorkerPool(config.decode_workers, config.prefill_workers, config.colocated_workers)
+        self.queue = AdmissionQueue(config.max_queue, config.max_running, config.tenant_max_concurrency,
+                                    config.queue_timeout_s)
+        self.metrics = Metrics()
+        self.completions = CompletionHandler(self)
+
+    def context_len(self) -> int:
+        """The context of the workers (their --max-model-len), else the model's."""
+        lens = [w.health.max_model_len for w in self.pool.of("decode", "colocated") if w.healthy]
+        return min(lens) if lens else self.model_config.max_position_embeddings
+
+    def tenant(self, request: Request) -> str:
+        keys = self.config.api_keys
+        if not keys:
+            return "default"
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        if key not in keys:
+            raise Rejected(401, "invalid_api_key", "missing or unknown API key (send Authorization: Bearer KEY)")
+        return keys[key]
+
+    async def refresh_forever(self) -> None:
+        while True:
+            await self.pool.refresh()
+            self.metrics.observe_workers(self.pool)
+            await asyncio.sleep(self.config.refresh_s)
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    gw = Gateway(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        gw.pool.connect()
+        await gw.pool.refresh()
+        task = asyncio.create_task(gw.refresh_forever())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await gw.pool.close()
+
+    app = FastAPI(title="Tandem", lifespan=lifespan)
+    app.state.gateway = gw
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next):
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > config.max_body_bytes:
+            return _rejected(gw, Rejected(413, "body_too_large", f"request body of {size} bytes exceeds the "
+                                          f"limit of {config.max_body_bytes} bytes"))
+        return await call_next(request)
+
+    @app.exception_handler(Rejected)
+    async def rejected(request: Request, e: Rejected):
+        return _rejected(gw, e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        gw.metrics.rejected.labels("schema").inc()
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        return JSONResponse(error_body(f"{where}: {first.get('msg', 'invalid request')}", "invalid_request_error",
+                                       "schema", where or None), status_code=422)
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, e: Exception):
+        log.exception("unhandled error")
+        return JSONResponse(error_body("internal error in the gateway", "server_error", "INTERNAL"), status_code=500)
+
+    def tenant(request: Request) -> str:
+        return gw.tenant(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request, tenant: str = Depends(tenant)):
+        return await gw.completions.serve(body, request, tenant)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request, tenant: str = Depends(tenant)):
+        return await gw.completions.serve(body, request, tenant)
+
+    @app.get("/v1/models")
+    async def models(tenant: str = Depends(tenant)):
+        return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "created": 0,
+                                            "owned_by": "tandem", "max_model_len": gw.context_len()}]}
+
+    @app.get("/health")
+    async def health():
+        if gw.pool.ready:
+            return {"status": "ok"}
+        return JSONResponse({"status": "unavailable", "detail": "needs one prefill and one decode worker "
+                             "(or one colocated worker) answering"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        gw.metrics.queue.set(gw.queue.waiting)
+        gw.metrics.running.set(gw.queue.running)
+        return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/server_info")
+    async def server_info(tenant: str = Depends(tenant)):
+        return {"model": config.served_model_name, "context_length": gw.context_len(),
+                "workers": [{"address": w.address, "role": w.role, "healthy": w.healthy,
+                             "kv_capacity_tokens": w.health.kv_capacity_tokens if w.health else None,
+                             "paged_experts_num_resident": w.health.paged_experts_num_resident if w.health else None}
+                            for w in gw.pool.workers]}
+
+    return app
+
+
+def _rejected(gw: Gateway, e: Rejected) -> JSONResponse:
+    gw.metrics.rejected.labels(e.reason).inc()
+    kind = "invalid_request_error" if e.status < 500 else "server_error"
+    if e.status == 401:
+        kind = "authentication_error"
+    return JSONResponse(error_body(e.message, kind, e.reason), status_code=e.status)

@@ -1,0 +1,233 @@
+"""Serving one chat or text completion request: tokenize once, check it against the context
+and the decode workers' KV capacity (400 before any worker is contacted), admit it through
+the queue, forward every choice, and answer as JSON or as server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
+
+from engine.sampling import SamplingParams
+from gateway.admission import Rejected
+from gateway.forward import ForwardError, forward
+from gateway.openai_format import ChoiceState, Formatter, error_body
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
+
+DEFAULT_COMPLETION_TOKENS = 16      # OpenAI's default for /v1/completions
+
+
+@dataclass
+class Job:
+    """One choice to generate."""
+    state: ChoiceState
+    ids: list[int]
+    params: SamplingParams
+
+
+class CompletionHandler:
+    def __init__(self, gw):
+        self.gw = gw                  # the Gateway: config, tokenizer, pool, queue, metrics
+
+    # ---- request -> jobs ------------------------------------------------------------
+    def prompts(self, body) -> list[list[int]]:
+        tok = self.gw.tokenizer
+        if isinstance(body, ChatCompletionRequest):
+            try:
+                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            except ValueError as e:
+                raise Rejected(400, "invalid_request", str(e)) from None
+            return [tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))]
+        p = body.prompt
+        if isinstance(p, str):
+            return [tok.encode(p)]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return [tok.encode(x) if isinstance(x, str) else list(x) for x in p]
+
+    def jobs(self, body) -> list[Job]:
+        """Raises Rejected (400, 404) naming what is wrong; contacts no worker."""
+        gw = self.gw
+        if body.model != gw.config.served_model_name:
+            raise Rejected(404, "model_not_found", f"the model {body.model!r} does not exist; this server "
+                           f"serves {gw.config.served_model_name!r}")
+        if (why := body.unsupported()) is not None:
+            raise Rejected(400, "unsupported", why)
+        prompts = self.prompts(body)
+        if not prompts or len(prompts) * body.n > gw.config.max_n:
+            raise Rejected(400, "too_many_choices", f"{len(prompts)} prompt(s) x n={body.n} choices exceeds "
+                           f"the limit of {gw.config.max_n} per request")
+        context, capacity = gw.context_len(), gw.pool.capacity_tokens()
+        if capacity == 0:
+            raise Rejected(503, "no_workers", "no decode worker is ready")
+        jobs = []
+        for group, ids in enumerate(prompts):
+            self._check_ids(ids)
+            max_tokens = self._max_tokens(body, len(ids), context, capacity)
+            for j in range(body.n):
+                seed = body.seed + j if body.seed is not None else None
+                try:
+                    params = sampling_params(body, max_tokens, seed)
+                except ValueError as e:
+                    raise Rejected(400, "invalid_request", str(e)) from None
+                jobs.append(Job(ChoiceState(len(jobs), len(ids), prompt_group=group), ids, params))
+        return jobs
+
+    def _check_ids(self, ids: list[int]) -> None:
+        vocab = self.gw.vocab_size
+        if not ids:
+            raise Rejected(400, "invalid_request", "the prompt is empty")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise Rejected(400, "invalid_request", f"prompt token {bad} is not in the vocabulary (0..{vocab - 1})")
+
+    def _max_tokens(self, body, prompt: int, context: int, capacity: int) -> int:
+        limit = min(context, capacity)
+        wanted = body.wanted_max_tokens
+        if wanted is None:
+            wanted = limit - prompt if isinstance(body, ChatCompletionRequest) else DEFAULT_COMPLETION_TOKENS
+            wanted = max(1, min(wanted, limit - prompt))
+        total = prompt + wanted
+        if total > context:
+            raise Rejected(400, "context_length", f"prompt_tokens ({prompt}) + max_tokens ({wanted}) = {total} "
+                           f"exceeds this model's context length of {context} tokens")
+        if total > capacity:
+            raise Rejected(400, "kv_capacity", f"prompt_tokens ({prompt}) + max_tokens ({wanted}) = {total} "
+                           f"exceeds the KV capacity of every decode worker (largest: {capacity} tokens)")
+        return wanted
+
+    # ---- serving ------------------------------------------------------------------------
+    async def serve(self, body, request: Request, tenant: str):
+        gw = self.gw
+        jobs = self.jobs(body)
+        fmt = Formatter("chat" if isinstance(body, ChatCompletionRequest) else "text",
+                        gw.config.served_model_name, gw.tokenizer, body.logprobs_n)
+        stack = AsyncExitStack()
+        await stack.enter_async_context(gw.queue.admit(tenant))
+        events: asyncio.Queue = asyncio.Queue()
+        started = time.monotonic()
+        tasks = [asyncio.create_task(self._run(fmt.id, tenant, job, events, started)) for job in jobs]
+        stack.push_async_callback(_cancel, tasks)
+        if body.stream:
+            try:
+                first = await events.get()
+            except BaseException:
+                await stack.aclose()
+                raise
+            if first[0] == "error" and first[2] is None:       # failed before any token
+                await stack.aclose()
+                return self._error(first[1])
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = self._sse(fmt, jobs, events, first, include_usage, stack)
+            return StreamingResponse(stream, media_type="text/event-stream",
+                                     background=BackgroundTask(stack.aclose))
+        watch = asyncio.create_task(_watch_disconnect(request, tasks, events))
+        try:
+            done = 0
+            while done < len(jobs):
+                kind, err, _ = await events.get()
+                if kind == "error":
+                    return self._error(err)
+                done += kind == "done"
+        finally:
+            watch.cancel()
+            await stack.aclose()
+        self._count(jobs, "ok")
+        return JSONResponse(fmt.response([j.state for j in jobs]))
+
+    async def _run(self, rid: str, tenant: str, job: Job, events: asyncio.Queue, started: float) -> None:
+        """Forward one choice; report ("tokens", msg, state), ("done", None, state) or
+        ("error", ForwardError, state-or-None-if-nothing-was-streamed)."""
+        gw, state = self.gw, job.state
+        last = None
+        try:
+            async for msg in forward(gw.pool, f"{rid}-{state.index}", tenant, job.ids, job.params,
+                                     gw.config.request_timeout_s, gw.config.max_attempts):
+                if msg.WhichOneof("kind") == "tokens":
+                    now = time.monotonic()
+                    (gw.metrics.itl.observe(now - last) if last is not None
+                     else gw.metrics.ttft.observe(now - started))
+                    last = now
+                    state.add(msg.tokens)
+                    await events.put(("tokens", msg.tokens, state))
+                else:
+                    state.finish = msg.finish
+            gw.metrics.e2e.observe(time.monotonic() - started)
+            await events.put(("done", None, state))
+        except ForwardError as e:
+            await events.put(("error", e, state if state.token_ids else None))
+
+    async def _sse(self, fmt: Formatter, jobs: list[Job], events: asyncio.Queue, first, include_usage: bool,
+                   stack: AsyncExitStack):
+        gw = self.gw
+        sent_role: set[int] = set()
+        offsets = {j.state.index: 0 for j in jobs}
+        item, done = first, 0
+        try:
+            while True:
+                kind, payload, state = item
+                if kind == "error":
+                    gw.metrics.requests.labels("error").inc()
+                    yield _event(error_body(payload.message, "server_error", payload.code))
+                    return
+                if kind == "tokens" or (kind == "done" and state.index not in sent_role):
+                    text = payload.text if kind == "tokens" else ""
+                    entries = list(payload.logprobs) if kind == "tokens" else []
+                    yield _event(fmt.chunk(_pending(state), text, entries, first=state.index not in sent_role,
+                                           offset=offsets[state.index]))
+                    offsets[state.index] += len(text)
+                    sent_role.add(state.index)
+                if kind == "done":
+                    done += 1
+                    yield _event(fmt.chunk(state, "", []))
+                    if done == len(jobs):
+                        break
+                item = await events.get()
+            if include_usage:
+                yield _event(fmt.usage_chunk([j.state for j in jobs]))
+            yield "data: [DONE]\n\n"
+            self._count(jobs, "ok")
+        finally:
+            await stack.aclose()
+
+    def _count(self, jobs: list[Job], status: str) -> None:
+        m = self.gw.metrics
+        m.requests.labels(status).inc()
+        m.prompt_tokens.inc(sum({j.state.prompt_group: j.state.prompt_tokens for j in jobs}.values()))
+        m.generated.inc(sum(len(j.state.token_ids) for j in jobs))
+
+    def _error(self, err: ForwardError) -> JSONResponse:
+        self.gw.metrics.requests.labels("error").inc()
+        return JSONResponse(error_body(err.message, "server_error" if err.status >= 500 else "invalid_request_error",
+                                       err.code), status_code=err.status)
+
+
+def _pending(state: ChoiceState) -> ChoiceState:
+    """The state as a chunk before the end: no finish reason yet."""
+    return ChoiceState(state.index, state.prompt_tokens, prompt_group=state.prompt_group)
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _watch_disconnect(request: Request, tasks: list[asyncio.Task], events: asyncio.Queue) -> None:
+    """A non-streaming client that goes away cancels its generations (and their pages)."""
+    while True:
+        await asyncio.sleep(0.25)
+        if await request.is_disconnected():
+            await _cancel(tasks)
+            await events.put(("error", ForwardError("CANCELLED", "the client disconnected", 499), None))
+            return

@@ -1,0 +1,140 @@
+"""Forwarding one generation to a worker pair and streaming back what the decode worker says.
+
+Before the first token a request may be retried on another worker: a decode worker that
+refuses the reservation for capacity (KV_FULL) or cannot be reached, a prefill worker that
+cannot be reached.  After a token was streamed there is no retry: the client gets an error.
+Cancelling the iterator (the client went away) cancels the `Generate` call, so the decode
+worker frees the pages at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+import grpc
+
+from decode_worker.messages import params_to_proto
+from engine.sampling import SamplingParams
+from gateway.routing import Worker, WorkerPool
+from proto import worker_pb2 as wpb
+
+STATUS = {"INVALID_REQUEST": 400, "PROMPT_TOO_LONG": 400, "KV_FULL": 503, "UNAVAILABLE": 503,
+          "NO_WORKER": 503, "TIMEOUT": 408, "INTERNAL": 500}
+UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN}
+
+
+class ForwardError(Exception):
+    def __init__(self, code: str, message: str, status: int | None = None):
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+        self.status = status or STATUS.get(code, 502)
+
+
+class _Retry(Exception):
+    pass
+
+
+async def forward(pool: WorkerPool, request_id: str, tenant: str, ids: list[int], params: SamplingParams,
+                  timeout_s: float, max_attempts: int) -> AsyncIterator[wpb.GenerateResponse]:
+    """Yields Tokens messages and a final Finish; raises ForwardError."""
+    tried: set[str] = set()
+    last = ForwardError("NO_WORKER", "no worker can take the request now")
+    for attempt in range(max_attempts):
+        decode = pool.pick_decode(len(ids) + params.max_tokens, tried)
+        if decode is None:
+            break
+        try:
+            async for msg in _attempt(pool, decode, f"{request_id}.{attempt}", tenant, ids, params,
+                                      timeout_s, tried):
+                yield msg
+            return
+        except _Retry as e:
+            last = e.args[0]
+    raise last
+
+
+async def _attempt(pool, decode: Worker, rid, tenant, ids, params, timeout_s, tried: set[str]):
+    call = decode.stub.Generate(wpb.GenerateRequest(
+        request_id=rid, tenant=tenant, prompt_token_ids=ids, params=params_to_proto(params),
+        timeout_s=timeout_s), timeout=timeout_s)
+    decode.outstanding += 1
+    prefill_failure: list[ForwardError] = []
+    task = None
+    streamed = False
+    try:
+        first = await _read(call, decode, streamed, tried, prefill_failure)
+        if first.WhichOneof("kind") == "error":
+            err = ForwardError(first.error.code, first.error.message)
+            if first.error.code == "KV_FULL":
+                tried.add(decode.address)
+                raise _Retry(err)
+            raise err
+        decode.succeeded()
+        if decode.role == "decode":
+            prefill = pool.pick_prefill(tried)
+            if prefill is None:
+                raise ForwardError("NO_WORKER", "no prefill worker is available")
+            task = asyncio.create_task(_prefill(prefill, call, rid, tenant, ids, params, first.reservation,
+                                                timeout_s, prefill_failure, tried))
+        while True:
+            msg = await _read(call, decode, streamed, tried, prefill_failure)
+            kind = msg.WhichOneof("kind")
+            if kind == "error":
+                raise prefill_failure[0] if prefill_failure else ForwardError(msg.error.code, msg.error.message)
+            streamed = streamed or kind == "tokens"
+            yield msg
+            if kind == "finish":
+                return
+    finally:
+        decode.outstanding -= 1
+        call.cancel()
+        if task is not None and not task.done():
+            task.cancel()
+
+
+async def _read(call, decode: Worker, streamed: bool, tried: set[str], prefill_failure: list):
+    try:
+        msg = await call.read()
+    except grpc.aio.AioRpcError as e:
+        if prefill_failure:
+            err = prefill_failure[0]
+            if not streamed and err.code == "PREFILL_UNAVAILABLE":
+                raise _Retry(err) from None
+            raise err from None
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise ForwardError("TIMEOUT", "the request timeout passed") from None
+        if e.code() in UNREACHABLE and not streamed:
+            decode.failed()
+            tried.add(decode.address)
+            raise _Retry(ForwardError("DECODE_UNAVAILABLE", f"{decode.address}: {e.code().name}")) from None
+        raise ForwardError("DECODE_FAILED", f"{decode.address}: {e.code().name} {e.details()}") from None
+    if msg is grpc.aio.EOF:
+        raise ForwardError("DECODE_FAILED", f"{decode.address} ended the stream without a final message")
+    return msg
+
+
+async def _prefill(prefill: Worker, call, rid, tenant, ids, params, res: wpb.Reservation, timeout_s,
+                   failure: list, tried: set[str]) -> None:
+    p = params_to_proto(params)
+    p.has_seed, p.seed = True, res.seed
+    prefill.outstanding += 1
+    prefill.queued_tokens += len(ids)
+    try:
+        reply = await prefill.stub.Prefill(wpb.PrefillRequest(
+            request_id=rid, tenant=tenant, prompt_token_ids=ids, params=p,
+            decode_endpoint=res.transfer_endpoint, transfer_id=res.transfer_id), timeout=timeout_s)
+        if reply.ok:
+            prefill.succeeded()
+            return
+        failure.append(ForwardError(reply.error.code, f"prefill: {reply.error.message}"))
+    except grpc.aio.AioRpcError as e:
+        if e.code() == grpc.StatusCode.CANCELLED:
+            return
+        prefill.failed()
+        tried.add(prefill.address)
+        failure.append(ForwardError("PREFILL_UNAVAILABLE", f"{prefill.address}: {e.code().name}"))
+    finally:
+        prefill.outstanding -= 1
+        prefill.queued_tokens -= len(ids)
+    call.cancel()                 # the decode worker frees the reservation at once

@@ -1,0 +1,58 @@
+"""The gateway's Prometheus metrics (one registry per app), including per-worker figures
+copied from the workers' `Stats` at every refresh."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from gateway.routing import WorkerPool
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("tandem_requests", "Requests by final status", ["status"], registry=r)
+        self.rejected = Counter("tandem_rejected", "Requests rejected by the gateway, by reason",
+                                ["reason"], registry=r)
+        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Time to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tandem_inter_token_latency_seconds", "Time between streamed tokens",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tandem_e2e_latency_seconds", "Request latency, end to end",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Gauge("tandem_queue_length", "Requests waiting for a running slot", registry=r)
+        self.running = Gauge("tandem_running_requests", "Requests forwarded to workers", registry=r)
+        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of completed requests", registry=r)
+        self.generated = Counter("tandem_generation_tokens", "Generated tokens", registry=r)
+        labels = ["worker", "role"]
+        self.kv_used = Gauge("tandem_worker_kv_used_tokens", "KV tokens in use", labels, registry=r)
+        self.kv_capacity = Gauge("tandem_worker_kv_capacity_tokens", "KV capacity in tokens", labels, registry=r)
+        self.worker_up = Gauge("tandem_worker_up", "1 when the worker answered the last health check",
+                               labels, registry=r)
+        self.refusals = Gauge("tandem_worker_transfer_refusals", "KV transfer refusals on the worker, by reason",
+                              labels + ["reason"], registry=r)
+        self.expert_hit_rate = Gauge("tandem_worker_expert_hit_rate", "Paged experts: hits / (hits + misses)",
+                                     labels, registry=r)
+        self.expert_misses = Gauge("tandem_worker_expert_misses", "Paged experts: misses", labels, registry=r)
+
+    def observe_workers(self, pool: WorkerPool) -> None:
+        for w in pool.workers:
+            lab = (w.address, w.role)
+            self.worker_up.labels(*lab).set(1 if w.healthy else 0)
+            if w.stats is None:
+                continue
+            s = w.stats
+            self.kv_used.labels(*lab).set(s.kv_tokens_used)
+            self.kv_capacity.labels(*lab).set(s.kv_tokens_capacity)
+            for reason, n in s.transfers_refused.items():
+                self.refusals.labels(*lab, reason).set(n)
+            hits = sum(e.hits for e in s.experts)
+            misses = sum(e.misses for e in s.experts)
+            if hits + misses:
+                self.expert_hit_rate.labels(*lab).set(hits / (hits + misses))
+                self.expert_misses.labels(*lab).set(misses)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,132 @@
+"""Response bodies in the OpenAI shapes: chat and text completions, their stream chunks,
+logprobs, usage and errors."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from engine.tokenizer import Tokenizer
+from proto import worker_pb2 as wpb
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far."""
+    index: int
+    prompt_tokens: int
+    prompt_group: int = 0             # which prompt of the request (n choices share one)
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[wpb.TokenLogprobs] = field(default_factory=list)
+    finish: wpb.Finish | None = None
+
+    def add(self, tokens: wpb.Tokens) -> None:
+        self.text += tokens.text
+        self.token_ids += list(tokens.token_ids)
+        self.logprobs += list(tokens.logprobs)
+
+    @property
+    def matched_stop(self):
+        f = self.finish
+        if f is None:
+            return None
+        return f.matched_token_id if f.matched_token else (f.matched_stop or None)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _token(tok: Tokenizer, token_id: int) -> str:
+    return tok.decode([token_id], skip_special_tokens=False)
+
+
+def _top(entry: wpb.TokenLogprobs, n: int) -> list[tuple[int, float]]:
+    pairs = sorted(((t.token_id, t.logprob) for t in entry.top), key=lambda p: -p[1])
+    return pairs[:n]
+
+
+def chat_logprobs(tok: Tokenizer, entries: list[wpb.TokenLogprobs], n: int) -> dict:
+    def one(token_id: int, logprob: float) -> dict:
+        s = _token(tok, token_id)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
+    return {"content": [{**one(e.token_id, e.logprob),
+                         "top_logprobs": [one(t, lp) for t, lp in _top(e, n)]} for e in entries]}
+
+
+def completion_logprobs(tok: Tokenizer, entries: list[wpb.TokenLogprobs], n: int, offset: int) -> dict:
+    tokens = [_token(tok, e.token_id) for e in entries]
+    offsets = []
+    for s in tokens:
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{_token(tok, t): lp for t, lp in _top(e, n)} for e in entries],
+            "text_offset": offsets}
+
+
+class Formatter:
+    """Builds the bodies of one response (one id, one created time, one model name)."""
+
+    def __init__(self, kind: str, model: str, tok: Tokenizer, logprobs_n: int | None):
+        self.kind, self.model, self.tok, self.logprobs_n = kind, model, tok, logprobs_n
+        self.id = new_id("chatcmpl" if kind == "chat" else "cmpl")
+        self.created = int(time.time())
+
+    def _logprobs(self, entries, offset: int = 0):
+        if self.logprobs_n is None:
+            return None
+        if self.kind == "chat":
+            return chat_logprobs(self.tok, entries, self.logprobs_n)
+        return completion_logprobs(self.tok, entries, self.logprobs_n, offset)
+
+    def response(self, choices: list[ChoiceState]) -> dict:
+        out = []
+        for c in choices:
+            body = {"index": c.index, "logprobs": self._logprobs(c.logprobs),
+                    "finish_reason": c.finish.finish_reason, "matched_stop": c.matched_stop}
+            if self.kind == "chat":
+                body["message"] = {"role": "assistant", "content": c.text}
+            else:
+                body["text"] = c.text
+            out.append(body)
+        prompt = _prompt_tokens(choices)
+        return {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
+                "created": self.created, "model": self.model, "choices": out,
+                "usage": usage(prompt, sum(len(c.token_ids) for c in choices))}
+
+    def chunk(self, c: ChoiceState, text: str, entries, first: bool = False, offset: int = 0) -> dict:
+        body = {"index": c.index, "logprobs": self._logprobs(entries, offset) if entries else None,
+                "finish_reason": c.finish.finish_reason if c.finish else None}
+        if c.finish is not None:
+            body["matched_stop"] = c.matched_stop
+        if self.kind == "chat":
+            body["delta"] = ({"role": "assistant", "content": text} if first else {"content": text}) \
+                if (text or first) else {}
+        else:
+            body["text"] = text
+        return {"id": self.id, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+                "created": self.created, "model": self.model, "choices": [body]}
+
+    def usage_chunk(self, choices: list[ChoiceState]) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+                "created": self.created, "model": self.model, "choices": [],
+                "usage": usage(_prompt_tokens(choices), sum(len(c.token_ids) for c in choices))}
+
+
+def _prompt_tokens(choices: list[ChoiceState]) -> int:
+    """Prompt tokens counted once per prompt (n choices of one prompt share it)."""
+    seen: dict[int, int] = {}
+    for c in choices:
+        seen[c.prompt_group] = c.prompt_tokens
+    return sum(seen.values())

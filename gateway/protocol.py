@@ -1,0 +1,122 @@
+"""The OpenAI request bodies the gateway accepts (pydantic: schema violations answer 422),
+and their translation into the engine's sampling parameters (bad values answer 400)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.sampling import MAX_LOGPROBS, SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extensions (as in vLLM / SGLang)
+    top_k: int = -1
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
+    no_stop_trim: bool = False
+    ignore_eos: bool = False
+
+    def unsupported(self) -> str | None:
+        """A request option this server cannot honour, named (answered with 400)."""
+        if self.presence_penalty or self.frequency_penalty:
+            return "presence_penalty and frequency_penalty are not supported (use 0)"
+        if self.logit_bias:
+            return "logit_bias is not supported"
+        return None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            parts = [p.get("text", "") for p in self.content if p.get("type") == "text"]
+            if len(parts) != len(self.content):
+                raise ValueError("only text content parts are supported")
+            return "".join(parts)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list | None = None
+    response_format: dict | None = None
+
+    def unsupported(self) -> str | None:
+        if self.tools:
+            return "tools are not supported by this model"
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            return "response_format other than text is not supported"
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs needs logprobs=true"
+        return super().unsupported()
+
+    @property
+    def wanted_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def logprobs_n(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> str | None:
+        if self.echo:
+            return "echo is not supported"
+        if self.suffix:
+            return "suffix is not supported"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of other than n is not supported"
+        return super().unsupported()
+
+    @property
+    def wanted_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def logprobs_n(self) -> int | None:
+        return self.logprobs
+
+
+def sampling_params(req: _Common, max_tokens: int, seed: int | None) -> SamplingParams:
+    """Raises ValueError with the engine's message on a bad combination."""
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+        seed=seed, stop=tuple([req.stop] if isinstance(req.stop, str) else req.stop or ()),
+        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+        logprobs=req.logprobs_n, min_tokens=req.min_tokens,
+        stop_regex=tuple([req.stop_regex] if isinstance(req.stop_regex, str) else req.stop_regex or ()),
+        no_stop_trim=req.no_stop_trim)

@@ -1,0 +1,119 @@
+"""The workers the gateway knows, what their `Health` and `Stats` last said, a circuit
+breaker each, and the choice of a decode and a prefill worker for a request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from proto import worker_pb2 as wpb
+from proto import worker_pb2_grpc as wpb_grpc
+
+log = logging.getLogger("tandem.gateway")
+FAILURES_TO_OPEN = 3
+OPEN_S = 5.0
+CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 20_000),
+                   ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1)]
+
+
+@dataclass
+class Worker:
+    address: str
+    role: str                               # prefill, decode, colocated
+    channel: grpc.aio.Channel = None
+    health: wpb.HealthReply | None = None
+    stats: wpb.StatsReply | None = None
+    outstanding: int = 0                    # requests this gateway has on it now
+    queued_tokens: int = 0                  # prefill: prompt tokens this gateway sent, unanswered
+    failures: int = 0
+    open_until: float = 0.0
+    stubs: dict = field(default_factory=dict)
+
+    def connect(self) -> None:
+        self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self.stubs = {"decode": wpb_grpc.DecodeServiceStub(self.channel),
+                      "prefill": wpb_grpc.PrefillServiceStub(self.channel)}
+
+    @property
+    def stub(self):
+        return self.stubs["prefill" if self.role == "prefill" else "decode"]
+
+    @property
+    def healthy(self) -> bool:
+        return self.health is not None and self.health.ready
+
+    def available(self) -> bool:
+        return self.healthy and time.monotonic() >= self.open_until
+
+    def failed(self) -> None:
+        """A call could not reach it: after FAILURES_TO_OPEN in a row, stop sending for OPEN_S."""
+        self.failures += 1
+        if self.failures >= FAILURES_TO_OPEN:
+            self.open_until = time.monotonic() + OPEN_S
+
+    def succeeded(self) -> None:
+        self.failures, self.open_until = 0, 0.0
+
+
+class WorkerPool:
+    def __init__(self, decode: tuple[str, ...], prefill: tuple[str, ...], colocated: tuple[str, ...]):
+        self.workers = [Worker(a, "decode") for a in decode] + [Worker(a, "prefill") for a in prefill] + \
+            [Worker(a, "colocated") for a in colocated]
+
+    def connect(self) -> None:
+        """Open the channels (inside the event loop that will use them)."""
+        for w in self.workers:
+            w.connect()
+
+    def of(self, *roles: str) -> list[Worker]:
+        return [w for w in self.workers if w.role in roles]
+
+    async def refresh(self) -> None:
+        await asyncio.gather(*(self._refresh(w) for w in self.workers))
+
+    async def _refresh(self, w: Worker) -> None:
+        try:
+            w.health = await w.stub.Health(wpb.HealthRequest(), timeout=2.0)
+            w.stats = await w.stub.Stats(wpb.StatsRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError as e:
+            if w.health is not None:
+                log.warning("worker %s (%s) stopped answering: %s", w.address, w.role, e.code().name)
+            w.health = None
+            w.failed()
+
+    async def refresh_forever(self, every_s: float) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(every_s)
+
+    @property
+    def ready(self) -> bool:
+        decode = any(w.healthy for w in self.of("decode"))
+        prefill = any(w.healthy for w in self.of("prefill"))
+        return (decode and prefill) or any(w.healthy for w in self.of("colocated"))
+
+    def capacity_tokens(self) -> int:
+        """The largest KV capacity (tokens) of a healthy decode-capable worker (0: none known)."""
+        return max((w.health.kv_capacity_tokens for w in self.of("decode", "colocated") if w.healthy), default=0)
+
+    def pick_decode(self, need_tokens: int, exclude: set[str]) -> Worker | None:
+        """A decode (or colocated) worker with room for `need_tokens` and the least work."""
+        ok = [w for w in self.of("decode", "colocated") if w.available() and w.address not in exclude
+              and w.health.kv_capacity_tokens >= need_tokens
+              and (w.role == "colocated" or any(p.available() for p in self.of("prefill")))]
+        roomy = [w for w in ok if w.stats is None or w.stats.kv_tokens_free >= need_tokens] or ok
+        return min(roomy, key=lambda w: w.outstanding + (w.stats.running + w.stats.waiting if w.stats else 0),
+                   default=None)
+
+    def pick_prefill(self, exclude: set[str]) -> Worker | None:
+        ok = [w for w in self.of("prefill") if w.available() and w.address not in exclude]
+        return min(ok, key=lambda w: w.queued_tokens + (w.stats.waiting_tokens if w.stats else 0), default=None)
+
+    async def close(self) -> None:
+        for w in self.workers:
+            if w.channel is not None:
+                await w.channel.close()

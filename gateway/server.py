@@ -1,0 +1,74 @@
+"""Running the gateway under uvicorn: in a thread of this process (tests, a Ray actor) or as
+`python -m gateway.server --decode HOST:PORT --prefill HOST:PORT [...]`."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import threading
+import time
+
+import uvicorn
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig, load_api_keys
+
+
+class GatewayServer:
+    """uvicorn serving the gateway on a thread; `url` once started."""
+
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        port = config.port or _free_port(config.host)
+        self._server = uvicorn.Server(uvicorn.Config(create_app(config), host=config.host, port=port,
+                                                     log_level="warning", lifespan="on"))
+        self.url = f"http://{config.host}:{port}"
+        self._thread = threading.Thread(target=self._server.run, name="gateway", daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> "GatewayServer":
+        self._thread.start()
+        end = time.monotonic() + timeout_s
+        while not self._server.started:
+            if time.monotonic() > end or not self._thread.is_alive():
+                raise RuntimeError(f"the gateway did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=15)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gateway.server")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--served-model-name", default="tiny-moe")
+    ap.add_argument("--decode", action="append", default=[])
+    ap.add_argument("--prefill", action="append", default=[])
+    ap.add_argument("--colocated", action="append", default=[])
+    ap.add_argument("--api-key", action="append", default=[], help="KEY or KEY:TENANT")
+    ap.add_argument("--api-keys-file", default=None)
+    ap.add_argument("--request-timeout", type=float, default=600.0)
+    args = ap.parse_args(argv)
+    keys = load_api_keys(args.api_keys_file) if args.api_keys_file else {}
+    for k in args.api_key:
+        key, _, tenant = k.partition(":")
+        keys[key] = tenant or "default"
+    config = GatewayConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
+                           port=args.port, decode_workers=tuple(args.decode), prefill_workers=tuple(args.prefill),
+                           colocated_workers=tuple(args.colocated), api_keys=keys,
+                           request_timeout_s=args.request_timeout)
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
