@@ -18,7 +18,7 @@ from engine.sampling import SamplingParams
 from gateway.admission import Rejected
 from gateway.forward import ForwardError, forward
 from gateway.openai_format import ChoiceState, Formatter, error_body
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
+from gateway.protocol import ChatCompletionRequest, sampling_params
 
 DEFAULT_COMPLETION_TOKENS = 16      # OpenAI's default for /v1/completions
 
@@ -37,12 +37,15 @@ class CompletionHandler:
 
     # ---- request -> jobs ------------------------------------------------------------
     def prompts(self, body) -> list[list[int]]:
+        try:
+            return self._prompts(body)
+        except (TypeError, ValueError, UnicodeError) as e:
+            raise Rejected(400, "invalid_request", f"the prompt cannot be tokenized: {e}") from None
+
+    def _prompts(self, body) -> list[list[int]]:
         tok = self.gw.tokenizer
         if isinstance(body, ChatCompletionRequest):
-            try:
-                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            except ValueError as e:
-                raise Rejected(400, "invalid_request", str(e)) from None
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             return [tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))]
         p = body.prompt
         if isinstance(p, str):

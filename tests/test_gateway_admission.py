@@ -1,0 +1,90 @@
+"""Admission: oversized prompts are refused with 400 before any worker sees them (the workers'
+counters prove no reservation and no KV byte), a prompt exactly at the limit passes, and the
+queue's limits answer 429."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from decode_worker.server import start_decode_worker
+from prefill_worker.server import start_prefill_worker
+from proto import worker_pb2 as wpb
+from proto import worker_pb2_grpc as wpb_grpc
+from tests.gateway_helpers import post, start_gateway, wait_ready
+from tests.workers import config, wait_idle
+
+CONTEXT = 256
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cfg = config(max_model_len=CONTEXT)
+    decode, prefill = start_decode_worker(cfg), start_prefill_worker(cfg)
+    gw = start_gateway([decode.address], [prefill.address], tenant_max_concurrency=2)
+    wait_ready(gw.url)
+    yield gw, decode, prefill
+    gw.stop()
+    wait_idle(decode, prefill)
+    decode.stop()
+    prefill.stop()
+
+
+def stats(handle, kind):
+    ch = grpc.insecure_channel(handle.address)
+    stub = wpb_grpc.DecodeServiceStub(ch) if kind == "decode" else wpb_grpc.PrefillServiceStub(ch)
+    return stub.Stats(wpb.StatsRequest())
+
+
+def counters(decode, prefill):
+    d, p = stats(decode, "decode"), stats(prefill, "prefill")
+    recv = decode.engines[0].receiver
+    return (d.requests_finished, d.requests_failed, recv.accepted_bytes, recv.committed, p.requests_finished,
+            p.requests_failed, prefill.engines[0].counts["pushed"])
+
+
+@pytest.mark.parametrize("over", [1, 5000])
+def test_an_oversized_prompt_is_refused_before_any_worker(cluster, over):
+    gw, decode, prefill = cluster
+    before = counters(decode, prefill)
+    status, body = post(gw.url, "/v1/completions", {"model": "tiny-moe", "prompt": [7] * (CONTEXT - 4 + over),
+                                                    "max_tokens": 4})
+    assert status == 400 and body["error"]["code"] == "context_length"
+    message = body["error"]["message"]
+    assert f"prompt_tokens ({CONTEXT - 4 + over}) + max_tokens (4) = {CONTEXT + over}" in message
+    assert f"context length of {CONTEXT} tokens" in message
+    assert counters(decode, prefill) == before                 # no reservation, no KV byte
+    assert decode.llm.pool.num_free == decode.llm.pool.num_pages
+
+
+def test_a_prompt_exactly_at_the_limit_passes(cluster):
+    gw, decode, prefill = cluster
+    before = counters(decode, prefill)
+    status, body = post(gw.url, "/v1/completions", {"model": "tiny-moe", "prompt": [7] * (CONTEXT - 4),
+                                                    "max_tokens": 4, "ignore_eos": True, "temperature": 0})
+    assert status == 200, body
+    assert body["usage"] == {"prompt_tokens": CONTEXT - 4, "completion_tokens": 4, "total_tokens": CONTEXT}
+    assert counters(decode, prefill)[0] == before[0] + 1
+
+
+def test_chat_prompts_are_counted_after_the_template(cluster):
+    status, body = post(cluster[0].url, "/v1/chat/completions", {
+        "model": "tiny-moe", "messages": [{"role": "user", "content": "word " * 300}], "max_tokens": 4})
+    assert status == 400 and body["error"]["code"] == "context_length"
+
+
+def test_a_tenant_over_its_limit_gets_429(cluster):
+    gw = cluster[0]
+    body = {"model": "tiny-moe", "prompt": "while True:\n", "max_tokens": 200, "ignore_eos": True}
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(post(gw.url, "/v1/completions", body)[0]))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(results).count(200) >= 2 and 429 in results      # limit 2 per tenant
+    status, text = post(gw.url, "/v1/completions", {"model": "tiny-moe", "prompt": "x", "max_tokens": 1})
+    assert status == 200

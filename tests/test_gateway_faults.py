@@ -1,0 +1,159 @@
+"""The gateway under faults: fuzzed and malformed requests (never a 5xx, never a hang), a
+client that disconnects (pages freed at once), a decode worker killed mid-stream (an error
+event, never a silent truncated 200), and a peer stalled for 40 s under backpressure that
+must not fail a request whose timeout is longer."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from decode_worker.server import start_decode_worker
+from prefill_worker.server import start_prefill_worker
+from tests.gateway_helpers import API_KEY, connection, post, start_gateway, wait_ready
+from tests.workers import SECRET, config, wait_idle
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    decode, prefill = start_decode_worker(config(max_model_len=512)), start_prefill_worker(config())
+    gw = start_gateway([decode.address], [prefill.address], request_timeout_s=60)
+    wait_ready(gw.url)
+    yield gw, decode, prefill
+    gw.stop()
+    wait_idle(decode, prefill)
+    decode.stop()
+    prefill.stop()
+
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-10, 600), st.floats(-3, 3), st.just(float("nan")),
+                    st.text(max_size=12), st.lists(st.integers(-5, 5000), max_size=4))
+short_text = st.text(max_size=6)
+VALUES = {
+    "max_tokens": st.integers(-2, 40), "max_completion_tokens": st.integers(-2, 40),
+    "temperature": st.floats(-1, 3), "top_p": st.floats(-0.5, 1.5), "n": st.integers(0, 10),
+    "stream": st.booleans(), "stop": st.one_of(short_text, st.lists(short_text, max_size=3)),
+    "seed": st.integers(-5, 2**64), "top_k": st.integers(-3, 5000), "min_tokens": st.integers(-1, 50),
+    "stop_token_ids": st.lists(st.integers(-5, 5000), max_size=3),
+    "stop_regex": st.one_of(short_text, st.lists(short_text, max_size=2)),
+    "no_stop_trim": st.booleans(), "ignore_eos": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "presence_penalty": st.sampled_from([0, 0.5]), "echo": st.booleans(),
+}
+messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "robot"]),
+                                           "content": st.text(max_size=20)}), max_size=3)
+prompts = st.one_of(st.text(max_size=30), st.lists(st.integers(-3, 5000), max_size=8),
+                    st.lists(st.text(max_size=10), max_size=3))
+
+
+@st.composite
+def bodies(draw, chat: bool):
+    """Mostly well-formed requests with edge values, now and then a field of the wrong type."""
+    body = {"model": draw(st.sampled_from(["tiny-moe", "tiny-moe", "nope"]))}
+    body["messages" if chat else "prompt"] = draw(messages if chat else prompts)
+    for name in draw(st.lists(st.sampled_from(sorted(VALUES)), max_size=6, unique=True)):
+        body[name] = draw(VALUES[name])
+    body["logprobs"] = draw(st.booleans() if chat else st.integers(-1, 7))
+    if chat and draw(st.booleans()):
+        body["top_logprobs"] = draw(st.integers(-1, 25))
+    if draw(st.integers(0, 4)) == 0:
+        body[draw(st.sampled_from(sorted(body)))] = draw(scalars)
+    return body
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(chat=st.booleans(), data=st.data())
+def test_fuzzed_requests_never_5xx_and_never_hang(cluster, chat, data):
+    body = data.draw(bodies(chat))
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    status, got = post(cluster[0].url, path, body, timeout_s=60)          # a hang fails by timeout
+    assert status < 500, (status, got)
+    if status != 200:
+        assert got["error"]["message"]
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"[]", b"null", b'{"model": "tiny-moe", "messages": 3}',
+                                 "{\"model\": \"tiny-moe\", \"prompt\": \"\udcff\"}".encode("utf-8", "surrogatepass")])
+def test_malformed_bodies_are_4xx(cluster, raw):
+    status, got = post(cluster[0].url, "/v1/completions", None, raw=raw)
+    assert 400 <= status < 500, (status, got)
+
+
+def test_a_client_that_disconnects_frees_the_pages(cluster):
+    gw, decode, prefill = cluster
+    conn = connection(gw.url)
+    conn.request("POST", "/v1/completions", body=json.dumps({
+        "model": "tiny-moe", "prompt": "while True:\n", "max_tokens": 400, "ignore_eos": True, "stream": True}),
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    assert decode.llm.pool.num_free < decode.llm.pool.num_pages           # decoding, pages held
+    conn.close()                                                           # the client goes away
+    wait_idle(decode, prefill)
+
+
+def test_a_decode_worker_killed_mid_stream_gives_an_error_event(cluster):
+    _, _, prefill = cluster
+    env = dict(os.environ, TANDEM_CLUSTER_SECRET=SECRET.hex())
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.worker", "--role", "decode", "--kv-cache-tokens", "8192"],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    gw = None
+    try:
+        address = proc.stdout.readline().split()[2]
+        gw = start_gateway([address], [prefill.address])
+        wait_ready(gw.url)
+        conn = connection(gw.url)
+        conn.request("POST", "/v1/completions", body=json.dumps({
+            "model": "tiny-moe", "prompt": "while True:\n", "max_tokens": 1000, "ignore_eos": True,
+            "stream": True}), headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+        proc.send_signal(signal.SIGKILL)
+        rest = resp.read().decode()
+        events = [e.strip() for e in rest.split("\n\n") if e.strip().startswith("data: ")]
+        assert events, rest
+        last = events[-1][len("data: "):]
+        assert last != "[DONE]" and "error" in json.loads(last), last     # explicit, not a truncated 200
+        assert json.loads(last)["error"]["code"] == "DECODE_FAILED"
+    finally:
+        proc.kill()
+        proc.wait(10)
+        if gw is not None:
+            gw.stop()
+    wait_idle(prefill)
+
+
+def test_a_peer_stalled_for_40_seconds_does_not_fail_a_longer_request():
+    """The decode worker stops reading the KV push for 40 s (flow control backs the prefill
+    worker up), then continues: with a 120 s request timeout the request completes."""
+    decode, prefill = start_decode_worker(config()), start_prefill_worker(config())
+    receiver = decode.engines[0].receiver
+    inner, stalled = receiver.receive, []
+
+    def stall_once(h, payload):
+        if not stalled:
+            stalled.append(time.monotonic())
+            time.sleep(40)
+        inner(h, payload)
+
+    receiver.receive = stall_once
+    gw = start_gateway([decode.address], [prefill.address], request_timeout_s=120)
+    try:
+        wait_ready(gw.url)
+        start = time.monotonic()
+        status, body = post(gw.url, "/v1/completions", {"model": "tiny-moe", "prompt": "word " * 200,
+                                                        "max_tokens": 4, "temperature": 0}, timeout_s=150)
+        assert status == 200, body
+        assert stalled and time.monotonic() - start >= 40 and body["usage"]["completion_tokens"] >= 1
+    finally:
+        gw.stop()
+        wait_idle(decode, prefill)
+        decode.stop()
+        prefill.stop()
