@@ -95,6 +95,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError):
         gw.metrics.rejected.labels("schema").inc()
+        gw.metrics.requests.labels("rejected").inc()
         first = e.errors()[0] if e.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         return JSONResponse(error_body(f"{where}: {first.get('msg', 'invalid request')}", "invalid_request_error",
@@ -147,6 +148,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
 def _rejected(gw: Gateway, e: Rejected) -> JSONResponse:
     gw.metrics.rejected.labels(e.reason).inc()
+    gw.metrics.requests.labels("rejected").inc()
     kind = "invalid_request_error" if e.status < 500 else "server_error"
     if e.status == 401:
         kind = "authentication_error"
