@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import time
@@ -58,3 +59,24 @@ def wait_ready(url: str, timeout_s: float = 30) -> None:
     while get(url, "/health")[0] != 200:
         assert time.monotonic() < end, "the gateway never became ready"
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def gateway_cluster(decode_config, prefill_config, **gateway):
+    """A decode and a prefill worker and a ready gateway in front of them; at the end every
+    pool must be intact and fully free (I6)."""
+    from decode_worker.server import start_decode_worker
+    from prefill_worker.server import start_prefill_worker
+    from tests.workers import wait_idle
+    decode, prefill = start_decode_worker(decode_config), start_prefill_worker(prefill_config)
+    gw = start_gateway([decode.address], [prefill.address], **gateway)
+    try:
+        wait_ready(gw.url)
+        yield gw, decode, prefill
+    finally:
+        gw.stop()
+        try:
+            wait_idle(decode, prefill)
+        finally:
+            decode.stop()
+            prefill.stop()

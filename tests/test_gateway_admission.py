@@ -9,27 +9,19 @@ import threading
 import grpc
 import pytest
 
-from decode_worker.server import start_decode_worker
-from prefill_worker.server import start_prefill_worker
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
-from tests.gateway_helpers import post, start_gateway, wait_ready
-from tests.workers import config, wait_idle
+from tests.gateway_helpers import gateway_cluster, post
+from tests.workers import config
 
 CONTEXT = 256
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    cfg = config(max_model_len=CONTEXT)
-    decode, prefill = start_decode_worker(cfg), start_prefill_worker(cfg)
-    gw = start_gateway([decode.address], [prefill.address], tenant_max_concurrency=2)
-    wait_ready(gw.url)
-    yield gw, decode, prefill
-    gw.stop()
-    wait_idle(decode, prefill)
-    decode.stop()
-    prefill.stop()
+    with gateway_cluster(config(max_model_len=CONTEXT), config(max_model_len=CONTEXT),
+                         tenant_max_concurrency=2) as c:
+        yield c
 
 
 def stats(handle, kind):

@@ -17,20 +17,14 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from decode_worker.server import start_decode_worker
 from prefill_worker.server import start_prefill_worker
-from tests.gateway_helpers import API_KEY, connection, post, start_gateway, wait_ready
+from tests.gateway_helpers import API_KEY, connection, gateway_cluster, post, start_gateway, wait_ready
 from tests.workers import SECRET, config, wait_idle
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    decode, prefill = start_decode_worker(config(max_model_len=512)), start_prefill_worker(config())
-    gw = start_gateway([decode.address], [prefill.address], request_timeout_s=60)
-    wait_ready(gw.url)
-    yield gw, decode, prefill
-    gw.stop()
-    wait_idle(decode, prefill)
-    decode.stop()
-    prefill.stop()
+    with gateway_cluster(config(max_model_len=512), config(), request_timeout_s=60) as c:
+        yield c
 
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-10, 600), st.floats(-3, 3), st.just(float("nan")),

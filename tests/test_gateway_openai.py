@@ -9,25 +9,17 @@ import json
 import openai
 import pytest
 
-from decode_worker.server import start_decode_worker
 from engine.sampling import SamplingParams
-from prefill_worker.server import start_prefill_worker
-from tests.gateway_helpers import API_KEY, get, post, start_gateway, wait_ready
-from tests.workers import config, wait_idle
+from tests.gateway_helpers import API_KEY, gateway_cluster, get, post
+from tests.workers import config
 
 CHAT = [{"role": "user", "content": "Please repeat: paged experts keep the hot experts resident"}]
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    decode, prefill = start_decode_worker(config()), start_prefill_worker(config())
-    gw = start_gateway([decode.address], [prefill.address])
-    wait_ready(gw.url)
-    yield gw, decode, prefill
-    gw.stop()
-    wait_idle(decode, prefill)
-    decode.stop()
-    prefill.stop()
+    with gateway_cluster(config(), config()) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
