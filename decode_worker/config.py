@@ -17,8 +17,10 @@ class WorkerConfig:
     max_prefill_tokens: int = 2048
     paged_experts_num_resident: int | None = None
     seed: int = 0
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"               # where the services listen
+    advertise_host: str | None = None     # the address others reach them at (default: host)
     port: int = 0                         # 0: a free port
+    mem_fraction: float | None = None     # size the KV cache as this share of free memory instead
     transfer: str = "grpc"                # how prefill reaches this decode worker: grpc or shm
     transfer_port: int = 0
     transfer_timeout_s: float = 30.0      # a reservation that receives nothing for this long ends
@@ -35,6 +37,10 @@ class WorkerConfig:
         if len(self.secret) < 16:
             raise ValueError("the cluster secret must be at least 16 bytes (every worker of a "
                              "cluster gets the same one at start-up)")
+
+    @property
+    def public_host(self) -> str:
+        return self.advertise_host or self.host
 
     def llm_kwargs(self) -> dict:
         return dict(model=self.model, dtype=self.dtype, device=self.device,

@@ -52,12 +52,33 @@ class WorkerHandle:
 def build_llm(config: WorkerConfig) -> LLM:
     """Load the engine.  Raises ValueError naming the setting to change when the KV pool cannot
     hold one request of the full context (ExpertCheckError from a failed independence check)."""
-    llm = LLM(**config.llm_kwargs())
+    kwargs = config.llm_kwargs()
+    if config.mem_fraction is not None:
+        kwargs["kv_cache_tokens"] = kv_tokens_for_fraction(config)
+    llm = LLM(**kwargs)
     if llm.pool.capacity_tokens < llm.max_model_len:
         raise ValueError(f"kv_cache_tokens ({llm.pool.capacity_tokens}) cannot hold one request of the "
                          f"maximum context ({llm.max_model_len} tokens): raise --kv-cache-tokens to at "
                          f"least {llm.max_model_len} or lower --max-model-len")
     return llm
+
+
+def kv_tokens_for_fraction(config: WorkerConfig) -> int:
+    """KV tokens that fit in `mem_fraction` of the device's free memory (host RAM on CPU)."""
+    import os
+
+    import torch
+
+    from engine.config import SHIPPED_MODEL, ModelConfig, parse_dtype
+    mc = ModelConfig.from_path(config.model or SHIPPED_MODEL)
+    per_token = mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * \
+        torch.empty(0, dtype=parse_dtype(config.dtype)).element_size()
+    if torch.device(config.device).type == "cuda":
+        free = torch.cuda.mem_get_info(torch.device(config.device))[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    tokens = int(free * config.mem_fraction) // per_token
+    return tokens // config.page_size * config.page_size
 
 
 def grpc_server(config: WorkerConfig) -> tuple[grpc.Server, str]:
@@ -66,7 +87,7 @@ def grpc_server(config: WorkerConfig) -> tuple[grpc.Server, str]:
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
         raise OSError(f"cannot bind the worker's gRPC service to {config.host}:{config.port}")
-    return server, f"{config.host}:{port}"
+    return server, f"{config.public_host}:{port}"
 
 
 def start_decode_worker(config: WorkerConfig, llm: LLM | None = None) -> WorkerHandle:
@@ -78,7 +99,8 @@ def start_decode_worker(config: WorkerConfig, llm: LLM | None = None) -> WorkerH
         transfer = ShmTransferServer(engine.receiver, path)
     else:
         from kv_transfer.transport.grpc_server import GrpcTransferServer
-        transfer = GrpcTransferServer(engine.receiver, config.host, config.transfer_port)
+        transfer = GrpcTransferServer(engine.receiver, config.host, config.transfer_port,
+                                      advertise_host=config.public_host)
     server, address = grpc_server(config)
     add_to_server(DecodeServicer(engine, transfer.endpoint), server)
     loop = WorkerLoop([engine]).start()

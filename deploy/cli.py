@@ -1,16 +1,15 @@
 """The `tandem` command.
 
-    tandem serve [--model PATH] [--prompt TEXT] ...   # run the shipped model
-    tandem preflight --memory-gib 16 [--json]          # what paged experts cost and buy
-
-Until the gateway and workers land, `serve` runs the single-process engine on a few
-chat prompts and prints what it generated with its speed; later issues turn it into
-the OpenAI-compatible server.
+    tandem serve [flags]                       # the whole server on Ray: workers and gateway
+    tandem status [--address auto]             # the workers of a running deployment
+    tandem generate [--prompt TEXT] ...        # the single-process engine on a few prompts
+    tandem preflight --memory-gib 16 [--json]  # what paged experts cost and buy
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -21,7 +20,7 @@ DEMO_PROMPTS = [
 ]
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
               max_model_len=args.max_model_len, paged_experts_num_resident=args.paged_experts_num_resident)
@@ -54,19 +53,23 @@ def _preflight(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated MoE serving")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the model (for now: a single-process generation demo)")
-    serve.add_argument("--model", default=None, help="HF checkpoint directory (default: the shipped tiny-moe)")
-    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    serve.add_argument("--device", default="cpu")
-    serve.add_argument("--kv-cache-tokens", type=int, default=16384)
-    serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--paged-experts-num-resident", type=int, default=None,
-                       help="keep K experts of each MoE layer on the device (default: all)")
-    serve.add_argument("--max-tokens", type=int, default=48)
-    serve.add_argument("--temperature", type=float, default=0.0)
-    serve.add_argument("--seed", type=int, default=None)
-    serve.add_argument("--prompt", action="append", help="a user message (repeatable)")
-    serve.set_defaults(func=_serve)
+    gen = sub.add_parser("generate", help="run the single-process engine on a few chat prompts")
+    gen.add_argument("--model", default=None, help="HF checkpoint directory (default: the shipped tiny-moe)")
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--kv-cache-tokens", type=int, default=16384)
+    gen.add_argument("--max-model-len", type=int, default=None)
+    gen.add_argument("--paged-experts-num-resident", type=int, default=None,
+                     help="keep K experts of each MoE layer on the device (default: all)")
+    gen.add_argument("--max-tokens", type=int, default=48)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--prompt", action="append", help="a user message (repeatable)")
+    gen.set_defaults(func=_generate)
+    add_serve_parser(sub)
+    st = sub.add_parser("status", help="the workers of a running deployment")
+    st.add_argument("--address", default="auto", help="the Ray cluster (default: auto)")
+    st.set_defaults(func=lambda a: __import__("deploy.status", fromlist=["status"]).status(a.address))
     pre = sub.add_parser("preflight", help="what paged experts cost and buy on a device")
     pre.add_argument("--model", default=None, help="HF checkpoint directory (default: the shipped tiny-moe)")
     pre.add_argument("--memory-gib", type=float, required=True, help="device memory budget for the model")
@@ -80,11 +83,81 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_serve_parser(sub) -> None:
+    sv = sub.add_parser("serve", help="serve the model: Ray workers and the OpenAI-compatible gateway")
+    sv.add_argument("--address", default=None, help="join a Ray cluster (auto, or HOST:PORT); default: start one")
+    sv.add_argument("--model", default=None, help="HF checkpoint directory (default: the shipped tiny-moe)")
+    sv.add_argument("--served-model-name", default=None, help="the model name clients use (default: the directory's)")
+    sv.add_argument("--prefill-workers", type=int, default=None)
+    sv.add_argument("--decode-workers", type=int, default=None)
+    sv.add_argument("--colocated", action="store_true", help="workers that do both prefill and decode")
+    sv.add_argument("--colocated-workers", type=int, default=1)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", action="append", default=[], help="KEY or KEY:TENANT (repeatable)")
+    sv.add_argument("--api-keys-file", default=None, help="JSON {key: tenant} or lines `KEY TENANT`")
+    sv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    sv.add_argument("--device", default="cpu")
+    sv.add_argument("--max-model-len", type=int, default=None)
+    sv.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool per worker, in tokens")
+    sv.add_argument("--mem-fraction", type=float, default=None, help="KV pool as a share of free memory")
+    sv.add_argument("--paged-experts-num-resident", type=int, default=None)
+    sv.add_argument("--gpus-per-worker", type=float, default=0.0)
+    sv.add_argument("--placement-strategy", default="PACK", choices=["PACK", "SPREAD"])
+    sv.add_argument("--transfer", default="grpc", choices=["grpc", "shm"],
+                    help="how prefill reaches decode (shm: same node only)")
+    sv.add_argument("--worker-resources", default=None, help='extra Ray resources per role, JSON: '
+                    '{"decode": {"gpu_node": 1}}')
+    sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sv.set_defaults(func=_serve)
+
+
+def serve_settings(args: argparse.Namespace):
+    """The flags as ServeSettings; raises ValueError on a conflict or a missing model."""
+    from deploy.settings import ServeSettings, parse_resources
+    from engine.config import SHIPPED_MODEL
+    from gateway.config import load_api_keys
+    if args.colocated and (args.prefill_workers is not None or args.decode_workers is not None):
+        raise ValueError("--colocated workers do both prefill and decode: drop --prefill-workers/--decode-workers "
+                         "(use --colocated-workers N)")
+    keys = load_api_keys(args.api_keys_file) if args.api_keys_file else {}
+    for k in args.api_key:
+        key, _, tenant = k.partition(":")
+        keys[key] = tenant or "default"
+    return ServeSettings(
+        address=args.address, model=args.model or str(SHIPPED_MODEL), served_model_name=args.served_model_name,
+        prefill_workers=1 if args.prefill_workers is None else args.prefill_workers,
+        decode_workers=1 if args.decode_workers is None else args.decode_workers,
+        colocated=args.colocated, colocated_workers=args.colocated_workers, host=args.host, port=args.port,
+        api_keys=keys, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        kv_cache_tokens=args.kv_cache_tokens, mem_fraction=args.mem_fraction,
+        paged_experts_num_resident=args.paged_experts_num_resident, gpus_per_worker=args.gpus_per_worker,
+        placement_strategy=args.placement_strategy, log_level=args.log_level, transfer=args.transfer,
+        worker_resources=parse_resources(args.worker_resources))
+
+
+def _serve(args: argparse.Namespace) -> int:
+    settings = serve_settings(args)
+    _check_kv(settings)
+    from deploy.serve import serve
+    return serve(settings)
+
+
+def _check_kv(settings) -> None:
+    """Fail before starting anything when a worker's KV pool cannot hold one full-context request."""
+    from engine.config import ModelConfig
+    mc = ModelConfig.from_path(settings.model)
+    context = min(settings.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    if settings.kv_cache_tokens is not None and settings.kv_cache_tokens < context:
+        raise ValueError(f"--kv-cache-tokens {settings.kv_cache_tokens} cannot hold one request of the maximum "
+                         f"context ({context} tokens): raise it to at least {context} or lower --max-model-len")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, json.JSONDecodeError) as err:
         print(f"tandem: error: {err}", file=sys.stderr)
         return 2
 

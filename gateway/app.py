@@ -29,8 +29,10 @@ log = logging.getLogger("tandem.gateway")
 class Gateway:
     """Everything one gateway process holds: settings, tokenizer, workers, queue, metrics."""
 
-    def __init__(self, config: GatewayConfig):
+    def __init__(self, config: GatewayConfig, discover=None):
         self.config = config
+        self.discover = discover              # () -> {role: [address]}: a registry to follow
+        self.draining = False
         path = config.model or SHIPPED_MODEL
         self.tokenizer = Tokenizer(path)
         self.model_config = ModelConfig.from_path(path)
@@ -58,13 +60,19 @@ class Gateway:
 
     async def refresh_forever(self) -> None:
         while True:
+            if self.discover is not None:
+                try:
+                    found = await asyncio.get_running_loop().run_in_executor(None, self.discover)
+                    self.pool.update(found)
+                except Exception:
+                    log.exception("could not read the worker registry; keeping the workers known")
             await self.pool.refresh()
             self.metrics.observe_workers(self.pool)
             await asyncio.sleep(self.config.refresh_s)
 
 
-def create_app(config: GatewayConfig) -> FastAPI:
-    gw = Gateway(config)
+def create_app(config: GatewayConfig, discover=None) -> FastAPI:
+    gw = Gateway(config, discover)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -108,6 +108,8 @@ class CompletionHandler:
     # ---- serving ------------------------------------------------------------------------
     async def serve(self, body, request: Request, tenant: str):
         gw = self.gw
+        if gw.draining:
+            raise Rejected(503, "draining", "the server is shutting down; retry on another replica")
         jobs = self.jobs(body)
         fmt = Formatter("chat" if isinstance(body, ChatCompletionRequest) else "text",
                         gw.config.served_model_name, gw.tokenizer, body.logprobs_n)

@@ -69,6 +69,19 @@ class WorkerPool:
         for w in self.workers:
             w.connect()
 
+    def update(self, found: dict[str, list[str]]) -> None:
+        """Follow the registry: add workers that appeared (a restarted worker has a new address),
+        drop the ones that are gone."""
+        want = {(a, role) for role, addrs in found.items() for a in addrs}
+        have = {(w.address, w.role) for w in self.workers}
+        for w in [w for w in self.workers if (w.address, w.role) not in want]:
+            self.workers.remove(w)
+            asyncio.get_running_loop().create_task(w.channel.close())
+        for address, role in want - have:
+            w = Worker(address, role)
+            w.connect()
+            self.workers.append(w)
+
     def of(self, *roles: str) -> list[Worker]:
         return [w for w in self.workers if w.role in roles]
 

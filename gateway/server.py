@@ -17,10 +17,11 @@ from gateway.config import GatewayConfig, load_api_keys
 class GatewayServer:
     """uvicorn serving the gateway on a thread; `url` once started."""
 
-    def __init__(self, config: GatewayConfig):
+    def __init__(self, config: GatewayConfig, discover=None):
         self.config = config
         port = config.port or _free_port(config.host)
-        self._server = uvicorn.Server(uvicorn.Config(create_app(config), host=config.host, port=port,
+        self.app = create_app(config, discover)
+        self._server = uvicorn.Server(uvicorn.Config(self.app, host=config.host, port=port,
                                                      log_level="warning", lifespan="on"))
         self.url = f"http://{config.host}:{port}"
         self._thread = threading.Thread(target=self._server.run, name="gateway", daemon=True)
@@ -33,6 +34,16 @@ class GatewayServer:
                 raise RuntimeError(f"the gateway did not start on {self.url}")
             time.sleep(0.02)
         return self
+
+    def drain(self, timeout_s: float) -> int:
+        """Refuse new requests (503 draining) and wait up to `timeout_s` for the admitted ones.
+        Returns how many are still in flight."""
+        gw = self.app.state.gateway
+        gw.draining = True
+        end = time.monotonic() + timeout_s
+        while gw.queue.total and time.monotonic() < end:
+            time.sleep(0.05)
+        return gw.queue.total
 
     def stop(self) -> None:
         self._server.should_exit = True

@@ -1,19 +1,40 @@
-"""The `tandem serve` demo runs the shipped model; bad settings fail with a message."""
+"""The `tandem` command line: the single-process `generate` demo, and `serve`'s flags failing
+fast with a readable message before anything starts."""
+
+import pytest
 
 from deploy.cli import main
 
 
-def test_serve_demo_prints_replies_and_speed(capsys):
-    assert main(["serve", "--max-tokens", "6", "--prompt", "Repeat after me: ok"]) == 0
+def test_generate_prints_replies_and_speed(capsys):
+    assert main(["generate", "--max-tokens", "6", "--prompt", "Repeat after me: ok"]) == 0
     out = capsys.readouterr().out
     assert "user:      Repeat after me: ok" in out and "tokens/s" in out
 
 
-def test_serve_refuses_a_missing_model(tmp_path, capsys):
-    assert main(["serve", "--model", str(tmp_path / "nope")]) == 2
-    assert "no config.json" in capsys.readouterr().err
-
-
-def test_serve_refuses_a_prompt_over_the_context(capsys):
-    assert main(["serve", "--max-model-len", "8", "--max-tokens", "6", "--prompt", "Repeat after me: ok"]) == 2
+def test_generate_refuses_a_prompt_over_the_context(capsys):
+    assert main(["generate", "--max-model-len", "8", "--max-tokens", "6", "--prompt", "Repeat after me: ok"]) == 2
     assert "exceeds the model context of 8 tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--model", "/nonexistent/model"], "no config.json there"),
+    (["serve", "--kv-cache-tokens", "512"], "cannot hold one request of the maximum context (2048 tokens)"),
+    (["serve", "--kv-cache-tokens", "4096", "--mem-fraction", "0.5"], "give one"),
+    (["serve", "--colocated", "--prefill-workers", "2"], "--colocated workers do both"),
+    (["serve", "--decode-workers", "0"], "--decode-workers must be >= 1"),
+    (["serve", "--mem-fraction", "1.5"], "--mem-fraction must be in (0, 1)"),
+    (["serve", "--device", "cuda"], "--gpus-per-worker > 0"),
+    (["serve", "--worker-resources", "[1]"], "JSON object of role"),
+])
+def test_serve_fails_fast_on_bad_settings(capsys, argv, message):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["serve", "--no-such-flag"], ["serve", "--placement-strategy", "RANDOM"],
+                                  ["serve", "--port", "eighty"]])
+def test_serve_refuses_unknown_or_malformed_flags(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and "error:" in capsys.readouterr().err

@@ -85,7 +85,8 @@ class GrpcTransferServer:
     """Serves `receiver` at grpc://HOST:PORT (port 0 picks a free one)."""
 
     def __init__(self, receiver: TransferReceiver, host: str = "127.0.0.1", port: int = 0,
-                 config: TransportConfig | None = None, max_workers: int = 16):
+                 config: TransportConfig | None = None, max_workers: int = 16,
+                 advertise_host: str | None = None):
         self.config = config or TransportConfig()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                              thread_name_prefix="kv-recv"),
@@ -99,7 +100,7 @@ class GrpcTransferServer:
                 servicer.Push, request_deserializer=None,
                 response_serializer=pb.PushReply.SerializeToString),
         }),))
-        self.host = host
+        self.host = advertise_host or host       # what the endpoint tells senders
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"cannot bind the KV transfer server to {host}:{port}")

@@ -1,0 +1,72 @@
+"""The Ray actors of a Tandem deployment: one per worker (prefill, decode or colocated) and
+the gateway.  A worker actor registers its service address in the registry when it starts,
+and again when Ray restarts it after a crash."""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+
+log = logging.getLogger("tandem.deploy")
+
+
+@ray.remote
+class WorkerActor:
+    def __init__(self, worker_id: str, role: str, config: dict, secret: bytes, registry, host: str | None):
+        from decode_worker.config import WorkerConfig
+        ip = ray.util.get_node_ip_address()
+        cfg = WorkerConfig(**config, secret=secret, host=host or ip)
+        self.role, self.worker_id, self.registry = role, worker_id, registry
+        self.handle = _start(role, cfg)
+        h = self.handle.llm
+        ray.get(registry.register.remote(worker_id, {
+            "role": role, "address": self.handle.address, "node_ip": ip,
+            "node_id": ray.get_runtime_context().get_node_id(), "kv_capacity_tokens": h.pool.capacity_tokens,
+            "max_model_len": h.max_model_len,
+            "paged_experts_num_resident": h.config.paged_experts_num_resident or 0}))
+
+    def address(self) -> str:
+        return self.handle.address
+
+    def stop(self) -> None:
+        """End every live request with an explicit error, release every page, stop serving."""
+        self.handle.stop()
+        ray.get(self.registry.unregister.remote(self.worker_id))
+
+
+def _start(role: str, cfg):
+    if role == "prefill":
+        from prefill_worker.server import start_prefill_worker
+        return start_prefill_worker(cfg)
+    if role == "decode":
+        from decode_worker.server import start_decode_worker
+        return start_decode_worker(cfg)
+    from decode_worker.colocated import start_colocated_worker
+    return start_colocated_worker(cfg)
+
+
+@ray.remote(num_cpus=0)
+class GatewayActor:
+    def __init__(self, config: dict, registry):
+        from gateway.config import GatewayConfig
+        from gateway.server import GatewayServer
+        self.registry = registry
+        found = self._discover()
+        self.server = GatewayServer(GatewayConfig(**config, decode_workers=tuple(found["decode"]),
+                                                  prefill_workers=tuple(found["prefill"]),
+                                                  colocated_workers=tuple(found["colocated"])),
+                                    discover=self._discover).start()
+
+    def _discover(self) -> dict[str, list[str]]:
+        return ray.get(self.registry.addresses.remote())
+
+    def url(self) -> str:
+        return self.server.url
+
+    def drain(self, timeout_s: float) -> int:
+        """Stop admitting; wait up to `timeout_s` for in-flight requests.  Returns how many are left."""
+        return self.server.drain(timeout_s)
+
+    def stop(self) -> None:
+        self.server.stop()

@@ -1,0 +1,131 @@
+"""Starting and stopping a Tandem deployment on Ray: the registry, one actor per worker in a
+placement group, and the gateway on the driver's node.
+
+    d = Deployment(settings).start()     # returns once /health answers 200
+    print(d.url)
+    d.stop()                             # drain, end requests with errors, free pages, shut down
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import urllib.request
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from deploy import registry as reg
+from deploy.actors import GatewayActor, WorkerActor
+from deploy.settings import ServeSettings
+from kv_transfer.frame import new_cluster_secret
+
+log = logging.getLogger("tandem.deploy")
+
+
+class Deployment:
+    def __init__(self, settings: ServeSettings, say=print):
+        self.s, self.say = settings, say
+        self.workers: dict[str, "ray.actor.ActorHandle"] = {}
+        self.gateway = None
+        self.pg = None
+        self.url = ""
+        self._started_ray = False
+
+    def start(self, timeout_s: float = 600.0, on_ray_started=None) -> "Deployment":
+        s = self.s
+        self._init_ray()
+        if on_ray_started is not None:
+            on_ray_started()
+        registry = self.registry = reg.get_or_create()
+        roles = s.roles()
+        bundles = [self._bundle(role) for role in roles]
+        self.pg = placement_group(bundles, strategy=s.placement_strategy)
+        if not self.pg.wait(timeout_seconds=int(timeout_s)):
+            raise RuntimeError(f"Ray could not place {len(bundles)} workers ({bundles}) with strategy "
+                               f"{s.placement_strategy}: not enough resources in the cluster")
+        secret = new_cluster_secret()           # handed to every worker through Ray, never logged
+        host = s.worker_host or ("127.0.0.1" if s.address is None else None)   # None: the node's IP
+        counts: dict[str, int] = {}
+        for i, role in enumerate(roles):
+            wid = f"{role}-{counts.setdefault(role, 0)}"
+            counts[role] += 1
+            self.workers[wid] = WorkerActor.options(
+                name=f"tandem-{wid}", namespace=reg.NAMESPACE, max_restarts=s.max_restarts,
+                num_cpus=bundles[i].get("CPU", 0), num_gpus=bundles[i].get("GPU", 0),
+                resources={k: v for k, v in bundles[i].items() if k not in ("CPU", "GPU")},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+            ).remote(wid, role, s.worker_config(), secret, registry, host)
+        self.say(f"tandem: loading {s.model} on {len(roles)} worker(s): {', '.join(self.workers)}")
+        for wid, actor in self.workers.items():
+            address = ray.get(actor.address.remote(), timeout=timeout_s)
+            self.say(f"tandem: {wid} ready at {address}")
+        self.gateway = GatewayActor.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+        ).remote(self._gateway_config(), registry)
+        self.url = ray.get(self.gateway.url.remote(), timeout=timeout_s)
+        self._wait_healthy(timeout_s)
+        return self
+
+    def _init_ray(self) -> None:
+        s = self.s
+        if ray.is_initialized():
+            return
+        kw = dict(namespace=reg.NAMESPACE, include_dashboard=False, logging_level=s.log_level.upper(),
+                  log_to_driver=s.log_level.lower() == "debug")
+        if s.address is None:
+            # a local instance: enough logical CPUs for every worker (they share the real cores)
+            kw.update(num_cpus=max(os.cpu_count() or 1, len(s.roles()) + 1),
+                      object_store_memory=200 * 1024 * 1024)
+            self._started_ray = True
+        ray.init(address=s.address, **kw)
+
+    def _bundle(self, role: str) -> dict:
+        b = {"CPU": 1.0}
+        if self.s.gpus_per_worker:
+            b["GPU"] = self.s.gpus_per_worker
+        b.update(self.s.worker_resources.get(role, {}))
+        return b
+
+    def _gateway_config(self) -> dict:
+        s = self.s
+        return dict(model=s.model, served_model_name=s.name, host=s.host, port=s.port, api_keys=s.api_keys)
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > end:
+                raise RuntimeError(f"the gateway at {self.url} did not become healthy in {timeout_s}s")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """Drain: stop admitting, give in-flight requests `drain_timeout_s`, then end the rest with
+        explicit errors, release every page, and shut the actors (and a local Ray) down."""
+        if self.gateway is not None:
+            left = ray.get(self.gateway.drain.remote(self.s.drain_timeout_s))
+            if left:
+                self.say(f"tandem: {left} request(s) still running after the drain: ending them with errors")
+        for wid, actor in self.workers.items():
+            try:
+                ray.get(actor.stop.remote(), timeout=60)
+            except Exception as e:  # a worker that died is already gone
+                log.warning("stopping %s: %s", wid, e)
+        if self.gateway is not None:
+            ray.get(self.gateway.stop.remote(), timeout=30)
+            ray.kill(self.gateway)
+        for actor in self.workers.values():
+            ray.kill(actor, no_restart=True)
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+        if getattr(self, "registry", None) is not None:
+            ray.kill(self.registry)
+        if self._started_ray:
+            ray.shutdown()

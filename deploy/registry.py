@@ -1,0 +1,41 @@
+"""The worker registry: a named Ray actor that knows every worker's role, service address,
+node and last report.  Workers register when they start (and again after Ray restarts them);
+the gateway and `tandem status` read it."""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+NAME = "tandem_registry"
+NAMESPACE = "tandem"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class Registry:
+    def __init__(self):
+        self._workers: dict[str, dict] = {}
+
+    def register(self, worker_id: str, info: dict) -> None:
+        self._workers[worker_id] = {**info, "worker_id": worker_id, "registered": time.time()}
+
+    def unregister(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+
+    def workers(self) -> list[dict]:
+        return sorted(self._workers.values(), key=lambda w: w["worker_id"])
+
+    def addresses(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {"prefill": [], "decode": [], "colocated": []}
+        for w in self._workers.values():
+            out[w["role"]].append(w["address"])
+        return out
+
+
+def get_or_create() -> "ray.actor.ActorHandle":
+    return Registry.options(name=NAME, namespace=NAMESPACE, get_if_exists=True).remote()
+
+
+def lookup() -> "ray.actor.ActorHandle":
+    return ray.get_actor(NAME, namespace=NAMESPACE)

@@ -1,0 +1,90 @@
+"""`tandem serve`'s settings: one frozen dataclass built from the flags and checked before
+anything starts (a bad flag, a conflict or a missing model fails here, with a message)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.config import SHIPPED_MODEL
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    address: str | None = None              # an existing Ray cluster ("auto"), or None: start one
+    model: str = str(SHIPPED_MODEL)
+    served_model_name: str | None = None
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    colocated: bool = False
+    colocated_workers: int = 1
+    host: str = "127.0.0.1"                 # the gateway's
+    port: int = 8000
+    worker_host: str | None = None          # workers listen here; None: 127.0.0.1 on a local Ray,
+                                            # the node's own IP when joining a cluster
+    api_keys: dict = field(default_factory=dict, repr=False)
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    kv_cache_tokens: int | None = None
+    mem_fraction: float | None = None
+    paged_experts_num_resident: int | None = None
+    gpus_per_worker: float = 0.0
+    placement_strategy: str = "PACK"
+    log_level: str = "info"
+    transfer: str = "grpc"
+    worker_resources: dict = field(default_factory=dict)   # role -> extra Ray resources (placement)
+    max_restarts: int = 3
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"--model {self.model}: no config.json there (a HF checkpoint directory is needed)")
+        for name in ("prefill_workers", "decode_workers", "colocated_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_tokens is not None and self.mem_fraction is not None:
+            raise ValueError("--kv-cache-tokens and --mem-fraction both size the KV cache: give one")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
+            raise ValueError(f"--kv-cache-tokens must be >= 1, got {self.kv_cache_tokens}")
+        if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
+            raise ValueError(f"--mem-fraction must be in (0, 1), got {self.mem_fraction}")
+        if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ValueError(f"--placement-strategy {self.placement_strategy}: choose PACK or SPREAD")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port {self.port} is not a TCP port")
+        if self.gpus_per_worker < 0 or (self.device.startswith("cuda") and self.gpus_per_worker == 0):
+            raise ValueError("--device cuda needs --gpus-per-worker > 0 (each worker's share of a GPU)")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+            raise ValueError(f"--log-level {self.log_level}: choose debug, info, warning or error")
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or Path(self.model).name
+
+    def roles(self) -> list[str]:
+        """One entry per worker to start."""
+        if self.colocated:
+            return ["colocated"] * self.colocated_workers
+        return ["prefill"] * self.prefill_workers + ["decode"] * self.decode_workers
+
+    def worker_config(self) -> dict:
+        """What every worker gets (WorkerConfig fields; the secret travels separately)."""
+        cfg = dict(model=self.model, dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
+                   paged_experts_num_resident=self.paged_experts_num_resident, transfer=self.transfer)
+        if self.kv_cache_tokens is not None:
+            cfg["kv_cache_tokens"] = self.kv_cache_tokens
+        if self.mem_fraction is not None:
+            cfg["mem_fraction"] = self.mem_fraction
+        return cfg
+
+
+def parse_resources(text: str | None) -> dict:
+    """--worker-resources '{"decode": {"gpu_node": 1}}'."""
+    if not text:
+        return {}
+    value = json.loads(text)
+    if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+        raise ValueError("--worker-resources must be a JSON object of role -> {resource: amount}")
+    return value
