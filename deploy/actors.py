@@ -5,10 +5,12 @@ and again when Ray restarts it after a crash."""
 from __future__ import annotations
 
 import logging
+import threading
 
 import ray
 
 log = logging.getLogger("tandem.deploy")
+HEARTBEAT_S = 2.0
 
 
 @ray.remote
@@ -20,17 +22,28 @@ class WorkerActor:
         self.role, self.worker_id, self.registry = role, worker_id, registry
         self.handle = _start(role, cfg)
         h = self.handle.llm
-        ray.get(registry.register.remote(worker_id, {
-            "role": role, "address": self.handle.address, "node_ip": ip,
-            "node_id": ray.get_runtime_context().get_node_id(), "kv_capacity_tokens": h.pool.capacity_tokens,
-            "max_model_len": h.max_model_len,
-            "paged_experts_num_resident": h.config.paged_experts_num_resident or 0}))
+        self.info = {"role": role, "address": self.handle.address, "node_ip": ip,
+                     "node_id": ray.get_runtime_context().get_node_id(), "kv_capacity_tokens": h.pool.capacity_tokens,
+                     "max_model_len": h.max_model_len,
+                     "paged_experts_num_resident": h.config.paged_experts_num_resident or 0}
+        ray.get(registry.register.remote(worker_id, self.info))
+        self._stopped = threading.Event()
+        threading.Thread(target=self._heartbeat, name="registry-heartbeat", daemon=True).start()
+
+    def _heartbeat(self) -> None:
+        """Re-register every HEARTBEAT_S: a registry that was restarted learns of us again."""
+        while not self._stopped.wait(HEARTBEAT_S):
+            try:
+                self.registry.register.remote(self.worker_id, self.info)
+            except Exception as e:  # the registry is restarting: next beat
+                log.warning("registry heartbeat: %s", e)
 
     def address(self) -> str:
         return self.handle.address
 
     def stop(self) -> None:
         """End every live request with an explicit error, release every page, stop serving."""
+        self._stopped.set()
         self.handle.stop()
         ray.get(self.registry.unregister.remote(self.worker_id))
 

@@ -34,7 +34,12 @@ class Registry:
 
 
 def get_or_create() -> "ray.actor.ActorHandle":
-    return Registry.options(name=NAME, namespace=NAMESPACE, get_if_exists=True).remote()
+    """The registry, on this (the driver's, normally the head) node: it must not share the fate
+    of a worker node.  Workers re-register every few seconds, so a restarted registry refills."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return Registry.options(name=NAME, namespace=NAMESPACE, get_if_exists=True,
+                            scheduling_strategy=here).remote()
 
 
 def lookup() -> "ray.actor.ActorHandle":
