@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from gateway.forward import ForwardError, forward
 from gateway.openai_format import ChoiceState, Formatter, error_body
 from gateway.protocol import ChatCompletionRequest, sampling_params
 
+log = logging.getLogger("tandem.gateway")
 DEFAULT_COMPLETION_TOKENS = 16      # OpenAI's default for /v1/completions
 
 
@@ -167,6 +169,10 @@ class CompletionHandler:
             await events.put(("done", None, state))
         except ForwardError as e:
             await events.put(("error", e, state if state.token_ids else None))
+        except Exception as e:  # never leave the response waiting: a bug becomes an explicit 500
+            log.exception("forwarding failed")
+            await events.put(("error", ForwardError("INTERNAL", f"gateway error: {e!r}", 500),
+                              state if state.token_ids else None))
 
     async def _sse(self, fmt: Formatter, jobs: list[Job], events: asyncio.Queue, first, include_usage: bool,
                    stack: AsyncExitStack):

@@ -96,6 +96,15 @@ async def _attempt(pool, decode: Worker, rid, tenant, ids, params, timeout_s, tr
 async def _read(call, decode: Worker, streamed: bool, tried: set[str], prefill_failure: list):
     try:
         msg = await call.read()
+    except asyncio.CancelledError:
+        # grpc.aio raises CancelledError in read() when the call was cancelled; if this task is
+        # not itself being cancelled, that was _prefill cancelling the call after a failure
+        if not prefill_failure or asyncio.current_task().cancelling():
+            raise
+        err = prefill_failure[0]
+        if not streamed and err.code == "PREFILL_UNAVAILABLE":
+            raise _Retry(err) from None
+        raise err from None
     except grpc.aio.AioRpcError as e:
         if prefill_failure:
             err = prefill_failure[0]

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -17,7 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from decode_worker.server import start_decode_worker
 from prefill_worker.server import start_prefill_worker
-from tests.gateway_helpers import API_KEY, connection, gateway_cluster, post, start_gateway, wait_ready
+from tests.gateway_helpers import API_KEY, connection, gateway_cluster, get, post, start_gateway, wait_ready
 from tests.workers import SECRET, config, wait_idle
 
 
@@ -151,3 +152,50 @@ def test_a_peer_stalled_for_40_seconds_does_not_fail_a_longer_request():
         wait_idle(decode, prefill)
         decode.stop()
         prefill.stop()
+
+
+def test_a_prefill_worker_killed_mid_push_is_retried_on_another():
+    """The first prefill worker dies with frames in flight: the decode reservation is released,
+    and the request completes through the other prefill worker."""
+    env = dict(os.environ, TANDEM_CLUSTER_SECRET=SECRET.hex())
+    doomed = subprocess.Popen([sys.executable, "-m", "deploy.worker", "--role", "prefill",
+                               "--chaos-fault", "delay:after=1:seconds=60"], stdout=subprocess.PIPE, text=True, env=env)
+    decode, spare = start_decode_worker(config()), start_prefill_worker(config())
+    gw = None
+    try:
+        doomed_address = doomed.stdout.readline().split()[2]
+        gw = start_gateway([decode.address], [doomed_address, spare.address])   # the doomed one is picked first
+        wait_ready(gw.url)
+        end = time.monotonic() + 30
+        while sum(w["healthy"] for w in json.loads(get(gw.url, "/v1/server_info")[1])["workers"]) < 3:
+            assert time.monotonic() < end, "workers never all healthy"
+            time.sleep(0.1)
+        receiver = decode.engines[0].receiver
+
+        def kill_when_pushing():
+            end = time.monotonic() + 60
+            while receiver.open_transfers == 0 and time.monotonic() < end:
+                time.sleep(0.05)
+            time.sleep(1.0)                      # the push has started; its second frame is held
+            doomed.send_signal(signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_when_pushing)
+        killer.start()
+        status, body = post(gw.url, "/v1/completions", {"model": "tiny-moe", "prompt": "word " * 100,
+                                                        "max_tokens": 4, "temperature": 0}, timeout_s=120)
+        killer.join()
+        assert status == 200, body
+        assert decode.engines[0].counts["failed"] == 1          # the first attempt ended, pages freed
+        assert decode.engines[0].counts["finished"] == 1
+        end = time.monotonic() + 10                              # the spare's report lands on its loop
+        while spare.engines[0].counts["pushed"] != 1 and time.monotonic() < end:
+            time.sleep(0.02)
+        assert spare.engines[0].counts["pushed"] == 1
+    finally:
+        doomed.kill()
+        doomed.wait(10)
+        if gw is not None:
+            gw.stop()
+        wait_idle(decode, spare)
+        decode.stop()
+        spare.stop()
