@@ -108,6 +108,7 @@ def add_serve_parser(sub) -> None:
                     help="how prefill reaches decode (shm: same node only)")
     sv.add_argument("--worker-resources", default=None, help='extra Ray resources per role, JSON: '
                     '{"decode": {"gpu_node": 1}}')
+    sv.add_argument("--gateway-replicas", type=int, default=1, help="gateways on --port, --port+1, ...")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sv.set_defaults(func=_serve)
 
@@ -133,7 +134,7 @@ def serve_settings(args: argparse.Namespace):
         kv_cache_tokens=args.kv_cache_tokens, mem_fraction=args.mem_fraction,
         paged_experts_num_resident=args.paged_experts_num_resident, gpus_per_worker=args.gpus_per_worker,
         placement_strategy=args.placement_strategy, log_level=args.log_level, transfer=args.transfer,
-        worker_resources=parse_resources(args.worker_resources))
+        worker_resources=parse_resources(args.worker_resources), gateway_replicas=args.gateway_replicas)
 
 
 def _serve(args: argparse.Namespace) -> int:

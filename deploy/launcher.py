@@ -29,7 +29,7 @@ class Deployment:
     def __init__(self, settings: ServeSettings, say=print):
         self.s, self.say = settings, say
         self.workers: dict[str, "ray.actor.ActorHandle"] = {}
-        self.gateway = None
+        self.gateways: list = []
         self.pg = None
         self.url = ""
         self._started_ray = False
@@ -62,11 +62,13 @@ class Deployment:
         for wid, actor in self.workers.items():
             address = ray.get(actor.address.remote(), timeout=timeout_s)
             self.say(f"tandem: {wid} ready at {address}")
-        self.gateway = GatewayActor.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-        ).remote(self._gateway_config(), registry)
-        self.url = ray.get(self.gateway.url.remote(), timeout=timeout_s)
-        self._wait_healthy(timeout_s)
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.gateways = [GatewayActor.options(scheduling_strategy=here).remote(self._gateway_config(i), registry)
+                         for i in range(s.gateway_replicas)]
+        self.urls = ray.get([g.url.remote() for g in self.gateways], timeout=timeout_s)
+        self.url = self.urls[0]
+        for url in self.urls:
+            self._wait_healthy(url, timeout_s)
         return self
 
     def _init_ray(self) -> None:
@@ -89,28 +91,29 @@ class Deployment:
         b.update(self.s.worker_resources.get(role, {}))
         return b
 
-    def _gateway_config(self) -> dict:
+    def _gateway_config(self, replica: int) -> dict:
         s = self.s
-        return dict(model=s.model, served_model_name=s.name, host=s.host, port=s.port, api_keys=s.api_keys)
+        return dict(model=s.model, served_model_name=s.name, host=s.host, port=s.port + replica if s.port else 0,
+                    api_keys=s.api_keys)
 
-    def _wait_healthy(self, timeout_s: float) -> None:
+    def _wait_healthy(self, url: str, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s
         while True:
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
                     if r.status == 200:
                         return
             except OSError:
                 pass
             if time.monotonic() > end:
-                raise RuntimeError(f"the gateway at {self.url} did not become healthy in {timeout_s}s")
+                raise RuntimeError(f"the gateway at {url} did not become healthy in {timeout_s}s")
             time.sleep(0.2)
 
     def stop(self) -> None:
         """Drain: stop admitting, give in-flight requests `drain_timeout_s`, then end the rest with
         explicit errors, release every page, and shut the actors (and a local Ray) down."""
-        if self.gateway is not None:
-            left = ray.get(self.gateway.drain.remote(self.s.drain_timeout_s))
+        if self.gateways:
+            left = sum(ray.get([g.drain.remote(self.s.drain_timeout_s) for g in self.gateways]))
             if left:
                 self.say(f"tandem: {left} request(s) still running after the drain: ending them with errors")
         for wid, actor in self.workers.items():
@@ -118,9 +121,9 @@ class Deployment:
                 ray.get(actor.stop.remote(), timeout=60)
             except Exception as e:  # a worker that died is already gone
                 log.warning("stopping %s: %s", wid, e)
-        if self.gateway is not None:
-            ray.get(self.gateway.stop.remote(), timeout=30)
-            ray.kill(self.gateway)
+        for g in self.gateways:
+            ray.get(g.stop.remote(), timeout=30)
+            ray.kill(g)
         for actor in self.workers.values():
             ray.kill(actor, no_restart=True)
         if self.pg is not None:

@@ -21,7 +21,8 @@ def serve(settings: ServeSettings) -> int:
     try:
         deployment.start(on_ray_started=lambda: _on_signals(stop))   # Ray installs its own handlers
         if not stop.is_set():
-            print(f"Tandem is serving {settings.name} at {deployment.url}/v1", flush=True)
+            print(f"Tandem is serving {settings.name} at " + ", ".join(f"{u}/v1" for u in deployment.urls),
+                  flush=True)
         stop.wait()
         say("tandem: draining")
     finally:

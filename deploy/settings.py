@@ -35,13 +35,14 @@ class ServeSettings:
     log_level: str = "info"
     transfer: str = "grpc"
     worker_resources: dict = field(default_factory=dict)   # role -> extra Ray resources (placement)
+    gateway_replicas: int = 1               # gateways on ports port, port+1, ... (same registry)
     max_restarts: int = 3
     drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"--model {self.model}: no config.json there (a HF checkpoint directory is needed)")
-        for name in ("prefill_workers", "decode_workers", "colocated_workers"):
+        for name in ("prefill_workers", "decode_workers", "colocated_workers", "gateway_replicas"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.kv_cache_tokens is not None and self.mem_fraction is not None:

@@ -40,7 +40,7 @@ def workers() -> list[dict]:
 def test_prefill_and_decode_on_different_nodes_and_recovery(cluster):
     c, nodes = cluster
     settings = ServeSettings(address=c.address, port=_free_port("127.0.0.1"), worker_host="127.0.0.1",
-                             placement_strategy="SPREAD", kv_cache_tokens=4096, max_restarts=3,
+                             placement_strategy="SPREAD", kv_cache_tokens=4096, max_restarts=3, gateway_replicas=2,
                              worker_resources={"prefill": {"prefill_node": 1}, "decode": {"decode_node": 1}})
     d = Deployment(settings, say=lambda _: None).start(timeout_s=180)
     try:
@@ -49,6 +49,8 @@ def test_prefill_and_decode_on_different_nodes_and_recovery(cluster):
         assert placed["decode"] == nodes["decode"].node_id and placed["prefill"] == nodes["prefill"].node_id
         client = openai.OpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0)
         assert client.chat.completions.create(model="tiny-moe", messages=CHAT, max_tokens=8).usage.completion_tokens
+        replica = openai.OpenAI(base_url=d.urls[1] + "/v1", api_key="none", max_retries=0)   # a second gateway
+        assert replica.completions.create(model="tiny-moe", prompt="x", max_tokens=4).usage.completion_tokens
 
         conn = connection(d.url)
         conn.request("POST", "/v1/completions", body=json.dumps({"model": "tiny-moe", "prompt": "while True:\n",
