@@ -15,8 +15,11 @@ HEARTBEAT_S = 2.0
 
 @ray.remote
 class WorkerActor:
-    def __init__(self, worker_id: str, role: str, config: dict, secret: bytes, registry, host: str | None):
+    def __init__(self, worker_id: str, role: str, config: dict, secret: bytes, registry, host: str | None,
+                 cores: list[int] | None = None):
         from decode_worker.config import WorkerConfig
+        if cores:
+            _pin(cores)
         ip = ray.util.get_node_ip_address()
         cfg = WorkerConfig(**config, secret=secret, host=host or ip)
         self.role, self.worker_id, self.registry = role, worker_id, registry
@@ -46,6 +49,15 @@ class WorkerActor:
         self._stopped.set()
         self.handle.stop()
         ray.get(self.registry.unregister.remote(self.worker_id))
+
+
+def _pin(cores: list[int]) -> None:
+    """Run this worker on `cores` only (its compute threads included)."""
+    import os
+
+    import torch
+    os.sched_setaffinity(0, set(cores))
+    torch.set_num_threads(len(cores))
 
 
 def _start(role: str, cfg):

@@ -109,6 +109,8 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--worker-resources", default=None, help='extra Ray resources per role, JSON: '
                     '{"decode": {"gpu_node": 1}}')
     sv.add_argument("--gateway-replicas", type=int, default=1, help="gateways on --port, --port+1, ...")
+    sv.add_argument("--worker-cores", type=int, default=None,
+                    help="pin each worker to this many CPU cores of its own (round robin)")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sv.set_defaults(func=_serve)
 
@@ -134,7 +136,8 @@ def serve_settings(args: argparse.Namespace):
         kv_cache_tokens=args.kv_cache_tokens, mem_fraction=args.mem_fraction,
         paged_experts_num_resident=args.paged_experts_num_resident, gpus_per_worker=args.gpus_per_worker,
         placement_strategy=args.placement_strategy, log_level=args.log_level, transfer=args.transfer,
-        worker_resources=parse_resources(args.worker_resources), gateway_replicas=args.gateway_replicas)
+        worker_resources=parse_resources(args.worker_resources), gateway_replicas=args.gateway_replicas,
+        worker_cores=args.worker_cores)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -57,7 +57,7 @@ class Deployment:
                 num_cpus=bundles[i].get("CPU", 0), num_gpus=bundles[i].get("GPU", 0),
                 resources={k: v for k, v in bundles[i].items() if k not in ("CPU", "GPU")},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-            ).remote(wid, role, s.worker_config(), secret, registry, host)
+            ).remote(wid, role, s.worker_config(), secret, registry, host, self._cores(i))
         self.say(f"tandem: loading {s.model} on {len(roles)} worker(s): {', '.join(self.workers)}")
         for wid, actor in self.workers.items():
             address = ray.get(actor.address.remote(), timeout=timeout_s)
@@ -83,6 +83,14 @@ class Deployment:
                       object_store_memory=200 * 1024 * 1024)
             self._started_ray = True
         ray.init(address=s.address, **kw)
+
+    def _cores(self, i: int) -> list[int] | None:
+        """Worker i's own cores when --worker-cores is set (round robin over this machine's)."""
+        n = self.s.worker_cores
+        if not n:
+            return None
+        total = os.cpu_count() or 1
+        return sorted({(i * n + k) % total for k in range(n)})
 
     def _bundle(self, role: str) -> dict:
         b = {"CPU": 1.0}

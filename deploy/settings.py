@@ -35,6 +35,7 @@ class ServeSettings:
     log_level: str = "info"
     transfer: str = "grpc"
     worker_resources: dict = field(default_factory=dict)   # role -> extra Ray resources (placement)
+    worker_cores: int | None = None         # pin each worker to this many cores of its own (CPU runs)
     gateway_replicas: int = 1               # gateways on ports port, port+1, ... (same registry)
     max_restarts: int = 3
     drain_timeout_s: float = 30.0

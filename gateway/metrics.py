@@ -36,6 +36,7 @@ class Metrics:
         self.expert_hit_rate = Gauge("tandem_worker_expert_hit_rate", "Paged experts: hits / (hits + misses)",
                                      labels, registry=r)
         self.expert_misses = Gauge("tandem_worker_expert_misses", "Paged experts: misses", labels, registry=r)
+        self.expert_hits = Gauge("tandem_worker_expert_hits", "Paged experts: hits", labels, registry=r)
 
     def observe_workers(self, pool: WorkerPool) -> None:
         for w in pool.workers:
@@ -50,9 +51,10 @@ class Metrics:
                 self.refusals.labels(*lab, reason).set(n)
             hits = sum(e.hits for e in s.experts)
             misses = sum(e.misses for e in s.experts)
+            self.expert_hits.labels(*lab).set(hits)
+            self.expert_misses.labels(*lab).set(misses)
             if hits + misses:
                 self.expert_hit_rate.labels(*lab).set(hits / (hits + misses))
-                self.expert_misses.labels(*lab).set(misses)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,113 @@
+"""A small asyncio HTTP/1.1 client for one streaming OpenAI request (no third-party HTTP
+library): POST a JSON body, read the server-sent events, time every chunk that carries text.
+
+The arrival time of each content chunk is what TTFT and inter-token latency come from."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+
+@dataclass
+class StreamResult:
+    start: float
+    chunk_times: list[float] = field(default_factory=list)   # arrival of each chunk with text
+    end: float = 0.0
+    output_tokens: int = 0          # from the usage chunk when the server sends one
+    text: str = ""
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] - self.start if self.chunk_times else None
+
+    @property
+    def itls(self) -> list[float]:
+        t = self.chunk_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+async def post_stream(url: str, path: str, body: dict, api_key: str | None, timeout_s: float) -> StreamResult:
+    """POST `body` (with "stream": true) and read the SSE stream to the end."""
+    u = urlparse(url)
+    res = StreamResult(start=time.perf_counter())
+    try:
+        await asyncio.wait_for(_exchange(u.hostname, u.port or 80, u.path.rstrip("/") + path, body,
+                                         api_key, res), timeout_s)
+    except asyncio.TimeoutError:
+        res.error = f"timeout after {timeout_s}s"
+    except (OSError, ValueError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    res.end = time.perf_counter()
+    return res
+
+
+async def _exchange(host, port, path, body, api_key, res: StreamResult) -> None:
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        payload = json.dumps(body).encode()
+        head = [f"POST {path} HTTP/1.1", f"Host: {host}:{port}", "Content-Type: application/json",
+                f"Content-Length: {len(payload)}", "Accept: text/event-stream", "Connection: close"]
+        if api_key:
+            head.append(f"Authorization: Bearer {api_key}")
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
+        await writer.drain()
+        status = int((await reader.readline()).split()[1])
+        headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            k, _, v = line.decode().partition(":")
+            headers[k.strip().lower()] = v.strip()
+        chunked = headers.get("transfer-encoding", "").lower() == "chunked"
+        buf = b""
+        async for piece in (_chunks(reader) if chunked else _plain(reader)):
+            buf += piece
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                if status != 200:
+                    continue
+                _event(event.decode(), res)
+        if status != 200:
+            res.error = f"HTTP {status}: {buf.decode(errors='replace')[:200]}"
+    finally:
+        writer.close()
+
+
+async def _chunks(reader: asyncio.StreamReader):
+    while True:
+        size = int((await reader.readline()).strip().split(b";")[0], 16)
+        if size == 0:
+            return
+        data = await reader.readexactly(size)
+        await reader.readline()
+        yield data
+
+
+async def _plain(reader: asyncio.StreamReader):
+    while data := await reader.read(65536):
+        yield data
+
+
+def _event(event: str, res: StreamResult) -> None:
+    for line in event.splitlines():
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            return
+        msg = json.loads(data)
+        if "error" in msg:
+            res.error = f"{msg['error'].get('code')}: {msg['error'].get('message')}"
+            return
+        if msg.get("usage"):
+            res.output_tokens = msg["usage"].get("completion_tokens", 0)
+        for choice in msg.get("choices", []):
+            text = choice.get("text")
+            if text is None:
+                text = (choice.get("delta") or {}).get("content")
+            if text:
+                res.chunk_times.append(time.perf_counter())
+                res.text += text

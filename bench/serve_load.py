@@ -1,0 +1,69 @@
+"""Running load against an OpenAI-compatible endpoint: one concurrency level of one shape,
+and the interference test (short decodes while long prompts keep arriving)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from bench.http_stream import StreamResult, post_stream
+
+
+class Target:
+    def __init__(self, url: str, model: str, api_key: str | None, chat: bool, timeout_s: float):
+        self.url, self.model, self.api_key, self.chat, self.timeout_s = url, model, api_key, chat, timeout_s
+
+    def body(self, prompt: str, output_len: int) -> dict:
+        b = {"model": self.model, "max_tokens": output_len, "min_tokens": output_len, "ignore_eos": True,
+             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        if self.chat:
+            b["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            b["prompt"] = prompt
+        return b
+
+    async def one(self, prompt: str, output_len: int) -> StreamResult:
+        path = "/v1/chat/completions" if self.chat else "/v1/completions"
+        return await post_stream(self.url, path, self.body(prompt, output_len), self.api_key, self.timeout_s)
+
+
+async def run_level(target: Target, prompts: list[str], output_len: int, concurrency: int,
+                    progress=None) -> tuple[list[StreamResult], float]:
+    """Send every prompt, at most `concurrency` at a time.  Returns results and wall time."""
+    queue: asyncio.Queue = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    results: list[StreamResult] = []
+
+    async def worker():
+        while not queue.empty():
+            r = await target.one(queue.get_nowait(), output_len)
+            results.append(r)
+            if progress is not None:
+                progress.update(1)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results, time.perf_counter() - start
+
+
+async def interference(target: Target, short: list[str], short_out: int, long: list[str],
+                       decode_concurrency: int, long_concurrency: int, progress=None) -> tuple[list, float]:
+    """Keep `decode_concurrency` short-prompt / long-output requests going while
+    `long_concurrency` long-prompt / one-token requests keep arriving; returns the short
+    requests' results (their ITL is what long prefills disturb) and the wall time."""
+    stop = asyncio.Event()
+
+    async def long_stream():
+        i = 0
+        while not stop.is_set():
+            await target.one(long[i % len(long)], 1)
+            i += 1
+
+    loaders = [asyncio.create_task(long_stream()) for _ in range(long_concurrency)]
+    try:
+        results, wall = await run_level(target, short, short_out, decode_concurrency, progress)
+    finally:
+        stop.set()
+        await asyncio.gather(*loaders, return_exceptions=True)
+    return results, wall

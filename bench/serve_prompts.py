@@ -1,0 +1,32 @@
+"""Prompts for the serving benchmark: held-out standard-library text (never random ids), cut
+to an exact token count with the model's tokenizer, each with a unique prefix so no prefix
+cache can serve one request from another."""
+
+from __future__ import annotations
+
+import random
+
+from engine.tokenizer import Tokenizer
+from models import corpus
+
+
+class PromptMaker:
+    def __init__(self, tokenizer: Tokenizer, seed: int):
+        _, held = corpus.read_split()
+        self.tok = tokenizer
+        self.ids = tokenizer.encode("\n".join(held))       # one long stream of real text
+        self.rng = random.Random(seed)
+        self.n = 0
+
+    def make(self, input_len: int) -> str:
+        """A prompt of `input_len` tokens (the unique prefix included)."""
+        self.n += 1
+        prefix = self.tok.encode(f"# request {self.n} {self.rng.randrange(10**9)}\n")
+        body_len = max(0, input_len - len(prefix))
+        start = self.rng.randrange(0, len(self.ids) - body_len - 1)
+        ids = prefix + self.ids[start:start + body_len]
+        text = self.tok.decode(ids)
+        while len(self.tok.encode(text)) > input_len and body_len > 0:   # decode/encode may merge
+            body_len -= 1
+            text = self.tok.decode(prefix + self.ids[start:start + body_len])
+        return text
