@@ -37,6 +37,7 @@ class DecodeRequest:
     reservation: Reservation
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)   # GenerateResponse
     done: bool = False
+    reserved_pages: int = 0
 
 
 class DecodeEngine:
@@ -45,11 +46,12 @@ class DecodeEngine:
         from engine.scheduler import Scheduler
         self.scheduler = Scheduler(llm.pool, llm.config.max_num_seqs, llm.config.max_prefill_tokens)
         self.receiver = TransferReceiver(llm.pool, secret, transfer_timeout_s,
-                                         on_failed=lambda r: self._post("failed", r.request_id),
-                                         on_committed=lambda r: self._post("commit", r.request_id))
+                                         on_failed=lambda r: self._post("failed", r.request_id, r.transfer_id),
+                                         on_committed=lambda r: self._post("commit", r.request_id, r.transfer_id))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
         self.requests: dict[str, DecodeRequest] = {}
+        self.closing = False
         self.counts: Counter[str] = Counter()
 
     # ---- called from RPC threads -------------------------------------------------
@@ -58,6 +60,10 @@ class DecodeEngine:
         """Check the request, reserve its pages and open its transfer.  Raises WorkerError
         (INVALID_REQUEST, PROMPT_TOO_LONG, KV_FULL) having reserved nothing."""
         llm = self.llm
+        if self.closing:
+            raise WorkerError("UNAVAILABLE", "the worker is shutting down")
+        if timeout_s is not None and timeout_s <= 0:
+            raise WorkerError("INVALID_REQUEST", f"timeout_s={timeout_s} must be > 0")
         if params.seed is None:
             params = replace(params, seed=secrets.randbits(63))   # prefill gets it with the reservation
         check_prompt(ids, params, llm.model_config.vocab_size, llm.max_model_len, self.pool.capacity_tokens)
@@ -68,10 +74,15 @@ class DecodeEngine:
                 self.pool.allocate(request_id, self.pool.pages_for(len(ids) + params.max_tokens))
             except PoolExhausted as e:
                 raise WorkerError("KV_FULL", str(e)) from None
-            res = self.receiver.reserve(request_id, tenant, len(ids), timeout_s)
+            try:
+                res = self.receiver.reserve(request_id, tenant, len(ids), timeout_s)
+            except ValueError as e:
+                self.pool.free(request_id)            # nothing stays reserved
+                raise WorkerError("INVALID_REQUEST", str(e)) from None
             req = Request(request_id=request_id, prompt_token_ids=list(ids), params=params,
                           generator=decode_generator(params, llm), stopper=llm.stop_checker(params))
             dreq = self.requests[request_id] = DecodeRequest(req, tenant, res)
+            dreq.reserved_pages = len(self.pool.page_table(request_id))
         return dreq
 
     def abort(self, request_id: str, code: str = "ABORTED", message: str = "request aborted") -> bool:
@@ -119,6 +130,8 @@ class DecodeEngine:
             dreq = self.requests.get(item[1])
             if dreq is None or dreq.done:
                 continue
+            if item[0] in ("commit", "failed") and item[2] != dreq.reservation.transfer_id:
+                continue                      # about an earlier request that had this id
             if item[0] == "commit":
                 self._admit(dreq)
             elif item[0] == "failed":
@@ -131,6 +144,7 @@ class DecodeEngine:
     def _admit(self, dreq: DecodeRequest) -> None:
         """The transfer committed: the prompt's KV is in place; the first token came with it."""
         res, req = dreq.reservation, dreq.req
+        assert res.state.value == "COMMITTED", f"{req.request_id}: admitted with transfer {res.state}"
         lp = None
         if req.params.logprobs is not None:
             lp = {res.first_token_id: res.first_logprob, **res.first_top}

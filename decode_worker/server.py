@@ -16,6 +16,7 @@ from decode_worker.loop import WorkerLoop
 from decode_worker.service import DecodeServicer, add_to_server
 from engine import LLM
 
+RPC_THREADS = 512
 SERVICE_OPTIONS = [
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 20_000),
@@ -41,6 +42,8 @@ class WorkerHandle:
         if self.stopped:
             return
         self.stopped = True
+        for engine in self.engines:     # new Generate/Prefill calls are refused from here on
+            engine.closing = True
         self.loop.stop()                # from here on, only this thread changes page ownership
         for engine in self.engines:
             engine.shutdown()
@@ -82,8 +85,10 @@ def kv_tokens_for_fraction(config: WorkerConfig) -> int:
 
 
 def grpc_server(config: WorkerConfig) -> tuple[grpc.Server, str]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="worker-rpc"),
-                         options=SERVICE_OPTIONS)
+    # every Generate/Prefill holds a thread for its whole life: leave room for Health/Stats,
+    # and refuse (RESOURCE_EXHAUSTED) rather than queue calls beyond the pool
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=RPC_THREADS, thread_name_prefix="worker-rpc"),
+                         options=SERVICE_OPTIONS, maximum_concurrent_rpcs=RPC_THREADS - 16)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
         raise OSError(f"cannot bind the worker's gRPC service to {config.host}:{config.port}")

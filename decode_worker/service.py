@@ -36,7 +36,7 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         res = dreq.reservation
         yield wpb.GenerateResponse(reservation=wpb.Reservation(
             transfer_id=res.transfer_id, transfer_endpoint=self.endpoint, prompt_tokens=res.prompt_len,
-            reserved_pages=len(self.engine.pool.page_table(rid)), seed=dreq.req.params.seed))
+            reserved_pages=dreq.reserved_pages, seed=dreq.req.params.seed))
         if self.prefill is not None:
             self._prefill_here(dreq, request)
         while True:

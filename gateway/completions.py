@@ -155,7 +155,8 @@ class CompletionHandler:
         last = None
         try:
             async for msg in forward(gw.pool, f"{rid}-{state.index}", tenant, job.ids, job.params,
-                                     gw.config.request_timeout_s, gw.config.max_attempts):
+                                     gw.config.request_timeout_s, gw.config.max_attempts,
+                                     gw.config.queue_timeout_s):
                 if msg.WhichOneof("kind") == "tokens":
                     now = time.monotonic()
                     (gw.metrics.itl.observe(now - last) if last is not None
@@ -169,6 +170,11 @@ class CompletionHandler:
             await events.put(("done", None, state))
         except ForwardError as e:
             await events.put(("error", e, state if state.token_ids else None))
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise                         # the response itself was cancelled
+            await events.put(("error", ForwardError("DECODE_FAILED", "the call was cut"),
+                              state if state.token_ids else None))
         except Exception as e:  # never leave the response waiting: a bug becomes an explicit 500
             log.exception("forwarding failed")
             await events.put(("error", ForwardError("INTERNAL", f"gateway error: {e!r}", 500),

@@ -10,6 +10,7 @@ worker frees the pages at once.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import AsyncIterator
 
 import grpc
@@ -22,6 +23,7 @@ from proto import worker_pb2 as wpb
 STATUS = {"INVALID_REQUEST": 400, "PROMPT_TOO_LONG": 400, "KV_FULL": 503, "UNAVAILABLE": 503,
           "NO_WORKER": 503, "TIMEOUT": 408, "INTERNAL": 500}
 UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN}
+CAPACITY_POLL_S = 0.05
 
 
 class ForwardError(Exception):
@@ -36,14 +38,28 @@ class _Retry(Exception):
 
 
 async def forward(pool: WorkerPool, request_id: str, tenant: str, ids: list[int], params: SamplingParams,
-                  timeout_s: float, max_attempts: int) -> AsyncIterator[wpb.GenerateResponse]:
-    """Yields Tokens messages and a final Finish; raises ForwardError."""
+                  timeout_s: float, max_attempts: int, capacity_wait_s: float = 30.0
+                  ) -> AsyncIterator[wpb.GenerateResponse]:
+    """Yields Tokens messages and a final Finish; raises ForwardError.
+
+    When every decode worker is full (KV_FULL) or none is ready, the request waits for room
+    (up to `capacity_wait_s`) instead of failing; other failures before the first token are
+    retried on another worker up to `max_attempts` times."""
     tried: set[str] = set()
+    full: set[str] = set()               # workers that refused for capacity: worth asking again
     last = ForwardError("NO_WORKER", "no worker can take the request now")
-    for attempt in range(max_attempts):
+    deadline = time.monotonic() + capacity_wait_s
+    attempt = failures = 0
+    while failures < max_attempts:
         decode = pool.pick_decode(len(ids) + params.max_tokens, tried)
         if decode is None:
-            break
+            if last.code not in ("KV_FULL", "NO_WORKER") or time.monotonic() > deadline:
+                break
+            tried -= full
+            full.clear()
+            await asyncio.sleep(CAPACITY_POLL_S)
+            continue
+        attempt += 1
         try:
             async for msg in _attempt(pool, decode, f"{request_id}.{attempt}", tenant, ids, params,
                                       timeout_s, tried):
@@ -51,6 +67,10 @@ async def forward(pool: WorkerPool, request_id: str, tenant: str, ids: list[int]
             return
         except _Retry as e:
             last = e.args[0]
+            if last.code == "KV_FULL":
+                full.add(decode.address)
+            else:
+                failures += 1
     raise last
 
 
@@ -97,14 +117,19 @@ async def _read(call, decode: Worker, streamed: bool, tried: set[str], prefill_f
     try:
         msg = await call.read()
     except asyncio.CancelledError:
-        # grpc.aio raises CancelledError in read() when the call was cancelled; if this task is
-        # not itself being cancelled, that was _prefill cancelling the call after a failure
-        if not prefill_failure or asyncio.current_task().cancelling():
+        # grpc.aio raises CancelledError in read() when the call was cancelled or its channel
+        # closed on this side; only a cancellation of this task itself may propagate
+        if asyncio.current_task().cancelling():
             raise
-        err = prefill_failure[0]
-        if not streamed and err.code == "PREFILL_UNAVAILABLE":
-            raise _Retry(err) from None
-        raise err from None
+        if prefill_failure:
+            err = prefill_failure[0]
+            if not streamed and err.code == "PREFILL_UNAVAILABLE":
+                raise _Retry(err) from None
+            raise err from None
+        if not streamed:
+            tried.add(decode.address)
+            raise _Retry(ForwardError("DECODE_UNAVAILABLE", f"{decode.address}: the call was cut")) from None
+        raise ForwardError("DECODE_FAILED", f"{decode.address}: the stream was cut") from None
     except grpc.aio.AioRpcError as e:
         if prefill_failure:
             err = prefill_failure[0]
@@ -137,9 +162,11 @@ async def _prefill(prefill: Worker, call, rid, tenant, ids, params, res: wpb.Res
             prefill.succeeded()
             return
         failure.append(ForwardError(reply.error.code, f"prefill: {reply.error.message}"))
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():
+            raise                     # the request ended: nothing to report
+        failure.append(ForwardError("PREFILL_UNAVAILABLE", f"{prefill.address}: the call was cut"))
     except grpc.aio.AioRpcError as e:
-        if e.code() == grpc.StatusCode.CANCELLED:
-            return
         prefill.failed()
         tried.add(prefill.address)
         failure.append(ForwardError("PREFILL_UNAVAILABLE", f"{prefill.address}: {e.code().name}"))

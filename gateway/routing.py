@@ -63,6 +63,7 @@ class WorkerPool:
     def __init__(self, decode: tuple[str, ...], prefill: tuple[str, ...], colocated: tuple[str, ...]):
         self.workers = [Worker(a, "decode") for a in decode] + [Worker(a, "prefill") for a in prefill] + \
             [Worker(a, "colocated") for a in colocated]
+        self._retired: list[Worker] = []
 
     def connect(self) -> None:
         """Open the channels (inside the event loop that will use them)."""
@@ -76,6 +77,9 @@ class WorkerPool:
         have = {(w.address, w.role) for w in self.workers}
         for w in [w for w in self.workers if (w.address, w.role) not in want]:
             self.workers.remove(w)
+            self._retired.append(w)           # no new requests; closed once none is left on it
+        for w in [w for w in self._retired if w.outstanding == 0]:
+            self._retired.remove(w)
             asyncio.get_running_loop().create_task(w.channel.close())
         for address, role in want - have:
             w = Worker(address, role)

@@ -55,6 +55,7 @@ class PrefillEngine:
         self.scheduler = Scheduler(llm.pool, llm.config.max_num_seqs, llm.config.max_prefill_tokens,
                                    reserve_output=False)
         self.jobs: dict[str, PrefillJob] = {}
+        self.closing = False
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()     # pushes ended, cancels
         self.wake = threading.Event()
         self.counts: Counter[str] = Counter()
@@ -63,6 +64,8 @@ class PrefillEngine:
                endpoint: str, transfer_id: bytes) -> PrefillJob:
         """Queue a prompt.  Raises WorkerError (INVALID_REQUEST, PROMPT_TOO_LONG) queuing nothing."""
         llm = self.llm
+        if self.closing:
+            raise WorkerError("UNAVAILABLE", "the worker is shutting down")
         check_prompt(ids, params, llm.model_config.vocab_size, llm.max_model_len,
                      self.pool.capacity_tokens, reserve_output=False)
         if params.seed is None:
@@ -101,6 +104,10 @@ class PrefillEngine:
         try:
             output = self.llm.runner.run(batch, on_layer=groups if last else None)
         except BaseException as e:
+            with self.lock:               # never schedule them again; pages freed at their ends
+                for req in batch.requests:
+                    if req in self.scheduler.running and self.jobs[req.request_id].pusher is not None:
+                        self.scheduler.detach(req)
             for req in batch.requests:
                 self._fail_before_push(req, WorkerError("INTERNAL", f"prefill step failed: {e!r}"))
             raise

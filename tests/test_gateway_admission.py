@@ -80,3 +80,18 @@ def test_a_tenant_over_its_limit_gets_429(cluster):
     assert sorted(results).count(200) >= 2 and 429 in results      # limit 2 per tenant
     status, text = post(gw.url, "/v1/completions", {"model": "tiny-moe", "prompt": "x", "max_tokens": 1})
     assert status == 200
+
+
+def test_requests_wait_for_room_when_every_decode_worker_is_full():
+    """Three requests that each need half the decode pool: the third waits for room, no 503."""
+    with gateway_cluster(config(max_model_len=256, kv_cache_tokens=512), config(max_model_len=256)) as (gw, decode, _):
+        body = {"model": "tiny-moe", "prompt": [7] * 200, "max_tokens": 56, "ignore_eos": True}
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(post(gw.url, "/v1/completions", body)))
+                   for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [status for status, _ in results] == [200, 200, 200], results
+        assert all(b["usage"]["completion_tokens"] == 56 for _, b in results)

@@ -58,6 +58,10 @@ def test_an_oversized_prompt_is_refused_before_any_page(decode, ids):
     assert "exceeds the model context of 1024 tokens" in msgs[0].error.message
     assert decode.llm.pool.num_free == free and decode.engines[0].receiver.open_transfers == 0
     assert list(open_stream(decode, "bad", [10**6], SamplingParams())[1])[0].error.code == "INVALID_REQUEST"
+    stub = wpb_grpc.DecodeServiceStub(grpc.insecure_channel(decode.address))
+    bad_timeout = list(stub.Generate(wpb.GenerateRequest(request_id="neg", tenant="acme", prompt_token_ids=ids,
+                                                         params=params_to_proto(SamplingParams()), timeout_s=-1)))
+    assert bad_timeout[0].error.code == "INVALID_REQUEST" and decode.llm.pool.num_free == free
 
 
 def test_cancelling_the_stream_mid_decode_frees_the_pages(decode, prefill, ids):
