@@ -80,7 +80,7 @@ async def _attempt(pool, decode: Worker, rid, tenant, ids, params, timeout_s, tr
         timeout_s=timeout_s), timeout=timeout_s)
     decode.outstanding += 1
     prefill_failure: list[ForwardError] = []
-    task = None
+    task = prefill = None
     streamed = False
     try:
         first = await _read(call, decode, streamed, tried, prefill_failure)
@@ -101,7 +101,11 @@ async def _attempt(pool, decode: Worker, rid, tenant, ids, params, timeout_s, tr
             msg = await _read(call, decode, streamed, tried, prefill_failure)
             kind = msg.WhichOneof("kind")
             if kind == "error":
-                raise prefill_failure[0] if prefill_failure else ForwardError(msg.error.code, msg.error.message)
+                err = prefill_failure[0] if prefill_failure else ForwardError(msg.error.code, msg.error.message)
+                if not streamed and msg.error.code == "TRANSFER_FAILED" and prefill is not None:
+                    tried.add(prefill.address)    # the push broke before any token: another prefill
+                    raise _Retry(err)
+                raise err
             streamed = streamed or kind == "tokens"
             yield msg
             if kind == "finish":
