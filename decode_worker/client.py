@@ -32,12 +32,12 @@ def generate(decode: grpc.Channel, prefill: grpc.Channel | None, request_id: str
     pending = None
     try:
         first = next(call)
+        if first.WhichOneof("kind") == "reservation" and prefill is not None:   # before yielding:
+            pending = _prefill(prefill, request_id, tenant, ids, params, first.reservation,  # the
+                               timeout_s, call, failure)                      # caller may not pull
         yield first
         if first.WhichOneof("kind") != "reservation":
             return
-        if prefill is not None:
-            pending = _prefill(prefill, request_id, tenant, ids, params, first.reservation, timeout_s,
-                               call, failure)
         for msg in call:
             yield msg
     except grpc.RpcError as e:

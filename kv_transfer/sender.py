@@ -42,6 +42,9 @@ class SenderStream(Protocol):
     def send(self, header: pb.FrameHeader, payload: Payload) -> None:
         """Send one frame (payload: the staged buffer, or bytes).  May raise TransferRefused."""
 
+    def flush(self) -> None:
+        """Put frames batched so far on the wire now (a layer group is complete)."""
+
     def commit(self, commit: pb.Commit) -> pb.PushReply:
         """Send the commit and wait for the outcome; raises TransferRefused if refused."""
 
@@ -74,9 +77,12 @@ class TransferSender:
             dtype=dtype_name(self.pool.kv.dtype), shape=block_shape(self.pool, l0, l1, n))
 
     def send_layers(self, l0: int, l1: int) -> None:
-        """Send every prompt page's layers [l0, l1), one frame per page."""
+        """Send every prompt page's layers [l0, l1), one frame per page, and put them on the
+        wire at once (batching never holds a computed layer group back)."""
         for index in range(self.pool.pages_for(self.prompt_len)):
             self.send_page(index, l0, l1)
+        if not self._early_commit:
+            self.stream.flush()
 
     def send_page(self, page_index: int, l0: int, l1: int) -> None:
         if self._early_commit:

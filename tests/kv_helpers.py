@@ -39,6 +39,9 @@ class CaptureStream:
         h.CopyFrom(header)
         self.frames.append((h, payload.reshape(-1).view(torch.uint8).numpy().tobytes()))
 
+    def flush(self) -> None:
+        pass
+
     def commit(self, commit: pb.Commit) -> pb.PushReply:
         self.commits.append(commit)
         return pb.PushReply(ok=True)

@@ -159,7 +159,8 @@ def test_a_prefill_worker_killed_mid_push_is_retried_on_another():
     and the request completes through the other prefill worker."""
     env = dict(os.environ, TANDEM_CLUSTER_SECRET=SECRET.hex())
     doomed = subprocess.Popen([sys.executable, "-m", "deploy.worker", "--role", "prefill",
-                               "--chaos-fault", "delay:after=1:seconds=60"], stdout=subprocess.PIPE, text=True, env=env)
+                               "--chaos-fault", "delay:after=7:seconds=60"],    # after the first layer group
+                              stdout=subprocess.PIPE, text=True, env=env)
     decode, spare = start_decode_worker(config()), start_prefill_worker(config())
     gw = None
     try:
@@ -174,9 +175,8 @@ def test_a_prefill_worker_killed_mid_push_is_retried_on_another():
 
         def kill_when_pushing():
             end = time.monotonic() + 60
-            while receiver.open_transfers == 0 and time.monotonic() < end:
-                time.sleep(0.05)
-            time.sleep(1.0)                      # the push has started; its second frame is held
+            while receiver.accepted_frames == 0 and time.monotonic() < end:
+                time.sleep(0.05)                 # the first layer group arrived; the next is held
             doomed.send_signal(signal.SIGKILL)
 
         killer = threading.Thread(target=kill_when_pushing)

@@ -98,7 +98,7 @@ def test_a_reservation_that_receives_nothing_times_out(decode, ids):
 def test_a_prefill_worker_killed_mid_push(decode, ids):
     env = dict(os.environ, TANDEM_CLUSTER_SECRET=SECRET.hex())
     proc = subprocess.Popen([sys.executable, "-m", "deploy.worker", "--role", "prefill",
-                             "--chaos-fault", "delay:after=2:seconds=60"],
+                             "--chaos-fault", "delay:after=3:seconds=60"],   # after the first layer group
                             stdout=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline().split()
@@ -107,10 +107,11 @@ def test_a_prefill_worker_killed_mid_push(decode, ids):
                        "killed", "acme", ids * 4, SamplingParams(max_tokens=8))
         assert next(gen).WhichOneof("kind") == "reservation"
         receiver = decode.engines[0].receiver
+        base = receiver.accepted_frames
         end = time.monotonic() + 30
-        while receiver.accepted_frames == 0 and time.monotonic() < end:
+        while receiver.accepted_frames == base and time.monotonic() < end:
             time.sleep(0.05)
-        assert receiver.accepted_frames > 0, "the push never started"
+        assert receiver.accepted_frames > base, "the push never started"
         proc.send_signal(signal.SIGKILL)                        # dies with frames in flight
         last = list(gen)[-1]
         assert last.WhichOneof("kind") == "error"

@@ -148,6 +148,11 @@ class GrpcStream:
         if lane.pending_bytes >= self.config.message_bytes:
             lane.flush()
 
+    def flush(self) -> None:
+        if not self.closed:
+            for lane in self._lanes:
+                lane.flush()
+
     def commit(self, commit: pb.Commit) -> pb.PushReply:
         try:
             for lane in self._lanes[1:]:

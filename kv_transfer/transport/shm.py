@@ -156,6 +156,10 @@ class ShmStream:
             while select.select([ch.sock], [], [], 0)[0]:   # early refusals, acks already here
                 self._read_reply()
 
+    def flush(self) -> None:
+        if not self.closed:
+            self._flush()
+
     def _flush(self) -> None:
         if self._batch:
             msg = pb.PushMessage(frames=pb.Frames(frames=self._batch))
