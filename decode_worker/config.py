@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kv_transfer.frame import check_secret
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -34,9 +36,7 @@ class WorkerConfig:
             raise ValueError(f"transfer_timeout_s={self.transfer_timeout_s} must be > 0")
         if self.layer_group < 1:
             raise ValueError(f"layer_group={self.layer_group} must be >= 1")
-        if len(self.secret) < 16:
-            raise ValueError("the cluster secret must be at least 16 bytes (every worker of a "
-                             "cluster gets the same one at start-up)")
+        check_secret(self.secret)         # every worker of a cluster gets the same one at start-up
 
     @property
     def public_host(self) -> str:

@@ -117,7 +117,7 @@ class DecodeEngine:
                 self._end(req.request_id, error=WorkerError("INTERNAL", f"decode step failed: {e!r}"))
             raise
         for req, token, lp in zip(batch.requests, output.tokens, output.logprobs):
-            self.pool.mark_written(req.request_id, [self._page_of(req, req.num_computed)])
+            self.pool.mark_tokens_written(req.request_id, req.num_computed, 1)
             req.num_computed += 1
             self._emit_token(req, token, lp)
         return True
@@ -190,9 +190,6 @@ class DecodeEngine:
         dreq.events.put(wpb.GenerateResponse(finish=finish_to_proto(
             req.finish_reason, req.stopper.matched_stop, len(req.prompt_token_ids),
             len(req.output_token_ids))))
-
-    def _page_of(self, req: Request, position: int) -> int:
-        return self.pool.page_table(req.request_id)[position // self.pool.page_size]
 
     def shutdown(self, message: str = "worker shutting down") -> None:
         """End every live request with an explicit error and release all their pages."""

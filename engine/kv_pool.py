@@ -100,6 +100,12 @@ class PagePool:
         self._tables.setdefault(request_id, []).extend(pages)
         return pages
 
+    def mark_tokens_written(self, request_id: str, start: int, count: int) -> None:
+        """Record that positions [start, start + count) of `request_id` were written."""
+        if count > 0:
+            first, last = start // self.page_size, (start + count - 1) // self.page_size
+            self.mark_written(request_id, self._tables[request_id][first:last + 1])
+
     def mark_written(self, request_id: str, pages: list[int]) -> None:
         """Record that `pages` now hold data written for `request_id`."""
         for p in pages:

@@ -160,7 +160,7 @@ class LLM:
     def _update(self, batch: ScheduledBatch, output: SampleOutput) -> list[RequestOutput]:
         finished = []
         for req, n, token, lp in zip(batch.requests, batch.num_new_tokens, output.tokens, output.logprobs):
-            self._mark_written(req, n)
+            self.pool.mark_tokens_written(req.request_id, req.num_computed, n)
             req.num_computed += n
             if token < 0:
                 continue
@@ -172,12 +172,6 @@ class LLM:
                 self.scheduler.finish(req, reason)
                 finished.append(self._output(req))
         return finished
-
-    def _mark_written(self, req: Request, n: int) -> None:
-        size = self.pool.page_size
-        table = self.pool.page_table(req.request_id)
-        first, last = req.num_computed // size, (req.num_computed + n - 1) // size
-        self.pool.mark_written(req.request_id, table[first:last + 1])
 
     def _output(self, req: Request) -> RequestOutput:
         return RequestOutput(request_id=req.request_id, prompt=req.prompt,

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -112,9 +112,7 @@ class PrefillEngine:
                 self._fail_before_push(req, WorkerError("INTERNAL", f"prefill step failed: {e!r}"))
             raise
         for req, n in zip(batch.requests, batch.num_new_tokens):
-            table = self.pool.page_table(req.request_id) if self.pool.has(req.request_id) else []
-            size = self.pool.page_size
-            self.pool.mark_written(req.request_id, table[req.num_computed // size:(req.num_computed + n - 1) // size + 1])
+            self.pool.mark_tokens_written(req.request_id, req.num_computed, n)
             req.num_computed += n
         for req, token, lp in zip(batch.requests, output.tokens, output.logprobs):
             job = self.jobs.get(req.request_id)
@@ -199,7 +197,6 @@ class PrefillEngine:
 
 
 def _with_logprobs(params: SamplingParams) -> SamplingParams:
-    from dataclasses import replace
     return replace(params, logprobs=0)
 
 
