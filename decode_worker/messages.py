@@ -4,6 +4,8 @@ worker's coded errors."""
 from __future__ import annotations
 
 from engine.sampling import SamplingParams
+from engine.validate import RequestError
+from engine.validate import check_prompt as engine_check
 from proto import worker_pb2 as wpb
 
 
@@ -58,18 +60,8 @@ def finish_to_proto(reason: str, matched, prompt_tokens: int, completion_tokens:
 
 def check_prompt(ids, params: SamplingParams, vocab: int, max_model_len: int, kv_tokens: int,
                  reserve_output: bool = True) -> None:
-    """The worker's own length and token checks (defence in depth behind the gateway).
-    Raises WorkerError(INVALID_REQUEST | PROMPT_TOO_LONG) with the numbers."""
-    if not ids:
-        raise WorkerError("INVALID_REQUEST", "empty prompt: at least one token is needed")
-    bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise WorkerError("INVALID_REQUEST", f"prompt token {bad} is {ids[bad]}, not in 0..{vocab - 1}")
-    total = len(ids) + params.max_tokens
-    if total > max_model_len:
-        raise WorkerError("PROMPT_TOO_LONG", f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
-                          f"= {total} exceeds the model context of {max_model_len} tokens")
-    need = total if reserve_output else len(ids)
-    if need > kv_tokens:
-        raise WorkerError("PROMPT_TOO_LONG", f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
-                          f"= {total} exceeds this worker's KV capacity of {kv_tokens} tokens")
+    """The engine's prompt checks, as a WorkerError with their code."""
+    try:
+        engine_check(ids, params, vocab, max_model_len, kv_tokens, reserve_output)
+    except RequestError as e:
+        raise WorkerError(e.code, str(e)) from None

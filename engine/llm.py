@@ -25,6 +25,7 @@ from engine.sampling import SampleOutput, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.stop import StopChecker
 from engine.tokenizer import Tokenizer
+from engine.validate import check_prompt
 
 Prompt = str | Sequence[int]
 
@@ -143,19 +144,7 @@ class LLM:
         return StopChecker(params, self.tokenizer, self.eos_ids, self.max_model_len)
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise ValueError("empty prompt: at least one token is needed")
-        vocab = self.model_config.vocab_size
-        for i, t in enumerate(ids):
-            if not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token {i} is {t!r}, not a token id in 0..{vocab - 1}")
-        total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                             f"exceeds the model context of {self.max_model_len} tokens")
-        if total > self.pool.capacity_tokens:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                             f"exceeds the KV cache capacity of {self.pool.capacity_tokens} tokens")
+        check_prompt(ids, params, self.model_config.vocab_size, self.max_model_len, self.pool.capacity_tokens)
 
     def _update(self, batch: ScheduledBatch, output: SampleOutput) -> list[RequestOutput]:
         finished = []
