@@ -88,13 +88,7 @@ def create_app(config: GatewayConfig, discover=None) -> FastAPI:
     app = FastAPI(title="Tandem", lifespan=lifespan)
     app.state.gateway = gw
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > config.max_body_bytes:
-            return _rejected(gw, Rejected(413, "body_too_large", f"request body of {size} bytes exceeds the "
-                                          f"limit of {config.max_body_bytes} bytes"))
-        return await call_next(request)
+    app.add_middleware(BodyLimit, gw=gw)
 
     @app.exception_handler(Rejected)
     async def rejected(request: Request, e: Rejected):
@@ -152,6 +146,24 @@ def create_app(config: GatewayConfig, discover=None) -> FastAPI:
                             for w in gw.pool.workers]}
 
     return app
+
+
+class BodyLimit:
+    """Answers 413 to a body announced over the limit, before it is read.  A plain ASGI
+    middleware: it leaves `receive` alone, so handlers still see a client disconnect."""
+
+    def __init__(self, app, gw: Gateway):
+        self.app, self.gw = app, gw
+
+    async def __call__(self, scope, receive, send) -> None:
+        limit = self.gw.config.max_body_bytes
+        size = dict(scope.get("headers") or []).get(b"content-length", b"") if scope["type"] == "http" else b""
+        if size.isdigit() and int(size) > limit:
+            response = _rejected(self.gw, Rejected(413, "body_too_large", f"request body of {int(size)} bytes "
+                                                   f"exceeds the limit of {limit} bytes"))
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def _rejected(gw: Gateway, e: Rejected) -> JSONResponse:

@@ -114,7 +114,7 @@ class CompletionHandler:
             raise Rejected(503, "draining", "the server is shutting down; retry on another replica")
         jobs = self.jobs(body)
         fmt = Formatter("chat" if isinstance(body, ChatCompletionRequest) else "text",
-                        gw.config.served_model_name, gw.tokenizer, body.logprobs_n)
+                        gw.config.served_model_name, gw.tokenizer, body.logprobs_n, body.return_token_ids)
         stack = AsyncExitStack()
         await stack.enter_async_context(gw.queue.admit(tenant))
         events: asyncio.Queue = asyncio.Queue()
@@ -122,11 +122,15 @@ class CompletionHandler:
         tasks = [asyncio.create_task(self._run(fmt.id, tenant, job, events, started)) for job in jobs]
         stack.push_async_callback(_cancel, tasks)
         if body.stream:
+            # until the first event nothing is written, so a client that left is noticed here
+            watch = asyncio.create_task(_watch_disconnect(request, tasks, events))
             try:
                 first = await events.get()
             except BaseException:
                 await stack.aclose()
                 raise
+            finally:
+                watch.cancel()
             if first[0] == "error" and first[2] is None:       # failed before any token
                 await stack.aclose()
                 return self._error(first[1])
@@ -196,8 +200,9 @@ class CompletionHandler:
                 if kind == "tokens" or (kind == "done" and state.index not in sent_role):
                     text = payload.text if kind == "tokens" else ""
                     entries = list(payload.logprobs) if kind == "tokens" else []
+                    ids = list(payload.token_ids) if kind == "tokens" else []
                     yield _event(fmt.chunk(_pending(state), text, entries, first=state.index not in sent_role,
-                                           offset=offsets[state.index]))
+                                           offset=offsets[state.index], ids=ids))
                     offsets[state.index] += len(text)
                     sent_role.add(state.index)
                 if kind == "done":

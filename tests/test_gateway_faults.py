@@ -94,6 +94,25 @@ def test_a_client_that_disconnects_frees_the_pages(cluster):
     wait_idle(decode, prefill)
 
 
+def test_a_client_that_leaves_a_non_streaming_request_ends_it_at_once(cluster):
+    """Before the response starts, only the request's receive channel tells that the client
+    left: nothing between the server and the handler may hide it (a wrapping middleware did)."""
+    gw, decode, prefill = cluster
+    counts = decode.engines[0].counts
+    finished, failed = counts["finished"], counts["failed"]
+    conn = connection(gw.url)
+    conn.request("POST", "/v1/completions", body=json.dumps({
+        "model": "tiny-moe", "prompt": "while True:\n", "max_tokens": 500, "ignore_eos": True}),
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    end = time.monotonic() + 10
+    while decode.llm.pool.num_free == decode.llm.pool.num_pages and time.monotonic() < end:
+        time.sleep(0.01)
+    assert decode.llm.pool.num_free < decode.llm.pool.num_pages             # generating
+    conn.close()                                                            # the client goes away
+    wait_idle(decode, prefill, timeout_s=3.0)
+    assert counts["finished"] == finished and counts["failed"] == failed + 1
+
+
 def test_a_decode_worker_killed_mid_stream_gives_an_error_event(cluster):
     _, _, prefill = cluster
     env = dict(os.environ, TANDEM_CLUSTER_SECRET=SECRET.hex())
