@@ -2,7 +2,9 @@
 
 Before the first token a request may be retried on another worker: a decode worker that
 refuses the reservation for capacity (KV_FULL) or cannot be reached, a prefill worker that
-cannot be reached.  After a token was streamed there is no retry: the client gets an error.
+cannot be reached, a transfer that broke (on another prefill worker if there is one, else
+on the same).  While no prefill worker is up (one restarting) the request waits, as it does
+for KV room.  After a token was streamed there is no retry: the client gets an error.
 Cancelling the iterator (the client went away) cancels the `Generate` call, so the decode
 worker frees the pages at once.
 """
@@ -47,11 +49,20 @@ async def forward(pool: WorkerPool, request_id: str, tenant: str, ids: list[int]
     retried on another worker up to `max_attempts` times."""
     tried: set[str] = set()
     full: set[str] = set()               # workers that refused for capacity: worth asking again
+    broke: set[str] = set()              # prefill workers whose push broke: a last resort
     last = ForwardError("NO_WORKER", "no worker can take the request now")
     deadline = time.monotonic() + capacity_wait_s
     attempt = failures = 0
     while failures < max_attempts:
         decode = pool.pick_decode(len(ids) + params.max_tokens, tried)
+        prefill = None
+        if decode is not None and decode.role == "decode":
+            prefill = pool.pick_prefill(tried | broke) or pool.pick_prefill(tried)
+            if prefill is None:               # none up (one restarting?): wait, as for KV room
+                decode = None
+                if last.code != "NO_WORKER":
+                    last = ForwardError("NO_WORKER", "no prefill worker is available" +
+                                        (f" (before: {last.code}: {last.message})" if attempt else ""))
         if decode is None:
             if last.code not in ("KV_FULL", "NO_WORKER") or time.monotonic() > deadline:
                 break
@@ -61,8 +72,8 @@ async def forward(pool: WorkerPool, request_id: str, tenant: str, ids: list[int]
             continue
         attempt += 1
         try:
-            async for msg in _attempt(pool, decode, f"{request_id}.{attempt}", tenant, ids, params,
-                                      timeout_s, tried):
+            async for msg in _attempt(decode, prefill, f"{request_id}.{attempt}", tenant, ids, params,
+                                      timeout_s, tried, broke):
                 yield msg
             return
         except _Retry as e:
@@ -74,13 +85,14 @@ async def forward(pool: WorkerPool, request_id: str, tenant: str, ids: list[int]
     raise last
 
 
-async def _attempt(pool, decode: Worker, rid, tenant, ids, params, timeout_s, tried: set[str]):
+async def _attempt(decode: Worker, prefill: Worker | None, rid, tenant, ids, params, timeout_s,
+                   tried: set[str], broke: set[str]):
     call = decode.stub.Generate(wpb.GenerateRequest(
         request_id=rid, tenant=tenant, prompt_token_ids=ids, params=params_to_proto(params),
         timeout_s=timeout_s), timeout=timeout_s)
     decode.outstanding += 1
     prefill_failure: list[ForwardError] = []
-    task = prefill = None
+    task = None
     streamed = False
     try:
         first = await _read(call, decode, streamed, tried, prefill_failure)
@@ -91,10 +103,7 @@ async def _attempt(pool, decode: Worker, rid, tenant, ids, params, timeout_s, tr
                 raise _Retry(err)
             raise err
         decode.succeeded()
-        if decode.role == "decode":
-            prefill = pool.pick_prefill(tried)
-            if prefill is None:
-                raise ForwardError("NO_WORKER", "no prefill worker is available")
+        if prefill is not None:
             task = asyncio.create_task(_prefill(prefill, call, rid, tenant, ids, params, first.reservation,
                                                 timeout_s, prefill_failure, tried))
         while True:
@@ -103,7 +112,7 @@ async def _attempt(pool, decode: Worker, rid, tenant, ids, params, timeout_s, tr
             if kind == "error":
                 err = prefill_failure[0] if prefill_failure else ForwardError(msg.error.code, msg.error.message)
                 if not streamed and msg.error.code == "TRANSFER_FAILED" and prefill is not None:
-                    tried.add(prefill.address)    # the push broke before any token: another prefill
+                    broke.add(prefill.address)    # the push broke before any token: try again
                     raise _Retry(err)
                 raise err
             streamed = streamed or kind == "tokens"
