@@ -78,8 +78,10 @@ def completion_logprobs(tok: Tokenizer, entries: list[wpb.TokenLogprobs], n: int
 class Formatter:
     """Builds the bodies of one response (one id, one created time, one model name)."""
 
-    def __init__(self, kind: str, model: str, tok: Tokenizer, logprobs_n: int | None):
+    def __init__(self, kind: str, model: str, tok: Tokenizer, logprobs_n: int | None,
+                 token_ids: bool = False):
         self.kind, self.model, self.tok, self.logprobs_n = kind, model, tok, logprobs_n
+        self.token_ids = token_ids
         self.id = new_id("chatcmpl" if kind == "chat" else "cmpl")
         self.created = int(time.time())
 
@@ -99,13 +101,16 @@ class Formatter:
                 body["message"] = {"role": "assistant", "content": c.text}
             else:
                 body["text"] = c.text
+            if self.token_ids:
+                body["token_ids"] = c.token_ids
             out.append(body)
         prompt = _prompt_tokens(choices)
         return {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
                 "created": self.created, "model": self.model, "choices": out,
                 "usage": usage(prompt, sum(len(c.token_ids) for c in choices))}
 
-    def chunk(self, c: ChoiceState, text: str, entries, first: bool = False, offset: int = 0) -> dict:
+    def chunk(self, c: ChoiceState, text: str, entries, first: bool = False, offset: int = 0,
+              ids: list[int] | None = None) -> dict:
         body = {"index": c.index, "logprobs": self._logprobs(entries, offset) if entries else None,
                 "finish_reason": c.finish.finish_reason if c.finish else None}
         if c.finish is not None:
@@ -115,6 +120,8 @@ class Formatter:
                 if (text or first) else {}
         else:
             body["text"] = text
+        if self.token_ids:
+            body["token_ids"] = ids or []
         return {"id": self.id, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
                 "created": self.created, "model": self.model, "choices": [body]}
 

@@ -36,6 +36,7 @@ class _Common(BaseModel):
     stop_regex: str | list[str] | None = None
     no_stop_trim: bool = False
     ignore_eos: bool = False
+    return_token_ids: bool = False   # each choice (and stream chunk) also carries its token ids
 
     def unsupported(self) -> str | None:
         """A request option this server cannot honour, named (answered with 400)."""
