@@ -66,6 +66,19 @@ def test_completion_and_stream_and_stop(client, shipped_llm):
     assert r.choices[0].model_extra["matched_stop"] == stop
 
 
+def test_return_token_ids_in_the_response_and_the_stream(client, shipped_llm):
+    ids = shipped_llm.tokenizer.encode("def add(a, b):\n    return")
+    want = shipped_llm.generate([ids], SamplingParams(max_tokens=10, temperature=0))[0]
+    r = client.completions.create(model="tiny-moe", prompt=ids, max_tokens=10, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == want.token_ids
+    chunks = client.completions.create(model="tiny-moe", prompt=ids, max_tokens=10, temperature=0, stream=True,
+                                       extra_body={"return_token_ids": True})
+    assert [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]] == want.token_ids
+    plain = client.completions.create(model="tiny-moe", prompt=ids, max_tokens=10, temperature=0)
+    assert "token_ids" not in plain.choices[0].model_extra                 # only when asked
+
+
 def test_logprobs_in_both_shapes(client):
     r = client.chat.completions.create(model="tiny-moe", messages=CHAT, max_tokens=5, temperature=0,
                                        logprobs=True, top_logprobs=3)
