@@ -13,11 +13,17 @@ receivers' refusal counters).
     drop             a frame never sent (then commit)                 INCOMPLETE
     duplicate        a frame sent twice                               DUPLICATE
     reorder          a frame sent after the next one                  (legal: must succeed)
-    replay_stale     a frame of an earlier transfer sent again        EXPIRED / AFTER_COMMIT / UNKNOWN
-    replay_foreign   an earlier transfer's frame re-aimed at this one BAD_TAG
-    commit_early     commit right after this frame (the placeholder)  INCOMPLETE
+    replay_stale     a frame of a finished transfer sent again        EXPIRED / AFTER_COMMIT / UNKNOWN
+    replay_foreign   a finished transfer's frame re-aimed at this one BAD_TAG
+    commit_early     commit right after the first frame (placeholder) INCOMPLETE
     delay            sleep `seconds` before sending this frame        (must not break a healthy stream)
     cut              the stream is closed here, without a commit      STREAM_CLOSED
+    late_write       this frame sent `seconds` late, after the decode  EXPIRED / AFTER_FAILURE / UNKNOWN
+                     side ended the request (a chaos client disconnects meanwhile)
+
+A transfer is faulted at most once, so each injection has one refusal to answer for it;
+`log` records (point, victim transfer id) for every injection, to be matched with the
+receivers' refusal logs.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +40,9 @@ from kv_transfer.errors import Refusal, TransferRefused
 from proto import kv_transfer_pb2 as pb
 
 POINTS = ("corrupt_payload", "alter_header", "swap_pages", "drop", "duplicate", "reorder",
-          "replay_stale", "replay_foreign", "commit_early", "delay", "cut")
+          "replay_stale", "replay_foreign", "commit_early", "delay", "cut", "late_write")
+REPLAYS = ("replay_stale", "replay_foreign")
+LOG_SIZE = 1 << 16
 
 
 @dataclass
@@ -53,8 +61,11 @@ class FaultInjector:
         self._lock = threading.Lock()
         self._held: dict[bytes, list] = {}           # transfer id -> frames held back
         self._swap: tuple | None = None               # (ticket, header, payload, stream)
-        self._earlier: deque = deque(maxlen=8)        # (transfer id, header, payload) of past transfers
+        self._first: OrderedDict[bytes, tuple] = OrderedDict()   # live transfer -> its first frame
+        self._earlier: deque = deque(maxlen=8)        # (transfer id, header, payload) of ended transfers
+        self._faulted: OrderedDict[bytes, None] = OrderedDict()  # transfers already faulted once
         self.fired: Counter[str] = Counter()
+        self.log: deque[tuple[str, str]] = deque(maxlen=LOG_SIZE)  # (point, victim transfer id hex)
 
     def arm(self, point: str, times: int = 1, after: int = 0, probability: float = 1.0,
             seconds: float = 0.0) -> None:
@@ -65,6 +76,11 @@ class FaultInjector:
                              f"probability={probability} (in (0, 1]), seconds={seconds} (>= 0)")
         with self._lock:
             self._rules[point] = Rule(times, after, probability, seconds)
+
+    def disarm(self) -> None:
+        """Fire nothing more (frames already held are still sent at their transfer's commit)."""
+        with self._lock:
+            self._rules.clear()
 
     def _fires(self, point: str) -> Rule | None:
         rule = self._rules.get(point)
@@ -80,14 +96,22 @@ class FaultInjector:
     def on_frame(self, ticket, h: pb.FrameHeader, payload: torch.Tensor, stream) -> bool:
         """Send the frame through `stream` as the armed faults say.  Returns True when the
         sender must commit now (commit_early).  Raises TransferRefused(TRANSPORT) for `cut`."""
+        tid = ticket.transfer_id
         with self._lock:
-            actions = {p: self._fires(p) for p in POINTS if p in self._rules}
-            held = self._held.pop(ticket.transfer_id, [])
-            earlier = next((e for e in reversed(self._earlier) if e[0] != ticket.transfer_id), None)
-            if not any(e[0] == ticket.transfer_id for e in self._earlier):
-                self._earlier.append((ticket.transfer_id, _copy(h), _keep(payload)))
-        if actions.get("delay"):
-            time.sleep(actions["delay"].seconds)
+            held = self._held.pop(tid, [])
+            earlier = self._earlier[-1] if self._earlier else None    # never this transfer: it is live
+            actions = self._actions(tid, earlier is not None, h.page_index == 0 and h.layer_start == 0)
+            if tid not in self._first:
+                self._first[tid] = (_copy(h), _keep(payload))
+                while len(self._first) > 1024:
+                    self._first.popitem(last=False)
+            for point in actions:
+                if point != "swap_pages":              # logged once the swap really happens
+                    victim = earlier[0] if point == "replay_stale" else tid
+                    self.log.append((point, victim.hex()))
+        for point in ("delay", "late_write"):
+            if actions.get(point):
+                time.sleep(actions[point].seconds)
         if actions.get("cut"):
             stream.close()
             raise TransferRefused(Refusal.TRANSPORT, "stream cut by fault injection")
@@ -116,7 +140,23 @@ class FaultInjector:
             out.append((foreign, earlier[2]))
         for fh, fp in out + held:
             stream.send(fh, fp)
+        if actions.get("late_write"):
+            _deliver(stream)
         return bool(actions.get("commit_early"))
+
+    def _actions(self, tid: bytes, can_replay: bool, first: bool) -> dict[str, Rule]:
+        """The points that fire on this frame (none once the transfer was faulted).  A placeholder
+        (commit_early) commits after the transfer's first frame, never after its last."""
+        if tid in self._faulted:
+            return {}
+        fired = {p: self._fires(p) for p in POINTS if p in self._rules
+                 and (can_replay or p not in REPLAYS) and (first or p != "commit_early")}
+        fired = {p: r for p, r in fired.items() if r is not None}
+        if fired:
+            self._faulted[tid] = None
+            while len(self._faulted) > LOG_SIZE:
+                self._faulted.popitem(last=False)
+        return fired
 
     def _swap_with(self, ticket, h, payload, stream, out: list) -> bool:
         """Pair this frame with one held from another transfer and exchange their payloads.
@@ -132,6 +172,8 @@ class FaultInjector:
                 return False
             self._swap = None
             self.fired["swap_pages"] += 1                # two frames corrupted, one per transfer
+            self.log.extend([("swap_pages", partner[0].transfer_id.hex()), ("swap_pages", ticket.transfer_id.hex())])
+            self._faulted[partner[0].transfer_id] = None
         _, ph, pp, pstream = partner
         try:
             pstream.send(ph, _keep(payload))             # the partner's header with our bytes
@@ -139,6 +181,13 @@ class FaultInjector:
             pass                                          # the partner's sender learns it itself
         out[0] = (h, pp)
         return True
+
+    def ended(self, ticket) -> None:
+        """The transfer's commit was answered: its first frame becomes replayable (stale)."""
+        with self._lock:
+            first = self._first.pop(ticket.transfer_id, None)
+            if first is not None:
+                self._earlier.append((ticket.transfer_id, *first))
 
     def flush(self, ticket, stream) -> None:
         """Before commit: send frames still held for this transfer, unchanged."""
@@ -150,6 +199,15 @@ class FaultInjector:
                 self._swap = None
         for h, p in held:
             stream.send(h, p)
+
+
+def _deliver(stream, timeout_s: float = 5.0) -> None:
+    """Make sure a late frame reaches the receiver before the sender may close the stream."""
+    settle = getattr(stream, "settle", None)
+    if settle is not None:
+        settle(timeout_s)
+    else:
+        stream.flush()
 
 
 def _keep(p):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from time import perf_counter
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from typing import Callable
 
 from engine.kv_pool import PagePool
@@ -27,13 +27,14 @@ from kv_transfer.reservation import Reservation, State
 from proto import kv_transfer_pb2 as pb
 
 TOMBSTONES = 65536   # released transfer ids remembered so late frames read EXPIRED
+REFUSAL_LOG = 65536  # (transfer id hex, reason) of the latest refusals, for the chaos report
 
 
 class TransferReceiver:
     def __init__(self, pool: PagePool, secret: bytes, timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic,
                  on_failed: Callable[[Reservation], None] | None = None,
-                 on_committed: Callable[[Reservation], None] | None = None):
+                 on_committed: Callable[[Reservation], None] | None = None, faults=None):
         if timeout_s <= 0:
             raise ValueError(f"transfer timeout_s={timeout_s} must be > 0")
         self.pool = pool
@@ -46,6 +47,9 @@ class TransferReceiver:
         self._live: dict[bytes, Reservation] = {}
         self._gone: OrderedDict[bytes, str] = OrderedDict()
         self.refused: Counter[str] = Counter()
+        self.refusal_log: deque[tuple[str, str]] = deque(maxlen=REFUSAL_LOG)
+        self.failure_log: deque[tuple[str, str]] = deque(maxlen=REFUSAL_LOG)  # transfers failed, and why
+        self.faults = faults   # chaos runs only: stalls and skipped page writes (chaos/injectors.py)
         self.accepted_frames = 0
         self.accepted_bytes = 0
         self.committed = 0
@@ -126,6 +130,8 @@ class TransferReceiver:
     def receive(self, h: pb.FrameHeader, payload) -> None:
         """Verify one frame and write it into its reserved page.  Raises TransferRefused
         (having written nothing, and failing the transfer if it was open) on any refusal."""
+        if self.faults is not None:
+            self.faults.before_receive(h)
         with self._lock:
             res = self._checked(h.transfer_id, h.protocol_version, h.ownership_tag, h.tenant, h.request_id)
             self._guard(res, lambda: (res.check_geometry(h, len(payload), self.pool), res.check_new(h)))
@@ -142,7 +148,8 @@ class TransferReceiver:
             self._guard(res, lambda: (res.check_new(h), self._check_page(res, ref)))
             res.claim(h)
         try:
-            write_payload(self.pool, ref.page, h.layer_start, h.layer_end, h.num_tokens, payload)
+            if self.faults is None or not self.faults.skip_write(h):
+                write_payload(self.pool, ref.page, h.layer_start, h.layer_end, h.num_tokens, payload)
         except BaseException as e:
             with self._lock:
                 res.writers -= 1
@@ -162,7 +169,7 @@ class TransferReceiver:
         with self._lock:
             res = self._live.get(transfer_id)
             if res is not None and not res.terminal:
-                self.refused[Refusal.STREAM_CLOSED.value] += 1
+                self._count(transfer_id, Refusal.STREAM_CLOSED)
                 self._fail(res, Refusal.STREAM_CLOSED, "the stream ended before the commit")
 
     def commit(self, c: pb.Commit) -> Reservation:
@@ -197,14 +204,14 @@ class TransferReceiver:
         res = self._live.get(tid)
         if version != PROTOCOL_VERSION:
             self._refuse(res, Refusal.BAD_VERSION, f"protocol version {version}, receiver speaks "
-                         f"{list(SUPPORTED_VERSIONS)}")
+                         f"{list(SUPPORTED_VERSIONS)}", tid)
         if res is None:
             code = Refusal.EXPIRED if tid in self._gone else Refusal.UNKNOWN_TRANSFER
-            self._refuse(None, code, f"transfer {tid.hex()[:16]}")
+            self._refuse(None, code, f"transfer {tid.hex()[:16]}", tid)
         if res.state == State.COMMITTED:
-            self._refuse(None, Refusal.AFTER_COMMIT, f"transfer of {res.request_id} is committed")
+            self._refuse(None, Refusal.AFTER_COMMIT, f"transfer of {res.request_id} is committed", tid)
         if res.state == State.FAILED:
-            self._refuse(None, Refusal.AFTER_FAILURE, f"transfer of {res.request_id} failed: {res.reason}")
+            self._refuse(None, Refusal.AFTER_FAILURE, f"transfer of {res.request_id} failed: {res.reason}", tid)
         if not (tags_equal(tag, res.tag) and tenant == res.tenant and request_id == res.request_id):
             self._refuse(res, Refusal.BAD_TAG, f"frame for ({tenant!r}, {request_id!r}) does not match "
                          f"the reservation of {res.request_id!r}")
@@ -243,14 +250,19 @@ class TransferReceiver:
     def _raise(reason: Refusal, detail: str) -> None:
         raise TransferRefused(reason, detail)
 
-    def _refuse(self, res: Reservation | None, reason: Refusal, detail: str) -> None:
+    def _count(self, tid: bytes, reason: Refusal) -> None:
         self.refused[reason.value] += 1
+        self.refusal_log.append((tid.hex(), reason.value))
+
+    def _refuse(self, res: Reservation | None, reason: Refusal, detail: str, tid: bytes = b"") -> None:
+        self._count(res.transfer_id if res is not None else tid, reason)
         if res is not None and not res.terminal:
             self._fail(res, reason, detail)
         raise TransferRefused(reason, detail)
 
     def _fail(self, res: Reservation, reason: Refusal, detail: str) -> None:
         res.fail(reason, detail)
+        self.failure_log.append((res.transfer_id.hex(), reason.value))
         self._lock.notify_all()
         if self._on_failed is not None:
             self._on_failed(res)

@@ -111,6 +111,10 @@ class TransferSender:
                       tokens_covered=self.prompt_len, digest=commit_digest(self.checksums),
                       first_token_id=first_token_id, first_logprob=first_logprob,
                       first_top_ids=list(first_top or ()), first_top_logprobs=list((first_top or {}).values()))
-        if self.faults is not None:
-            self.faults.flush(self.ticket, self.stream)
-        return self.stream.commit(c)
+        if self.faults is None:
+            return self.stream.commit(c)
+        self.faults.flush(self.ticket, self.stream)
+        try:
+            return self.stream.commit(c)
+        finally:
+            self.faults.ended(self.ticket)

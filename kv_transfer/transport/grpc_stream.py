@@ -9,6 +9,7 @@ every other stream has ended and reported its frames accepted.
 from __future__ import annotations
 
 import queue
+import time
 import threading
 
 import grpc
@@ -152,6 +153,15 @@ class GrpcStream:
         if not self.closed:
             for lane in self._lanes:
                 lane.flush()
+
+    def settle(self, timeout_s: float) -> None:
+        """Flush, then wait (at most `timeout_s`) until the receiver has answered on every lane:
+        a writer that must know its frames arrived before it goes on (fault injection)."""
+        self.flush()
+        end = time.monotonic() + timeout_s
+        for lane in self._lanes:
+            while not lane.future.done() and time.monotonic() < end:
+                time.sleep(0.01)
 
     def commit(self, commit: pb.Commit) -> pb.PushReply:
         try:
