@@ -123,6 +123,13 @@ class LLM:
         return {i: layer.experts for i, layer in enumerate(self.model.layers)
                 if isinstance(layer.experts, PagedExperts)}
 
+    def verify_experts(self, on: bool = True) -> None:
+        """Guard mode: every step compares the slots it reads (and every slot it evicts) with the
+        host copy and re-pages a corrupted one before use; counted as `corrupt_slots`.  Costs a
+        read of those experts per step."""
+        for e in self.paged_experts().values():
+            e.slots.verify_on_use = on
+
     def expert_stats(self) -> dict[int, dict]:
         """Per paged MoE layer: hits, misses, hit_rate, bytes_paged, waves, steps, prefetch counters."""
         return {i: e.counters.as_dict() for i, e in self.paged_experts().items()}

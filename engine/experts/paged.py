@@ -89,6 +89,8 @@ class PagedExperts:
             slots.load(list(zip(missing, slots.policy.victims(len(missing), protect))))
         wave_slots = [slots.slot_of[e] for e in wave] if missing else where
         slots.wait(wave_slots)
+        if slots.verify_on_use:
+            slots.verify(wave_slots)
         slots.touch(wave_slots)
 
     def prefetch(self, experts: list[int]) -> None:

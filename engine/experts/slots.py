@@ -57,6 +57,7 @@ class ExpertCounters:
     prefetched: int = 0      # experts copied ahead of their step by the prefetcher
     prefetch_hits: int = 0   # ... that their step did need
     prefetch_wasted_bytes: int = 0
+    corrupt_slots: int = 0   # verify mode: slots found not holding their expert's bytes (re-paged)
 
     def as_dict(self) -> dict[str, int | float]:
         d = dict(self.__dict__)
@@ -99,6 +100,7 @@ class ExpertSlots:
         self._pending: dict[int, list[Copy]] = {}
         self._last_use = None  # CUDA: an event after the last compute that read the slots
         self.counters = ExpertCounters()
+        self.verify_on_use = False   # compare slots with the host store before each use and eviction
         self.load([(s, s) for s in range(num_slots)])  # warm start: experts 0..K-1, not counted
         self.wait(range(num_slots))
         self.counters.bytes_paged = 0
@@ -107,6 +109,8 @@ class ExpertSlots:
         """Page each (expert, slot) in, evicting whoever holds the slot, as one batch of
         copies that may be in flight until `wait` is called for the slots."""
         pairs, evicted = [], []
+        if self.verify_on_use:      # a corrupted slot about to be overwritten is still counted
+            self.verify([slot for _, slot in moves])
         for expert, slot in moves:
             assert self.slot_of[expert] < 0, f"expert {expert} is already in slot {self.slot_of[expert]}"
             old = self.expert_in[slot]
@@ -149,6 +153,24 @@ class ExpertSlots:
         for s in slots:
             for c in self._pending.pop(s, ()):
                 c.wait()
+
+    def verify(self, slots: Iterable[int]) -> list[int]:
+        """Compare each occupied slot with the host copy of the expert it holds and copy the
+        host bytes back over any that differ (a slot corrupted after start-up).  Returns the
+        repaired slots; each is counted in `counters.corrupt_slots`."""
+        bad = []
+        for s in slots:
+            e = self.expert_in[s]
+            if e < 0:
+                continue
+            self.wait([s])
+            if not (torch.equal(self.w13[s], self.store.w13[e].to(self.w13.device))
+                    and torch.equal(self.w2[s], self.store.w2[e].to(self.w2.device))):
+                self.w13[s].copy_(self.store.w13[e])
+                self.w2[s].copy_(self.store.w2[e])
+                bad.append(s)
+        self.counters.corrupt_slots += len(bad)
+        return bad
 
     def touch(self, slots: Iterable[int]) -> None:
         for s in slots:
