@@ -27,6 +27,7 @@ class WorkerConfig:
     transfer_port: int = 0
     transfer_timeout_s: float = 30.0      # a reservation that receives nothing for this long ends
     layer_group: int = 2                  # prefill sends every `layer_group` layers as computed
+    verify_experts: bool = False          # check resident expert slots before each use (guard mode)
     secret: bytes = field(default=b"", repr=False)   # the cluster secret (never printed)
 
     def __post_init__(self) -> None:

@@ -41,13 +41,15 @@ class DecodeRequest:
 
 
 class DecodeEngine:
-    def __init__(self, llm: LLM, secret: bytes, transfer_timeout_s: float, lock: threading.RLock):
+    def __init__(self, llm: LLM, secret: bytes, transfer_timeout_s: float, lock: threading.RLock,
+                 faults=None):
         self.llm, self.pool, self.lock = llm, llm.pool, lock
         from engine.scheduler import Scheduler
         self.scheduler = Scheduler(llm.pool, llm.config.max_num_seqs, llm.config.max_prefill_tokens)
         self.receiver = TransferReceiver(llm.pool, secret, transfer_timeout_s,
                                          on_failed=lambda r: self._post("failed", r.request_id, r.transfer_id),
-                                         on_committed=lambda r: self._post("commit", r.request_id, r.transfer_id))
+                                         on_committed=lambda r: self._post("commit", r.request_id, r.transfer_id),
+                                         faults=faults)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
         self.requests: dict[str, DecodeRequest] = {}
@@ -83,6 +85,7 @@ class DecodeEngine:
                           generator=decode_generator(params, llm), stopper=llm.stop_checker(params))
             dreq = self.requests[request_id] = DecodeRequest(req, tenant, res)
             dreq.reserved_pages = len(self.pool.page_table(request_id))
+            self.counts["reserved"] += 1
         return dreq
 
     def abort(self, request_id: str, code: str = "ABORTED", message: str = "request aborted") -> bool:

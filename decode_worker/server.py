@@ -59,6 +59,8 @@ def build_llm(config: WorkerConfig) -> LLM:
     if config.mem_fraction is not None:
         kwargs["kv_cache_tokens"] = kv_tokens_for_fraction(config)
     llm = LLM(**kwargs)
+    if config.verify_experts:
+        llm.verify_experts()
     if llm.pool.capacity_tokens < llm.max_model_len:
         raise ValueError(f"kv_cache_tokens ({llm.pool.capacity_tokens}) cannot hold one request of the "
                          f"maximum context ({llm.max_model_len} tokens): raise --kv-cache-tokens to at "
@@ -95,9 +97,10 @@ def grpc_server(config: WorkerConfig) -> tuple[grpc.Server, str]:
     return server, f"{config.public_host}:{port}"
 
 
-def start_decode_worker(config: WorkerConfig, llm: LLM | None = None) -> WorkerHandle:
+def start_decode_worker(config: WorkerConfig, llm: LLM | None = None, faults=None) -> WorkerHandle:
+    """`faults` (chaos runs only): the receiver's stall / skipped-write injector."""
     llm = llm or build_llm(config)
-    engine = DecodeEngine(llm, config.secret, config.transfer_timeout_s, threading.RLock())
+    engine = DecodeEngine(llm, config.secret, config.transfer_timeout_s, threading.RLock(), faults=faults)
     if config.transfer == "shm":
         from kv_transfer.transport.shm_server import ShmTransferServer
         path = tempfile.mktemp(prefix="tandem-kv-", suffix=".sock")

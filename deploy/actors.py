@@ -16,14 +16,20 @@ HEARTBEAT_S = 2.0
 @ray.remote
 class WorkerActor:
     def __init__(self, worker_id: str, role: str, config: dict, secret: bytes, registry, host: str | None,
-                 cores: list[int] | None = None):
+                 cores: list[int] | None = None, chaos_seed: int | None = None):
         from decode_worker.config import WorkerConfig
         if cores:
             _pin(cores)
         ip = ray.util.get_node_ip_address()
         cfg = WorkerConfig(**config, secret=secret, host=host or ip)
         self.role, self.worker_id, self.registry = role, worker_id, registry
-        self.handle = _start(role, cfg)
+        self.chaos = None
+        if chaos_seed is not None:                 # a chaos run: this worker's injectors
+            from chaos.control import ChaosControl
+            self.chaos = ChaosControl(role, chaos_seed)
+        self.handle = _start(role, cfg, self.chaos.faults if self.chaos else None)
+        if self.chaos is not None:
+            self.chaos.handle = self.handle
         h = self.handle.llm
         self.info = {"role": role, "address": self.handle.address, "node_ip": ip,
                      "node_id": ray.get_runtime_context().get_node_id(), "kv_capacity_tokens": h.pool.capacity_tokens,
@@ -44,6 +50,12 @@ class WorkerActor:
     def address(self) -> str:
         return self.handle.address
 
+    def chaos_call(self, op: str, **kw):
+        """A chaos run's request to this worker (arm, disarm, ledger, idle_check)."""
+        if self.chaos is None:
+            raise RuntimeError("this deployment was not started for a chaos run")
+        return getattr(self.chaos, op)(**kw)
+
     def stop(self) -> None:
         """End every live request with an explicit error, release every page, stop serving."""
         self._stopped.set()
@@ -60,13 +72,13 @@ def _pin(cores: list[int]) -> None:
     torch.set_num_threads(len(cores))
 
 
-def _start(role: str, cfg):
+def _start(role: str, cfg, faults=None):
     if role == "prefill":
         from prefill_worker.server import start_prefill_worker
-        return start_prefill_worker(cfg)
+        return start_prefill_worker(cfg, faults=faults)
     if role == "decode":
         from decode_worker.server import start_decode_worker
-        return start_decode_worker(cfg)
+        return start_decode_worker(cfg, faults=faults)
     from decode_worker.colocated import start_colocated_worker
     return start_colocated_worker(cfg)
 

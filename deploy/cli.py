@@ -102,6 +102,8 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool per worker, in tokens")
     sv.add_argument("--mem-fraction", type=float, default=None, help="KV pool as a share of free memory")
     sv.add_argument("--paged-experts-num-resident", type=int, default=None)
+    sv.add_argument("--verify-experts", action="store_true",
+                    help="check each resident expert slot against the host copy before use (costs a read)")
     sv.add_argument("--gpus-per-worker", type=float, default=0.0)
     sv.add_argument("--placement-strategy", default="PACK", choices=["PACK", "SPREAD"])
     sv.add_argument("--transfer", default="grpc", choices=["grpc", "shm"],
@@ -113,6 +115,10 @@ def add_serve_parser(sub) -> None:
                     help="pin each worker to this many CPU cores of its own (round robin)")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sv.set_defaults(func=_serve)
+    ch = sub.add_parser("chaos", help="chaos runs: inject KV-leak faults into a live cluster (python -m chaos)",
+                        add_help=False)
+    ch.add_argument("rest", nargs=argparse.REMAINDER)
+    ch.set_defaults(func=lambda args: _chaos(args.rest))
 
 
 def serve_settings(args: argparse.Namespace):
@@ -137,7 +143,7 @@ def serve_settings(args: argparse.Namespace):
         paged_experts_num_resident=args.paged_experts_num_resident, gpus_per_worker=args.gpus_per_worker,
         placement_strategy=args.placement_strategy, log_level=args.log_level, transfer=args.transfer,
         worker_resources=parse_resources(args.worker_resources), gateway_replicas=args.gateway_replicas,
-        worker_cores=args.worker_cores)
+        worker_cores=args.worker_cores, verify_experts=args.verify_experts)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -145,6 +151,11 @@ def _serve(args: argparse.Namespace) -> int:
     _check_kv(settings)
     from deploy.serve import serve
     return serve(settings)
+
+
+def _chaos(rest: list[str]) -> int:
+    from chaos.cli import main as chaos_main
+    return chaos_main(rest)
 
 
 def _check_kv(settings) -> None:

@@ -57,7 +57,8 @@ class Deployment:
                 num_cpus=bundles[i].get("CPU", 0), num_gpus=bundles[i].get("GPU", 0),
                 resources={k: v for k, v in bundles[i].items() if k not in ("CPU", "GPU")},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-            ).remote(wid, role, s.worker_config(), secret, registry, host, self._cores(i))
+            ).remote(wid, role, s.worker_config(), secret, registry, host, self._cores(i),
+                     None if s.chaos_seed is None else s.chaos_seed + i)
         self.say(f"tandem: loading {s.model} on {len(roles)} worker(s): {', '.join(self.workers)}")
         for wid, actor in self.workers.items():
             address = ray.get(actor.address.remote(), timeout=timeout_s)

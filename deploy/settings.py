@@ -39,6 +39,8 @@ class ServeSettings:
     gateway_replicas: int = 1               # gateways on ports port, port+1, ... (same registry)
     max_restarts: int = 3
     drain_timeout_s: float = 30.0
+    verify_experts: bool = False            # guard mode: check expert slots before each use
+    chaos_seed: int | None = None           # a chaos run: workers get injectors (seeded from this)
 
     def __post_init__(self) -> None:
         if not (Path(self.model) / "config.json").is_file():
@@ -74,7 +76,8 @@ class ServeSettings:
     def worker_config(self) -> dict:
         """What every worker gets (WorkerConfig fields; the secret travels separately)."""
         cfg = dict(model=self.model, dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
-                   paged_experts_num_resident=self.paged_experts_num_resident, transfer=self.transfer)
+                   paged_experts_num_resident=self.paged_experts_num_resident, transfer=self.transfer,
+                   verify_experts=self.verify_experts)
         if self.kv_cache_tokens is not None:
             cfg["kv_cache_tokens"] = self.kv_cache_tokens
         if self.mem_fraction is not None:

@@ -79,6 +79,7 @@ class PrefillEngine:
                 raise WorkerError("INVALID_REQUEST", f"request id {request_id!r} is already being prefilled")
             self.jobs[owner] = job
             self.scheduler.add(req)
+            self.counts["submitted"] += 1
         self.wake.set()
         return job
 
