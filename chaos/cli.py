@@ -1,0 +1,102 @@
+"""`python -m chaos run` (also `tandem chaos run`): start a real cluster, attack it scenario by
+scenario, judge every response, print the table (or JSON), exit 1 on any violation."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from chaos.scenarios import select, split
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m chaos", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run chaos scenarios against a fresh local cluster")
+    run.add_argument("--scenarios", default="all", help="all, or names separated by commas")
+    run.add_argument("--requests", type=int, default=2000, help="requests over all scenarios")
+    run.add_argument("--concurrency", type=int, default=16)
+    run.add_argument("--seed", type=int, default=None, help="replays a run (default: a fresh one)")
+    run.add_argument("--decode-workers", type=int, default=2)
+    run.add_argument("--prefill-workers", type=int, default=1)
+    run.add_argument("--transfer", default="grpc", choices=["grpc", "shm"])
+    run.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
+    sub.add_parser("list", help="the scenarios")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "list":
+        from chaos.scenarios import SCENARIOS
+        for s in SCENARIOS:
+            print(f"{s.name:<16} {s.group:<9} {s.about}")
+        return 0
+    try:
+        scenarios = select(args.scenarios)
+        if args.requests < 1 or args.concurrency < 1:
+            raise ValueError(f"--requests {args.requests} and --concurrency {args.concurrency} must be >= 1")
+        if args.decode_workers < 2 or args.prefill_workers < 1:
+            raise ValueError("a chaos cluster needs at least 2 decode workers and 1 prefill worker")
+    except ValueError as e:
+        print(f"chaos: error: {e}", file=sys.stderr)
+        return 2
+    seed = args.seed if args.seed is not None else int(time.time()) % 100000
+    report = run(args, scenarios, seed)
+    print(json.dumps(report, indent=1) if args.json else report.pop("_table"))
+    if not report["ok"]:
+        print(f"chaos: violations found; replay with: python -m chaos run --scenarios "
+              f"{','.join(s.name for s in scenarios)} --requests {args.requests} "
+              f"--concurrency {args.concurrency} --seed {seed}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run(args, scenarios, seed: int) -> dict:
+    from chaos.cluster import ChaosCluster, ClusterShape
+    from chaos.oracle import Reference, judge
+    from chaos.prompts import PromptMaker
+    from chaos.report import table, totals
+    from chaos.runner import ScenarioRunner
+    from engine.config import SHIPPED_MODEL
+    from engine.tokenizer import Tokenizer
+    logging.basicConfig(level=logging.WARNING)
+    say = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    t0 = time.monotonic()
+    shape = ClusterShape(prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
+                         transfer=args.transfer)
+    maker = PromptMaker(Tokenizer(SHIPPED_MODEL), seed)
+    keys = maker.keys()
+    cluster = ChaosCluster(shape, keys, seed)
+    say(f"chaos: seed {seed}; starting a cluster of {shape.prefill_workers} prefill and "
+        f"{shape.decode_workers} decode workers")
+    cluster.start()
+    results = []
+    try:
+        runner = ScenarioRunner(cluster, maker, keys, cluster.settings.name, args.concurrency, seed)
+        for sc, n in zip(scenarios, split(args.requests, scenarios)):
+            r = runner.run(sc, n)
+            say(f"chaos: {sc.name}: {r.requests} requests, {r.faults_injected} faults, "
+                f"{len(r.violations)} violations so far, {r.seconds:.1f}s")
+            results.append(r)
+    finally:
+        cluster.stop()
+    say("chaos: checking every response against the single-process reference")
+    judge(results, Reference(cluster.settings.model, shape.max_model_len, None))
+    report = totals(results, seed, time.monotonic() - t0)
+    report["_table"] = table(results) + "\n" + _summary(report)
+    if args.json:
+        report.pop("_table")
+    return report
+
+
+def _summary(t: dict) -> str:
+    return (f"\n{t['requests']} requests ({t['completed']} completed, {t['failed_explicitly']} failed "
+            f"explicitly, {t['aborted']} aborted, {t['silent']} silent); {t['faults_injected']} faults "
+            f"injected, {t['faults_detected']} detected, {t['faults_tolerated']} tolerated; transfer faults "
+            f"{t['transfer_faults_detected']}/{t['transfer_faults_injected']} detected; leaks {t['leaks']}, "
+            f"corrupted {t['corrupted_completions']}, pages leaked {t['pages_leaked']}; {t['seconds']}s; "
+            f"seed {t['seed']}")

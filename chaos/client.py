@@ -1,0 +1,143 @@
+"""A chaos client: one request over raw HTTP/1.1 (asyncio streams, no client library), so it
+can hang up at any byte it likes.  It records exactly what the client saw.
+
+    outcome   meaning
+    ok        HTTP 200 and a finished choice ([DONE] on a stream)
+    error     an explicit error: an HTTP error body, or an error event on the stream
+    aborted   the client hung up on purpose before the end
+    silent    anything else: a 200 that ended without [DONE] or a finish, a dropped
+              connection with no error, a timeout (a violation of I8)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+from chaos.prompts import Job
+
+
+@dataclass
+class Outcome:
+    job: Job
+    outcome: str = "silent"
+    status: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    error: str = ""
+    finish: str | None = None
+    started: float = 0.0
+    ended: float = 0.0
+
+
+async def send(url: str, api_key: str, model: str, out: Outcome, timeout_s: float) -> Outcome:
+    """Run `out.job`, filling `out` as the response arrives (others may watch it live)."""
+    job = out.job
+    out.started = time.monotonic()
+    body = {"model": model, "prompt": job.ids, "max_tokens": job.max_tokens, "temperature": 0,
+            "stream": job.stream, "return_token_ids": True}
+    try:
+        await asyncio.wait_for(_exchange(url, api_key, body, out), timeout_s)
+    except asyncio.TimeoutError:
+        out.outcome, out.error = "silent", f"no end after {timeout_s}s"
+    except (OSError, ValueError, asyncio.IncompleteReadError) as e:
+        if out.outcome != "aborted":
+            out.outcome, out.error = "silent", f"{type(e).__name__}: {e}"
+    out.ended = time.monotonic()
+    return out
+
+
+async def _exchange(url: str, api_key: str, body: dict, out: Outcome) -> None:
+    u = urlparse(url)
+    reader, writer = await asyncio.open_connection(u.hostname, u.port)
+    job = out.job
+    hung: list[bool] = []          # set when our own hang-up fired
+
+    def hang() -> None:
+        hung.append(True)
+        writer.close()
+    hang_up = asyncio.get_running_loop().call_later(job.disconnect_s, hang) \
+        if job.disconnect_s is not None else None
+    try:
+        payload = json.dumps(body).encode()
+        head = [f"POST {u.path.rstrip('/')}/v1/completions HTTP/1.1", f"Host: {u.hostname}:{u.port}",
+                "Content-Type: application/json", f"Content-Length: {len(payload)}",
+                f"Authorization: Bearer {api_key}", "Connection: close"]
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
+        await writer.drain()
+        out.status = int((await reader.readline()).split()[1])
+        headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            k, _, v = line.decode().partition(":")
+            headers[k.strip().lower()] = v.strip()
+        chunks = _chunked(reader) if headers.get("transfer-encoding", "").lower() == "chunked" \
+            else _plain(reader)
+        if out.status == 200 and body["stream"]:
+            await _read_events(chunks, out, writer)
+        else:
+            _whole(b"".join([c async for c in chunks]), out)
+    except (OSError, asyncio.IncompleteReadError, ValueError, IndexError):
+        if not hung:
+            raise
+    finally:
+        if hang_up is not None:
+            hang_up.cancel()
+        if hung and out.outcome == "silent":
+            out.outcome = "aborted"
+        writer.close()
+
+
+async def _read_events(chunks, out: Outcome, writer) -> None:
+    buf, seen = b"", 0
+    async for piece in chunks:
+        buf += piece
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            data = event.decode().removeprefix("data: ")
+            if data == "[DONE]":
+                out.outcome = "ok" if out.finish else "silent"
+                return
+            msg = json.loads(data)
+            if "error" in msg:
+                out.outcome, out.error = "error", f"{msg['error'].get('code')}: {msg['error'].get('message')}"
+                return
+            for choice in msg.get("choices", []):
+                out.token_ids += choice.get("token_ids") or []
+                out.text += choice.get("text") or ""
+                out.finish = choice.get("finish_reason") or out.finish
+            seen += 1
+            if out.job.disconnect_after is not None and seen > out.job.disconnect_after:
+                out.outcome = "aborted"
+                writer.close()
+                return
+
+
+def _whole(raw: bytes, out: Outcome) -> None:
+    msg = json.loads(raw.decode() or "{}")
+    if out.status != 200:
+        err = msg.get("error") or {}
+        out.outcome = "error" if err.get("message") else "silent"
+        out.error = f"HTTP {out.status} {err.get('code')}: {err.get('message')}"
+        return
+    choice = (msg.get("choices") or [{}])[0]
+    out.token_ids, out.text, out.finish = choice.get("token_ids") or [], choice.get("text") or "", \
+        choice.get("finish_reason")
+    out.outcome = "ok" if out.finish else "silent"
+
+
+async def _chunked(reader: asyncio.StreamReader):
+    while True:
+        size = int((await reader.readline()).strip().split(b";")[0], 16)
+        if size == 0:
+            return
+        data = await reader.readexactly(size)
+        await reader.readline()
+        yield data
+
+
+async def _plain(reader: asyncio.StreamReader):
+    while data := await reader.read(65536):
+        yield data

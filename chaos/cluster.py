@@ -1,0 +1,124 @@
+"""The cluster a chaos run attacks: a real Tandem deployment on Ray (registry, worker actors
+with injectors, the gateway), plus the handles the run needs to arm faults, read ledgers,
+kill workers and check pools."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.request
+from dataclasses import dataclass
+
+import ray
+
+from deploy.launcher import Deployment
+from deploy.settings import ServeSettings
+
+log = logging.getLogger("tandem.chaos")
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    prefill_workers: int = 1
+    decode_workers: int = 2
+    kv_cache_tokens: int = 8192
+    max_model_len: int = 512
+    paged_experts_num_resident: int = 32
+    transfer: str = "grpc"
+
+
+class ChaosCluster:
+    def __init__(self, shape: ClusterShape, api_keys: dict[str, str], seed: int, say=print):
+        self.shape, self.say = shape, say
+        self.settings = ServeSettings(
+            prefill_workers=shape.prefill_workers, decode_workers=shape.decode_workers, port=0,
+            api_keys=api_keys, kv_cache_tokens=shape.kv_cache_tokens, max_model_len=shape.max_model_len,
+            paged_experts_num_resident=shape.paged_experts_num_resident, transfer=shape.transfer,
+            verify_experts=True, chaos_seed=seed, max_restarts=100, log_level="error", drain_timeout_s=5.0)
+        self.deployment = Deployment(self.settings, say=lambda m: None)
+        self.api_key = next(iter(api_keys))
+
+    def start(self, timeout_s: float = 300.0) -> "ChaosCluster":
+        self.deployment.start(timeout_s)
+        return self
+
+    @property
+    def url(self) -> str:
+        return self.deployment.url
+
+    def stop(self) -> None:
+        self.deployment.stop()
+
+    def workers(self, role: str | None = None) -> dict[str, object]:
+        return {w: a for w, a in self.deployment.workers.items() if role is None or w.startswith(role)}
+
+    def call(self, wid: str, op: str, timeout_s: float = 60.0, **kw):
+        """One chaos request to a worker; retried while Ray restarts it."""
+        end = time.monotonic() + timeout_s
+        while True:
+            try:
+                return ray.get(self.deployment.workers[wid].chaos_call.remote(op, **kw), timeout=timeout_s)
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.25)
+
+    def arm(self, role: str, point: str, **kw) -> None:
+        for wid in self.workers(role):
+            self.call(wid, "arm", point=point, **kw)
+
+    def disarm(self) -> None:
+        for wid in self.workers():
+            self.call(wid, "disarm")
+
+    def ledgers(self) -> dict[str, dict]:
+        return {wid: self.call(wid, "ledger") for wid in self.workers()}
+
+    def kill(self, wid: str) -> None:
+        """SIGKILL-like end of the worker's process; Ray restarts the actor."""
+        ray.kill(self.deployment.workers[wid], no_restart=False)
+
+    def wait_recovered(self, timeout_s: float = 120.0) -> float:
+        """Block until every worker actor answers and the gateway sees all of them healthy.
+        Returns the seconds it took; raises TimeoutError."""
+        t0 = time.monotonic()
+        want = self.shape.prefill_workers + self.shape.decode_workers
+        for actor in self.deployment.workers.values():
+            while True:                 # a call may meet the restart itself: ask again
+                try:
+                    ray.get(actor.address.remote(), timeout=timeout_s)
+                    break
+                except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):
+                    if time.monotonic() - t0 > timeout_s:
+                        raise TimeoutError(f"a worker did not come back in {timeout_s}s") from None
+                    time.sleep(0.25)
+        while time.monotonic() - t0 < timeout_s:
+            info = self.server_info()
+            if sum(w["healthy"] for w in info.get("workers", [])) >= want:
+                return time.monotonic() - t0
+            time.sleep(0.25)
+        raise TimeoutError(f"the cluster did not recover in {timeout_s}s")
+
+    def server_info(self) -> dict:
+        req = urllib.request.Request(self.url + "/v1/server_info",
+                                     headers={"Authorization": f"Bearer {self.api_key}"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return json.loads(r.read())
+        except OSError:
+            return {}
+
+    def limit(self) -> int:
+        """prompt_tokens + max_tokens may not exceed this (the context; KV capacity is larger)."""
+        return int(self.server_info()["context_length"])
+
+    def wait_idle(self, timeout_s: float = 90.0) -> dict[str, dict]:
+        """Poll every worker's pool until no page is in use (or the time is up); returns the
+        last idle checks (integrity, pages used, experts repaired by the final scan)."""
+        end = time.monotonic() + timeout_s
+        while True:
+            checks = {wid: self.call(wid, "idle_check") for wid in self.workers()}
+            if all(c["used"] == 0 for c in checks.values()) or time.monotonic() > end:
+                return checks
+            time.sleep(0.25)

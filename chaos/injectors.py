@@ -1,0 +1,98 @@
+"""Fault injectors on the receiving side and in a worker's memory (the sending side's are in
+`kv_transfer/faults.py`).  None of them exists in a worker unless a chaos run starts it with
+`chaos=True`; then the run arms them by name, one scenario at a time.
+
+    point           where                        what must catch it
+    unwritten_page  decode: a verified frame is   the commit's re-checksum of the destination
+                    marked written, bytes skipped pages (RECHECK_FAILED)
+    stall           decode: the receiver reads    nothing: the transfer must still succeed
+                    nothing for `seconds`          (or expire with an explicit error)
+    corrupt_expert  any worker: one bit of a       verify mode (`verify_experts`): the slot is
+                    resident expert slot flipped   compared before its next use or eviction
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter, OrderedDict, deque
+
+import torch
+
+from proto import kv_transfer_pb2 as pb
+
+RECEIVER_POINTS = ("unwritten_page", "stall")
+LOG_SIZE = 1 << 16
+
+
+class ReceiverFaults:
+    """Installed as `TransferReceiver(faults=...)`.  Each armed point fires on a frame with
+    `probability`, at most `times` times, at most once per transfer; `log` records
+    (point, transfer id hex) of every injection."""
+
+    def __init__(self, seed: int = 0):
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self._armed: dict[str, list] = {}          # point -> [times left, probability, seconds]
+        self._faulted: OrderedDict[bytes, None] = OrderedDict()
+        self.fired: Counter[str] = Counter()
+        self.log: deque[tuple[str, str]] = deque(maxlen=LOG_SIZE)
+
+    def arm(self, point: str, times: int = 1, probability: float = 1.0, seconds: float = 0.0, **_) -> None:
+        if point not in RECEIVER_POINTS:
+            raise ValueError(f"unknown receiver fault {point!r}; known: {', '.join(RECEIVER_POINTS)}")
+        if times < 1 or not 0.0 < probability <= 1.0 or seconds < 0:
+            raise ValueError(f"fault {point}: times={times} (>= 1), probability={probability} "
+                             f"(in (0, 1]), seconds={seconds} (>= 0)")
+        with self._lock:
+            self._armed[point] = [times, probability, seconds]
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._armed.clear()
+
+    def _fires(self, point: str, h: pb.FrameHeader) -> float | None:
+        with self._lock:
+            rule = self._armed.get(point)
+            if rule is None or rule[0] <= 0 or h.transfer_id in self._faulted:
+                return None
+            if self._rng.random() >= rule[1]:
+                return None
+            rule[0] -= 1
+            self._faulted[h.transfer_id] = None
+            while len(self._faulted) > LOG_SIZE:
+                self._faulted.popitem(last=False)
+            self.fired[point] += 1
+            self.log.append((point, h.transfer_id.hex()))
+            return rule[2]
+
+    def before_receive(self, h: pb.FrameHeader) -> None:
+        """Called before the receiver reads a frame: a stall sleeps here."""
+        seconds = self._fires("stall", h)
+        if seconds:
+            time.sleep(seconds)
+
+    def skip_write(self, h: pb.FrameHeader) -> bool:
+        """Called in place of the page write: True means 'mark written, copy nothing'."""
+        return self._fires("unwritten_page", h) is not None
+
+
+def corrupt_expert(llm, rng: random.Random) -> tuple[int, int, int] | None:
+    """Flip one exponent bit of a random resident expert slot of a random paged MoE layer.
+    Returns (layer, slot, expert), or None when the model pages no experts (or the chosen
+    layer has no intact slot left)."""
+    layers = llm.paged_experts()
+    if not layers:
+        return None
+    layer = rng.choice(sorted(layers))
+    slots = layers[layer].slots
+    intact = [s for s, e in enumerate(slots.expert_in)        # one flip per slot until repaired:
+              if e >= 0 and torch.equal(slots.w13[s], slots.store.w13[e].to(slots.w13.device))]
+    if not intact:                                              # each injection is one finding
+        return None
+    slot = rng.choice(intact)
+    size = slots.w13.element_size()
+    raw = slots.w13[slot].view(-1).view(torch.uint8)
+    raw[rng.randrange(raw.numel() // size) * size + size - 1] ^= 0x40   # an exponent bit (little-endian)
+    return layer, slot, slots.expert_in[slot]

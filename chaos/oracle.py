@@ -1,0 +1,52 @@
+"""The oracles a chaos run applies to what the clients saw, after the cluster is gone:
+
+- reference equality: every completed response's tokens equal the single-process `LLM`'s
+  greedy output for the same prompt run alone; a response cut short (an explicit error,
+  or the client hanging up) must be a prefix of it;
+- canaries: no response contains another request's canary.
+"""
+
+from __future__ import annotations
+
+from engine import LLM
+from engine.sampling import SamplingParams
+
+from chaos.prompts import CANARY
+from chaos.report import ScenarioResult
+
+
+class Reference:
+    """Greedy outputs of the single-process engine, one request at a time."""
+
+    def __init__(self, model: str, max_model_len: int, resident: int | None):
+        self.llm = LLM(model, max_model_len=max_model_len, paged_experts_num_resident=resident)
+
+    def tokens(self, ids: list[int], max_tokens: int) -> list[int]:
+        out = self.llm.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0))[0]
+        self.llm.pool.check_integrity()
+        return list(out.token_ids)
+
+
+def judge(results: list[ScenarioResult], reference: Reference) -> None:
+    """Count corrupted responses and canary leaks into each scenario's result."""
+    owner = {o.job.canary: o.job.index for r in results for o in r.outcomes}
+    for r in results:
+        for o in r.outcomes:
+            if o.job.expect_reject or not (o.token_ids or o.text):
+                continue
+            want = reference.tokens(o.job.ids, o.job.max_tokens)
+            got = o.token_ids
+            if (got != want) if o.outcome == "ok" else (got != want[:len(got)]):
+                r.corrupted += 1
+                _say(r, f"request {o.job.index} ({o.outcome}): tokens {got[:12]} differ from the "
+                        f"reference {want[:12]}")
+            foreign = [c for c in CANARY.findall(o.text) if c != o.job.canary and c in owner]
+            if foreign:
+                r.leaks += 1
+                _say(r, f"request {o.job.index} (tenant {o.job.tenant}) carries the canary of request "
+                        f"{owner[foreign[0]]}")
+
+
+def _say(r: ScenarioResult, message: str) -> None:
+    if len(r.violations) < 40:
+        r.violations.append(message)

@@ -1,0 +1,89 @@
+"""The requests of a chaos run: token-id prompts of held-out text, each opened by a unique
+canary string, spread over several tenants, with what the client will do with each.
+
+Prompts go to /v1/completions as token ids, so the reference run sees exactly the ids the
+cluster saw.  The canary is text the shipped model can repeat: a response that contains
+another request's canary is a leak.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import secrets
+from dataclasses import dataclass
+
+from engine.tokenizer import Tokenizer
+from models import corpus
+
+TENANTS = ("acme", "globex", "initech", "umbrella")
+CANARY = re.compile(r"canary [0-9a-f]{10}")
+
+
+@dataclass
+class Job:
+    index: int
+    scenario: str
+    tenant: str
+    canary: str
+    ids: list[int]
+    max_tokens: int
+    stream: bool = True
+    disconnect_after: int | None = None     # stream chunks to read before hanging up
+    disconnect_s: float | None = None       # or seconds after sending
+    expect_reject: bool = False             # an oversized prompt: must get HTTP 400
+
+
+class PromptMaker:
+    def __init__(self, tokenizer: Tokenizer, seed: int):
+        _, held = corpus.read_split()
+        self.tok = tokenizer
+        self.text_ids = tokenizer.encode("\n".join(held))
+        self.rng = random.Random(seed)
+        self.n = 0
+
+    def keys(self) -> dict[str, str]:
+        """API key -> tenant, fresh for this run."""
+        return {f"chaos-{t}-{secrets.token_hex(8)}": t for t in TENANTS}
+
+    def job(self, scenario: str, length: int, max_tokens: int, **kw) -> Job:
+        """A request whose prompt is exactly `length` token ids, canary first."""
+        self.n += 1
+        canary = f"canary {self.rng.getrandbits(40):010x}"
+        head = self.tok.encode(f"# {canary}\n")[:length]
+        body = max(0, length - len(head))
+        ids = head
+        while len(ids) < length:
+            start = self.rng.randrange(0, len(self.text_ids) - body - 1)
+            ids = ids + self.text_ids[start:start + length - len(ids)]
+        return Job(self.n, scenario, TENANTS[self.n % len(TENANTS)], canary, ids, max_tokens, **kw)
+
+
+def jobs_for(maker: PromptMaker, scenario, n: int, limit: int) -> list[Job]:
+    """The scenario's `n` requests; `limit` is the cluster's prompt + max_tokens limit."""
+    rng = maker.rng
+    out = []
+    for _ in range(n):
+        mt = rng.randint(4, 16)
+        length = rng.randint(12, 96)
+        client = scenario.client
+        if client == "normal" and scenario.driver == "kill_decode":
+            out.append(maker.job(scenario.name, length, 48))
+        elif client == "normal":
+            out.append(maker.job(scenario.name, length, mt, stream=rng.random() < 0.5))
+        elif client == "disconnect":
+            out.append(maker.job(scenario.name, length, mt, disconnect_s=rng.uniform(0.05, 0.6)))
+        elif client == "storm":
+            stream = rng.random() < 0.7
+            out.append(maker.job(scenario.name, length, 24, stream=stream,     # some stay to the end
+                                 disconnect_after=rng.randint(0, 12) if stream and rng.random() < 0.5 else None,
+                                 disconnect_s=rng.uniform(0.0, 0.8) if rng.random() < 0.7 else None))
+        elif client == "over_by_one":
+            out.append(maker.job(scenario.name, limit - mt + 1, mt, expect_reject=True))
+        elif client == "far_over":
+            out.append(maker.job(scenario.name, limit * rng.randint(2, 8), mt, expect_reject=True))
+        elif client == "at_limit":
+            out.append(maker.job(scenario.name, limit - mt, mt, stream=rng.random() < 0.5))
+        else:
+            raise ValueError(f"scenario {scenario.name}: unknown client behaviour {client!r}")
+    return out

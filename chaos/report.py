@@ -1,0 +1,110 @@
+"""A chaos run's results: one row per scenario, the totals, the table and the JSON."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ScenarioResult:
+    name: str
+    group: str
+    about: str
+    requests: int = 0
+    completed: int = 0
+    failed_explicitly: int = 0
+    aborted: int = 0
+    silent: int = 0                  # ended with neither a completion nor an explicit error
+    faults_injected: int = 0
+    faults_detected: int = 0
+    tolerated: bool = False          # faults a healthy cluster absorbs (stalls, hang-ups): not refused
+    leaks: int = 0                   # responses carrying another request's canary
+    corrupted: int = 0               # responses whose tokens differ from the reference run
+    pages_leaked: int = 0
+    seconds: float = 0.0
+    violations: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    outcomes: list = field(default_factory=list, repr=False)
+
+    def tally(self, outs) -> None:
+        self.requests = len(outs)
+        codes = Counter(o.error.split(":")[0] for o in outs if o.outcome == "error")
+        if codes:
+            self.notes.append("explicit errors: " + ", ".join(f"{n} {c}" for c, n in codes.most_common()))
+        for o in outs:
+            if o.outcome == "ok":
+                self.completed += 1
+            elif o.outcome == "error":
+                self.failed_explicitly += 1
+            elif o.outcome == "aborted":
+                self.aborted += 1
+            else:
+                self.silent += 1
+                if len(self.violations) < 20:
+                    self.violations.append(f"request {o.job.index} ended without a completion or an "
+                                           f"explicit error (I8): {o.error or 'no end'}")
+            if o.job.expect_reject and o.outcome == "ok":
+                self.violations.append(f"request {o.job.index}: an oversized prompt of {len(o.job.ids)} "
+                                       f"tokens completed (I1)")
+
+    def check_pools(self, checks: dict[str, dict]) -> None:
+        for wid, c in checks.items():
+            self.pages_leaked += c["used"]
+            if c["used"]:
+                self.violations.append(f"{wid}: {c['used']} KV pages still in use at idle (I6)")
+            if c["integrity"]:
+                self.violations.append(f"{wid}: pool integrity: {c['integrity']}")
+
+    @property
+    def ok(self) -> bool:
+        return not (self.violations or self.leaks or self.corrupted or self.pages_leaked)
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "outcomes"}
+        d["faults_detected"] = None if self.tolerated else self.faults_detected
+        d["ok"] = self.ok
+        return d
+
+
+def totals(results: list[ScenarioResult], seed: int, seconds: float) -> dict:
+    transfer = [r for r in results if r.group == "transfer"]
+    return {
+        "requests": sum(r.requests for r in results),
+        "completed": sum(r.completed for r in results),
+        "failed_explicitly": sum(r.failed_explicitly for r in results),
+        "aborted": sum(r.aborted for r in results),
+        "silent": sum(r.silent for r in results),
+        "faults_injected": sum(r.faults_injected for r in results),
+        "faults_detected": sum(r.faults_detected for r in results if not r.tolerated),
+        "faults_tolerated": sum(r.faults_injected for r in results if r.tolerated),
+        "transfer_faults_injected": sum(r.faults_injected for r in transfer),
+        "transfer_faults_detected": sum(r.faults_detected for r in transfer),
+        "leaks": sum(r.leaks for r in results),
+        "corrupted_completions": sum(r.corrupted for r in results),
+        "pages_leaked": sum(r.pages_leaked for r in results),
+        "violations": sum(len(r.violations) for r in results),
+        "ok": all(r.ok for r in results),
+        "seed": seed,
+        "seconds": round(seconds, 1),
+        "scenarios": [r.as_dict() for r in results],
+    }
+
+
+COLUMNS = [("scenario", 16), ("injected", 8), ("detected", 8), ("completed", 9), ("failed", 6),
+           ("aborted", 7), ("leaks", 5), ("corrupt", 7), ("pages", 5), ("ok", 3)]
+
+
+def table(results: list[ScenarioResult]) -> str:
+    head = "  ".join(f"{n:>{w}}" if i else f"{n:<{w}}" for i, (n, w) in enumerate(COLUMNS))
+    lines = [head, "-" * len(head)]
+    for r in results:
+        cells = [r.name, r.faults_injected, "tol." if r.tolerated else r.faults_detected, r.completed,
+                 r.failed_explicitly, r.aborted, r.leaks, r.corrupted, r.pages_leaked, "yes" if r.ok else "NO"]
+        lines.append("  ".join(f"{c:>{w}}" if i else f"{c:<{w}}" for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS))))
+    for r in results:
+        for v in r.violations[:10]:
+            lines.append(f"VIOLATION {r.name}: {v}")
+        for note in r.notes:
+            lines.append(f"note {r.name}: {note}")
+    return "\n".join(lines)

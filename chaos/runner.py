@@ -1,0 +1,150 @@
+"""Running one scenario against the live cluster: arm its faults, drive its requests, let the
+cluster go idle, and account for every injected fault from the workers' ledgers."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections import defaultdict
+
+from chaos.client import Outcome, send
+from chaos.cluster import ChaosCluster
+from chaos.drivers import DRIVERS
+from chaos.prompts import PromptMaker, jobs_for
+from chaos.report import ScenarioResult
+from chaos.scenarios import Scenario
+
+REQUEST_TIMEOUT_S = 180.0
+PROCESS_DETECT = ("STREAM_CLOSED", "TRANSPORT", "CANCELLED", "EXPIRED")
+
+
+class ScenarioRunner:
+    def __init__(self, cluster: ChaosCluster, maker: PromptMaker, keys: dict[str, str], model: str,
+                 concurrency: int, seed: int):
+        self.cluster, self.maker, self.model = cluster, maker, model
+        self.key_of = {tenant: key for key, tenant in keys.items()}
+        self.concurrency = concurrency
+        self.rng = random.Random(seed)
+        self.limit = cluster.limit()
+
+    def run(self, sc: Scenario, n: int) -> ScenarioResult:
+        t0 = time.monotonic()
+        res = ScenarioResult(sc.name, sc.group, sc.about)
+        before = self.cluster.ledgers()
+        outs = [Outcome(j) for j in jobs_for(self.maker, sc, n, self.limit)]
+        if sc.point is not None:
+            self.cluster.arm(sc.role, sc.point, times=max(1, math.ceil(n * sc.share)),
+                             probability=sc.per_frame, seconds=sc.seconds,
+                             **({"after": 2} if sc.driver == "kill_prefill" else {}))
+        records = asyncio.run(self._drive(sc, outs))
+        self.cluster.disarm()
+        checks = self.cluster.wait_idle()
+        after = self.cluster.ledgers()
+        res.outcomes = outs
+        res.tally(outs)
+        res.check_pools(checks)
+        self._account(sc, res, new_entries(before, after), records)
+        res.seconds = time.monotonic() - t0
+        return res
+
+    async def _drive(self, sc: Scenario, outs: list[Outcome]) -> list[dict]:
+        sem = asyncio.Semaphore(self.concurrency)
+        done = asyncio.Event()
+
+        async def one(o: Outcome) -> None:
+            async with sem:
+                await send(self.cluster.url, self.key_of[o.job.tenant], self.model, o, REQUEST_TIMEOUT_S)
+        driver = None
+        if sc.driver is not None:
+            driver = asyncio.create_task(DRIVERS[sc.driver](self.cluster, outs, done, self.rng))
+        await asyncio.gather(*(one(o) for o in outs))
+        done.set()
+        return await driver if driver is not None else []
+
+    # ---- accounting ---------------------------------------------------------------------
+    def _account(self, sc: Scenario, res: ScenarioResult, new: dict, records: list[dict]) -> None:
+        if sc.refused:
+            injected = [tid for point, tid in new["injected"] if point == sc.point]
+            _match(res, sc.point, injected, new["refusals"], sc.expect)
+        elif sc.driver == "kill_prefill":
+            _match(res, "kill_prefill", [r["victim"] for r in records], new["failures"], PROCESS_DETECT)
+        elif sc.driver == "kill_decode":
+            self._killed_streams(res, records)
+        elif sc.driver == "corrupt_expert":
+            res.faults_injected = len(records)
+            res.faults_detected = new["corrupt_slots"]
+            if res.faults_detected != res.faults_injected:
+                res.violations.append(f"{res.faults_injected} expert slots corrupted, "
+                                      f"{res.faults_detected} found by the slot checks")
+        elif sc.client in ("over_by_one", "far_over"):
+            self._admission(res, new)
+        elif sc.point == "stall":
+            res.faults_injected = sum(point == "stall" for point, _ in new["injected"])
+            res.tolerated = True
+        elif sc.client == "storm":
+            res.faults_injected = res.aborted
+            res.tolerated = True
+        if sc.client == "at_limit" and res.completed != res.requests:
+            res.violations.append(f"{res.requests - res.completed} prompts exactly at the limit "
+                                  f"({self.limit} tokens with max_tokens) did not complete")
+
+    def _killed_streams(self, res: ScenarioResult, records: list[dict]) -> None:
+        res.faults_injected = len(records)
+        by_index = {o.job.index: o for o in res.outcomes}
+        for r in records:
+            victims = [by_index[i] for i in r["victim"]]
+            ended = {o.outcome for o in victims}
+            res.notes.append(f"killed {r['worker']} with {len(victims)} streams mid-way: "
+                             + ", ".join(f"{sum(o.outcome == k for o in victims)} {k}" for k in sorted(ended)))
+            res.faults_detected += any(o.outcome == "error" for o in victims) and "silent" not in ended
+
+    def _admission(self, res: ScenarioResult, new: dict) -> None:
+        res.faults_injected = res.requests
+        res.faults_detected = sum(o.outcome == "error" and o.status == 400 and str(self.limit) in o.error
+                                  for o in res.outcomes)
+        if res.faults_detected != res.requests:
+            res.violations.append(f"{res.requests - res.faults_detected} oversized prompts were not "
+                                  f"refused with HTTP 400 naming the limit {self.limit}")
+        leaked = {k: v for k, v in (("reservations", new["reserved"]), ("prefill submissions", new["submitted"]),
+                                    ("KV bytes accepted", new["accepted_bytes"])) if v}
+        if leaked:
+            res.violations.append(f"oversized prompts reached workers (I1): {leaked}")
+        res.notes.append(f"reservations {new['reserved']}, prefill submissions {new['submitted']}, "
+                         f"KV bytes accepted {new['accepted_bytes']} while they ran")
+
+
+def _match(res: ScenarioResult, point: str, victims: list[str], seen: list[tuple[str, str]],
+           expect: tuple[str, ...]) -> None:
+    """Each injection is detected by one refusal (or failure) of its transfer with an expected
+    code; each refusal answers for one injection only."""
+    pool: dict[str, list[str]] = defaultdict(list)
+    for tid, reason in seen:
+        pool[tid].append(reason)
+    res.faults_injected = len(victims)
+    for tid in victims:
+        hit = next((r for r in pool[tid] if r in expect), None)
+        if hit is None:
+            res.violations.append(f"{point} on transfer {tid[:16]} was not detected "
+                                  f"(its refusals: {pool[tid] or 'none'}; expected one of {list(expect)})")
+            continue
+        pool[tid].remove(hit)
+        res.faults_detected += 1
+
+
+def new_entries(before: dict, after: dict) -> dict:
+    """What the workers logged between two ledgers (a restarted worker counts from zero)."""
+    out = {"injected": [], "refusals": [], "failures": [], "corrupt_slots": 0, "reserved": 0,
+           "submitted": 0, "accepted_bytes": 0}
+    for wid, a in after.items():
+        b = before.get(wid, {})
+        if b.get("pid") != a["pid"]:
+            b = {}
+        for key in ("injected", "refusals", "failures"):
+            out[key] += a.get(key, [])[len(b.get(key, [])):]
+        out["corrupt_slots"] += a["corrupt_slots"] - b.get("corrupt_slots", 0)
+        out["accepted_bytes"] += a.get("accepted_bytes", 0) - b.get("accepted_bytes", 0)
+        for key in ("reserved", "submitted"):
+            out[key] += a["counts"].get(key, 0) - b.get("counts", {}).get(key, 0)
+    return out

@@ -1,0 +1,98 @@
+"""The chaos scenarios: each one name, one kind of fault, one way of checking it was caught.
+
+`point` is armed on every worker of `role` for the scenario's requests; `expect` lists the
+refusal codes that count as detecting one injection (matched by transfer id against the
+decode workers' refusal logs).  Scenarios without `expect` hold faults that are not refused
+frames: they are checked by their own rule (see `detects`) and by the oracles every
+scenario shares (reference equality, canaries, pool accounting).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LATE = ("EXPIRED", "AFTER_FAILURE", "UNKNOWN_TRANSFER")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    group: str                       # transfer | pool | process | admission
+    about: str
+    point: str | None = None         # injector point armed for the scenario
+    role: str | None = None          # prefill (sender faults) or decode (receiver / pool faults)
+    expect: tuple[str, ...] = ()     # refusal codes that detect one injection
+    share: float = 0.4               # about this share of the scenario's requests is faulted
+    per_frame: float = 0.3           # chance per frame once a request is to be faulted
+    seconds: float = 0.0
+    client: str = "normal"           # normal | disconnect | storm | over_by_one | far_over | at_limit
+    driver: str | None = None        # kill_prefill | kill_decode | corrupt_expert
+    weight: float = 1.0              # share of --requests, relative to the other scenarios
+
+    @property
+    def refused(self) -> bool:
+        """Detection is a refusal on the injected transfer."""
+        return bool(self.expect)
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("flipped_bit", "transfer", "one payload bit flipped after the checksum",
+             "corrupt_payload", "prefill", ("BAD_CHECKSUM",)),
+    Scenario("altered_header", "transfer", "a header field changed after the checksum",
+             "alter_header", "prefill", ("BAD_CHECKSUM",)),
+    Scenario("swapped_pages", "transfer", "payloads exchanged between two concurrent transfers",
+             "swap_pages", "prefill", ("BAD_CHECKSUM", "BAD_GEOMETRY"), share=0.5),
+    Scenario("foreign_replay", "transfer", "a frame re-aimed at another request's reservation",
+             "replay_foreign", "prefill", ("BAD_TAG",)),
+    Scenario("stale_replay", "transfer", "a frame of a finished transfer replayed",
+             "replay_stale", "prefill", ("EXPIRED", "AFTER_COMMIT", "UNKNOWN_TRANSFER", "AFTER_FAILURE")),
+    Scenario("duplicate_frame", "transfer", "a frame sent twice", "duplicate", "prefill", ("DUPLICATE",)),
+    Scenario("dropped_frame", "transfer", "a frame never sent, then the commit",
+             "drop", "prefill", ("INCOMPLETE",)),
+    Scenario("placeholder", "transfer", "only the first frames, then commit (the incident chain)",
+             "commit_early", "prefill", ("INCOMPLETE",)),
+    Scenario("late_write", "transfer", "a frame written after the client left, the decode side "
+             "aborted and its pages went to new requests", "late_write", "prefill", LATE,
+             seconds=1.5, client="disconnect", share=0.5),
+    Scenario("unwritten_page", "pool", "a verified frame marked written without its bytes",
+             "unwritten_page", "decode", ("RECHECK_FAILED",)),
+    Scenario("corrupt_expert", "pool", "a bit of a resident expert slot flipped after start-up",
+             driver="corrupt_expert"),
+    Scenario("kill_prefill", "process", "the prefill worker killed mid-push (SIGKILL, Ray restarts it)",
+             "delay", "prefill", seconds=30.0, share=0.0, per_frame=1.0, driver="kill_prefill", weight=0.6),
+    Scenario("kill_decode", "process", "a decode worker killed mid-stream (Ray restarts it)",
+             driver="kill_decode", weight=0.6),
+    Scenario("stalled_peer", "process", "a receiver that reads nothing for 2 s, then continues",
+             "stall", "decode", seconds=2.0, share=0.15, per_frame=0.2),
+    Scenario("abort_storm", "process", "clients that disconnect at random points", client="storm"),
+    Scenario("over_by_one", "admission", "prompt_tokens + max_tokens one over the limit",
+             client="over_by_one", weight=0.4),
+    Scenario("far_over", "admission", "a prompt far over the limit", client="far_over", weight=0.4),
+    Scenario("at_limit", "admission", "prompt_tokens + max_tokens exactly at the limit",
+             client="at_limit", weight=0.6),
+)
+
+BY_NAME = {s.name: s for s in SCENARIOS}
+
+
+def select(names: str) -> list[Scenario]:
+    """`all` or a comma-separated list of names; raises ValueError naming an unknown one."""
+    if names.strip() == "all":
+        return list(SCENARIOS)
+    chosen = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in chosen if n not in BY_NAME]
+    if unknown or not chosen:
+        raise ValueError(f"unknown scenario(s) {', '.join(unknown) or '(none given)'}; "
+                         f"known: {', '.join(BY_NAME)}")
+    return [BY_NAME[n] for n in chosen]
+
+
+def split(requests: int, scenarios: list[Scenario]) -> list[int]:
+    """Requests per scenario in proportion to the weights (largest remainders), at least 2
+    each: the sum is `requests` unless that is below 2 per scenario."""
+    total = sum(s.weight for s in scenarios)
+    exact = [requests * s.weight / total for s in scenarios]
+    counts = [int(x) for x in exact]
+    for i in sorted(range(len(exact)), key=lambda i: counts[i] - exact[i])[:requests - sum(counts)]:
+        counts[i] += 1
+    return [max(2, c) for c in counts]

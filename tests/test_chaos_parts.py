@@ -1,0 +1,133 @@
+"""The chaos suite's parts on their own: the receiver-side injectors against a real receiver,
+the expert guard, the sender's one-fault-per-transfer log, and the accounting that matches
+injections with refusals."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from chaos.injectors import ReceiverFaults, corrupt_expert
+from chaos.runner import _match, new_entries
+from chaos.report import ScenarioResult
+from chaos.scenarios import SCENARIOS, select, split
+from kv_transfer.errors import Refusal, TransferRefused
+from kv_transfer.faults import FaultInjector
+from kv_transfer.receiver import TransferReceiver
+from kv_transfer.reservation import State
+from kv_transfer.sender import TransferSender, TransferTicket
+from kv_transfer.transport import connect
+from kv_transfer.transport.local import LocalServer
+from tests.kv_helpers import LAYERS, SECRET, make_pool, pages_equal
+from tests.test_paged_experts import small_layer
+
+PROMPT = 10     # 3 pages of 4
+
+
+def transfer(src, dst, recv, server, rid, faults=None):
+    src.allocate(rid, src.pages_for(PROMPT))
+    dst.allocate(rid, dst.pages_for(PROMPT))
+    res = recv.reserve(rid, "acme", PROMPT)
+    sender = TransferSender(connect(server.endpoint, res.transfer_id), TransferTicket(res.transfer_id, rid, "acme"),
+                            SECRET, src, src.page_table(rid), PROMPT, faults=faults)
+    try:
+        sender.send_layers(0, LAYERS)
+        sender.commit(1, -0.5)
+        err = None
+    except TransferRefused as e:
+        err = e
+    return res, err
+
+
+@pytest.fixture
+def pools():
+    src, dst = make_pool(32, seed=1), make_pool(32, seed=2)
+    faults = ReceiverFaults(seed=3)
+    recv = TransferReceiver(dst, SECRET, faults=faults)
+    server = LocalServer(recv, f"chaos-{id(recv)}")
+    yield src, dst, recv, server, faults
+    server.stop()
+
+
+def test_a_page_marked_written_without_its_bytes_fails_the_recheck(pools):
+    src, dst, recv, server, faults = pools
+    faults.arm("unwritten_page", times=1)
+    res, err = transfer(src, dst, recv, server, "victim")
+    assert err is not None and err.reason == Refusal.RECHECK_FAILED
+    assert res.state == State.FAILED and faults.fired["unwritten_page"] == 1
+    assert list(recv.refusal_log) == [(res.transfer_id.hex(), "RECHECK_FAILED")]
+    assert list(faults.log) == [("unwritten_page", res.transfer_id.hex())]
+    res2, err2 = transfer(src, dst, recv, server, "next")     # fired once: the next one is clean
+    assert err2 is None and pages_equal(src, dst, "next", PROMPT)
+
+
+def test_a_stalled_receiver_still_commits(pools):
+    src, dst, recv, server, faults = pools
+    faults.arm("stall", times=1, seconds=0.05)
+    res, err = transfer(src, dst, recv, server, "slow")
+    assert err is None and res.state == State.COMMITTED and faults.fired["stall"] == 1
+    assert pages_equal(src, dst, "slow", PROMPT)
+
+
+def test_receiver_faults_refuse_bad_arguments():
+    with pytest.raises(ValueError, match="unknown receiver fault 'drop'"):
+        ReceiverFaults().arm("drop")
+    with pytest.raises(ValueError, match="probability=0"):
+        ReceiverFaults().arm("stall", probability=0)
+
+
+def test_the_sender_faults_a_transfer_once_and_logs_its_victim(pools):
+    src, dst, recv, server, _ = pools
+    faults = FaultInjector(seed=1)
+    faults.arm("corrupt_payload", times=5)
+    res, err = transfer(src, dst, recv, server, "once", faults)
+    assert err.reason == Refusal.BAD_CHECKSUM
+    assert faults.fired["corrupt_payload"] == 1                # one per transfer, though 5 were armed
+    assert list(faults.log) == [("corrupt_payload", res.transfer_id.hex())]
+
+
+def test_expert_guard_repairs_a_corrupted_slot_before_use():
+    layer, _ = small_layer(k=3)
+    slots = layer.slots
+    slots.verify_on_use = True
+    ids = torch.tensor([[0], [1], [2]])
+    x = torch.randn(3, 4)
+    want = layer(x, ids)
+    where = corrupt_expert(type("L", (), {"paged_experts": lambda self: {0: layer}})(), random.Random(0))
+    assert where is not None and where[0] == 0
+    assert torch.equal(layer(x, ids), want)                    # repaired before the step read it
+    assert slots.counters.corrupt_slots == 1
+    slots.verify_on_use = False
+    corrupt_expert(type("L", (), {"paged_experts": lambda self: {0: layer}})(), random.Random(1))
+    assert not torch.equal(layer(x, ids), want)                 # without the guard it would leak out
+    assert slots.verify(range(3)) and slots.counters.corrupt_slots == 2
+
+
+def test_matching_counts_each_refusal_once_and_names_the_misses():
+    res = ScenarioResult("x", "transfer", "")
+    _match(res, "drop", ["aa", "aa", "bb"], [("aa", "INCOMPLETE"), ("aa", "AFTER_FAILURE"), ("cc", "INCOMPLETE")],
+           ("INCOMPLETE",))
+    assert (res.faults_injected, res.faults_detected) == (3, 1)
+    assert len(res.violations) == 2 and "bb" in res.violations[1] and "AFTER_FAILURE" in res.violations[0]
+
+
+def test_new_entries_start_from_zero_for_a_restarted_worker():
+    before = {"d": {"pid": 1, "injected": [("x", "a")], "refusals": [("a", "R")], "failures": [], "corrupt_slots": 2,
+                    "accepted_bytes": 10, "counts": {"reserved": 3}}}
+    same = {"d": {**before["d"], "injected": [("x", "a"), ("y", "b")], "accepted_bytes": 15, "corrupt_slots": 3}}
+    restarted = {"d": {**same["d"], "pid": 2}}
+    assert new_entries(before, same)["injected"] == [("y", "b")]
+    assert new_entries(before, same)["accepted_bytes"] == 5 and new_entries(before, same)["corrupt_slots"] == 1
+    assert new_entries(before, restarted)["injected"] == [("x", "a"), ("y", "b")]
+    assert new_entries(before, restarted)["reserved"] == 3
+
+
+def test_scenario_selection_and_split():
+    assert [s.name for s in select("all")] == [s.name for s in SCENARIOS]
+    with pytest.raises(ValueError, match="unknown scenario.*nope"):
+        select("flipped_bit,nope")
+    counts = split(2000, list(SCENARIOS))
+    assert min(counts) >= 2 and sum(counts) == 2000
+    assert len({s.name for s in SCENARIOS}) == len(SCENARIOS) == 18
