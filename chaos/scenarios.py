@@ -23,7 +23,7 @@ class Scenario:
     role: str | None = None          # prefill (sender faults) or decode (receiver / pool faults)
     expect: tuple[str, ...] = ()     # refusal codes that detect one injection
     share: float = 0.4               # about this share of the scenario's requests is faulted
-    per_frame: float = 0.3           # chance per frame once a request is to be faulted
+    per_frame: float = 0.5           # chance per frame while the armed count lasts
     seconds: float = 0.0
     client: str = "normal"           # normal | disconnect | storm | over_by_one | far_over | at_limit
     driver: str | None = None        # kill_prefill | kill_decode | corrupt_expert
@@ -50,7 +50,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("dropped_frame", "transfer", "a frame never sent, then the commit",
              "drop", "prefill", ("INCOMPLETE",)),
     Scenario("placeholder", "transfer", "only the first frames, then commit (the incident chain)",
-             "commit_early", "prefill", ("INCOMPLETE",)),
+             "commit_early", "prefill", ("INCOMPLETE",), per_frame=1.0),   # only first frames qualify
     Scenario("late_write", "transfer", "a frame written after the client left, the decode side "
              "aborted and its pages went to new requests", "late_write", "prefill", LATE,
              seconds=1.5, client="disconnect", share=0.5),
@@ -63,7 +63,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("kill_decode", "process", "a decode worker killed mid-stream (Ray restarts it)",
              driver="kill_decode", weight=0.6),
     Scenario("stalled_peer", "process", "a receiver that reads nothing for 2 s, then continues",
-             "stall", "decode", seconds=2.0, share=0.15, per_frame=0.2),
+             "stall", "decode", seconds=2.0, share=0.15),
     Scenario("abort_storm", "process", "clients that disconnect at random points", client="storm"),
     Scenario("over_by_one", "admission", "prompt_tokens + max_tokens one over the limit",
              client="over_by_one", weight=0.4),

@@ -1,0 +1,34 @@
+"""The chaos smoke: every scenario, a few requests each, against a real Ray cluster (one
+prefill and two decode workers, the shipped model), as `python -m chaos run` runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from chaos.scenarios import SCENARIOS
+
+
+def test_every_scenario_injects_and_nothing_leaks():
+    proc = subprocess.run([sys.executable, "-m", "chaos", "run", "--requests", "90", "--concurrency", "8",
+                           "--seed", "7", "--json"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    rows = {s["name"]: s for s in report["scenarios"]}
+    assert list(rows) == [s.name for s in SCENARIOS]
+    assert report["ok"] and report["violations"] == 0
+    assert report["leaks"] == report["corrupted_completions"] == report["pages_leaked"] == report["silent"] == 0
+    assert report["requests"] == 90 and report["completed"] > 0
+    for s in SCENARIOS:
+        row = rows[s.name]
+        assert row["ok"] and row["requests"] >= 2, row
+        if s.name != "at_limit":
+            assert row["faults_injected"] >= 1, row            # the scenario really did something
+        if not row["tolerated"]:
+            assert row["faults_detected"] == row["faults_injected"], row
+    transfer = [rows[s.name] for s in SCENARIOS if s.group == "transfer"]
+    assert report["transfer_faults_injected"] == sum(r["faults_injected"] for r in transfer) >= len(transfer)
+    assert report["transfer_faults_detected"] == report["transfer_faults_injected"]
+    assert rows["over_by_one"]["failed_explicitly"] == rows["over_by_one"]["requests"]
+    assert rows["at_limit"]["completed"] == rows["at_limit"]["requests"]
