@@ -124,9 +124,10 @@ class LLM:
                 if isinstance(layer.experts, PagedExperts)}
 
     def verify_experts(self, on: bool = True) -> None:
-        """Guard mode: every step compares the slots it reads (and every slot it evicts) with the
-        host copy and re-pages a corrupted one before use; counted as `corrupt_slots`.  Costs a
-        read of those experts per step."""
+        """Guard mode: after each MoE compute the slots it read (and before eviction, every slot
+        it gives up) are compared with the host copy; a corrupted one is re-paged and the compute
+        run again, so no output comes from a corrupted slot; counted as `corrupt_slots`.  Costs
+        a read of those experts per step."""
         for e in self.paged_experts().values():
             e.slots.verify_on_use = on
 

@@ -131,3 +131,44 @@ def test_scenario_selection_and_split():
     counts = split(2000, list(SCENARIOS))
     assert min(counts) >= 2 and sum(counts) == 2000
     assert len({s.name for s in SCENARIOS}) == len(SCENARIOS) == 18
+
+
+def test_the_oracles_catch_wrong_tokens_and_foreign_canaries():
+    from chaos.client import Outcome
+    from chaos.oracle import judge
+    from chaos.prompts import Job
+
+    class Ref:
+        def tokens(self, ids, max_tokens):
+            return [7, 8, 9]
+    jobs = [Job(i, "x", "acme", f"canary {i:010x}", [1, 2], 3) for i in range(5)]
+    outs = [Outcome(jobs[0], "ok", token_ids=[7, 8, 9], text="fine canary 0000000000"),   # its own canary
+            Outcome(jobs[1], "ok", token_ids=[7, 8, 6]),                                  # wrong last token
+            Outcome(jobs[2], "aborted", token_ids=[7, 8]),                                # a correct prefix
+            Outcome(jobs[3], "error", token_ids=[9]),                                     # a wrong prefix
+            Outcome(jobs[4], "ok", token_ids=[7, 8, 9], text="x canary 0000000002 y")]    # request 2's canary
+    r = ScenarioResult("x", "transfer", "", outcomes=outs)
+    judge([r], Ref())
+    assert (r.corrupted, r.leaks) == (2, 1)
+    assert any("request 1 (ok)" in v for v in r.violations) and any("request 3 (error)" in v for v in r.violations)
+    assert any("carries the canary of request 2" in v for v in r.violations)
+
+
+def test_expert_guard_recomputes_when_a_slot_flips_during_the_compute(monkeypatch):
+    import engine.experts.paged as paged
+    layer, _ = small_layer(k=3)
+    layer.slots.verify_on_use = True
+    ids, x = torch.tensor([[0], [1], [2]]), torch.randn(3, 4)
+    want = layer(x, ids)
+    flips = []
+
+    def flipping(real):
+        def run(*args):
+            if not flips:                                      # the first compute reads a flipped slot
+                flips.append(corrupt_expert(type("L", (), {"paged_experts": lambda self: {0: layer}})(),
+                                            random.Random(2)))
+            return real(*args)
+        return run
+    monkeypatch.setattr(paged, "gathered_all", flipping(paged.gathered_all))
+    monkeypatch.setattr(paged, "expert_outputs", flipping(paged.expert_outputs))
+    assert torch.equal(layer(x, ids), want) and flips and layer.slots.counters.corrupt_slots == 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.experts.check import ExpertCheckError
 from engine.experts.slots import ExpertSlots
 from engine.kernels.fused_moe import gathered_all
 from engine.moe import StepPlan, expert_outputs
@@ -45,17 +46,29 @@ class PagedExperts:
         needed = sorted(set(ids.reshape(-1).tolist()))
         waves = self.plan_waves(needed)
         if len(waves) == 1 and plan.strategy == "gathered":  # the decode fast path
-            self._page_in(waves[0])
-            y = gathered_all(x, self.slots.w13, self.slots.w2, self.slots.slot_table[ids])
+            used = self._page_in(waves[0])
+            for _ in self._guarded(used):
+                y = gathered_all(x, self.slots.w13, self.slots.w2, self.slots.slot_table[ids])
             self.slots.mark_used()
             return y.view(t, k, -1)
         out = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
         for wave in waves:
-            self._page_in(wave)
+            used = self._page_in(wave)
             slot_ids = self.slots.slot_lookup(wave)[ids]  # [T, k], -1 outside the wave
-            expert_outputs(x, self.slots.w13, self.slots.w2, slot_ids, out, plan)
+            for _ in self._guarded(used):
+                expert_outputs(x, self.slots.w13, self.slots.w2, slot_ids, out, plan)
             self.slots.mark_used()  # the next wave's page-ins must not overtake this compute
         return out.view(t, k, -1)
+
+    def _guarded(self, used: list[int], tries: int = 3):
+        """Run the body once; in verify mode check the slots it read afterwards (a flip before
+        or during the compute) and run it again over repaired slots.  Raises ExpertCheckError
+        when the slots keep changing (failing memory)."""
+        for _ in range(tries):
+            yield
+            if not (self.slots.verify_on_use and self.slots.verify(used)):
+                return
+        raise ExpertCheckError(f"expert slots {used} changed under {tries} computes in a row")
 
     def plan_waves(self, needed: list[int]) -> list[list[int]]:
         """Split the step's experts into waves (see the module doc) and count hits/misses."""
@@ -80,7 +93,7 @@ class PagedExperts:
         c.waves += len(waves)
         return waves
 
-    def _page_in(self, wave: list[int]) -> None:
+    def _page_in(self, wave: list[int]) -> list[int]:
         slots = self.slots
         where = [slots.slot_of[e] for e in wave]
         missing = [e for e, s in zip(wave, where) if s < 0]
@@ -89,9 +102,8 @@ class PagedExperts:
             slots.load(list(zip(missing, slots.policy.victims(len(missing), protect))))
         wave_slots = [slots.slot_of[e] for e in wave] if missing else where
         slots.wait(wave_slots)
-        if slots.verify_on_use:
-            slots.verify(wave_slots)
         slots.touch(wave_slots)
+        return wave_slots
 
     def prefetch(self, experts: list[int]) -> None:
         """Start copying `experts` (a prediction for this layer's next step, most confident

@@ -100,7 +100,7 @@ class ExpertSlots:
         self._pending: dict[int, list[Copy]] = {}
         self._last_use = None  # CUDA: an event after the last compute that read the slots
         self.counters = ExpertCounters()
-        self.verify_on_use = False   # compare slots with the host store before each use and eviction
+        self.verify_on_use = False   # compare slots with the host store after each use and before eviction
         self.load([(s, s) for s in range(num_slots)])  # warm start: experts 0..K-1, not counted
         self.wait(range(num_slots))
         self.counters.bytes_paged = 0
