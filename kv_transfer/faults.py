@@ -60,7 +60,7 @@ class FaultInjector:
         self._rules: dict[str, Rule] = {}
         self._lock = threading.Lock()
         self._held: dict[bytes, list] = {}           # transfer id -> frames held back
-        self._swap: tuple | None = None               # (ticket, header, payload, stream)
+        self._swap: tuple | None = None               # (ticket, header, payload) waiting for a partner
         self._first: OrderedDict[bytes, tuple] = OrderedDict()   # live transfer -> its first frame
         self._earlier: deque = deque(maxlen=8)        # (transfer id, header, payload) of ended transfers
         self._faulted: OrderedDict[bytes, None] = OrderedDict()  # transfers already faulted once
@@ -121,7 +121,7 @@ class FaultInjector:
             h = _copy(h)
             h.seq += 1000
         out = [(h, payload)]
-        if actions.get("swap_pages") and not self._swap_with(ticket, h, payload, stream, out):
+        if actions.get("swap_pages") and not self._swap_with(ticket, h, payload, out):
             out = []
         if actions.get("reorder"):
             with self._lock:
@@ -158,7 +158,7 @@ class FaultInjector:
                 self._faulted.popitem(last=False)
         return fired
 
-    def _swap_with(self, ticket, h, payload, stream, out: list) -> bool:
+    def _swap_with(self, ticket, h, payload, out: list) -> bool:
         """Pair this frame with one held from another transfer and exchange their payloads.
         Returns False when the frame was held instead (waiting for a partner)."""
         with self._lock:
@@ -168,17 +168,16 @@ class FaultInjector:
                 self._rules["swap_pages"].times += 1
                 if partner is not None:
                     return True                          # same transfer: send unchanged
-                self._swap = (ticket, h, _keep(payload), stream)
+                self._swap = (ticket, h, _keep(payload))
                 return False
             self._swap = None
             self.fired["swap_pages"] += 1                # two frames corrupted, one per transfer
-            self.log.extend([("swap_pages", partner[0].transfer_id.hex()), ("swap_pages", ticket.transfer_id.hex())])
-            self._faulted[partner[0].transfer_id] = None
-        _, ph, pp, pstream = partner
-        try:
-            pstream.send(ph, _keep(payload))             # the partner's header with our bytes
-        except TransferRefused:
-            pass                                          # the partner's sender learns it itself
+            ptid, ph, pp = partner[0].transfer_id, partner[1], partner[2]
+            self.log.extend([("swap_pages", ptid.hex()), ("swap_pages", ticket.transfer_id.hex())])
+            self._faulted[ptid] = None
+            # the partner's header with our bytes, sent by the partner's own sender (a stream
+            # is used by one thread) with its next frame or before its commit
+            self._held.setdefault(ptid, []).append((ph, _keep(payload)))
         out[0] = (h, pp)
         return True
 
@@ -194,7 +193,7 @@ class FaultInjector:
         with self._lock:
             held = self._held.pop(ticket.transfer_id, [])
             if self._swap is not None and self._swap[0].transfer_id == ticket.transfer_id:
-                _, h, p, _ = self._swap
+                _, h, p = self._swap
                 held.append((h, p))
                 self._swap = None
         for h, p in held:

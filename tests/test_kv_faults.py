@@ -105,9 +105,12 @@ def test_swapped_pages_fail_both_transfers(cluster):
     b, sb = open_transfer(src, dst, recv, server, "b", faults)
     sa.send_page(0, 0, LAYERS)                            # held until a partner comes
     with pytest.raises(TransferRefused) as e:
-        sb.send_page(0, 0, LAYERS)                        # a gets b's bytes, b gets a's
+        sb.send_page(0, 0, LAYERS)                        # b gets a's bytes ...
     assert e.value.reason == Refusal.BAD_CHECKSUM
+    with pytest.raises(TransferRefused) as e:             # ... and a gets b's with its own next frame
+        sa.send_page(1, 0, LAYERS)                        # (its own sender: one thread per stream)
     assert a.reason == b.reason == Refusal.BAD_CHECKSUM and faults.fired["swap_pages"] == 2
+    assert [p for p, _ in faults.log] == ["swap_pages", "swap_pages"]
     end(src, dst, recv, a, "a")
     end(src, dst, recv, b, "b")
 
