@@ -23,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--decode-workers", type=int, default=2)
     run.add_argument("--prefill-workers", type=int, default=1)
     run.add_argument("--transfer", default="grpc", choices=["grpc", "shm"])
+    run.add_argument("--no-expert-guard", action="store_true",
+                     help="start the workers without --verify-experts (corrupt_expert should then fail)")
     run.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     sub.add_parser("list", help="the scenarios")
     return ap
@@ -48,11 +50,18 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args, scenarios, seed)
     print(json.dumps(report, indent=1) if args.json else report.pop("_table"))
     if not report["ok"]:
-        print(f"chaos: violations found; replay with: python -m chaos run --scenarios "
-              f"{','.join(s.name for s in scenarios)} --requests {args.requests} "
-              f"--concurrency {args.concurrency} --seed {seed}", file=sys.stderr)
+        print(f"chaos: violations found; replay with: {replay_command(args, scenarios, seed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def replay_command(args, scenarios, seed: int) -> str:
+    cmd = (f"python -m chaos run --scenarios {','.join(s.name for s in scenarios)} --requests {args.requests} "
+           f"--concurrency {args.concurrency} --seed {seed}")
+    if (args.prefill_workers, args.decode_workers, args.transfer) != (1, 2, "grpc"):
+        cmd += f" --prefill-workers {args.prefill_workers} --decode-workers {args.decode_workers} " \
+               f"--transfer {args.transfer}"
+    return cmd + (" --no-expert-guard" if args.no_expert_guard else "")
 
 
 def run(args, scenarios, seed: int) -> dict:
@@ -67,7 +76,7 @@ def run(args, scenarios, seed: int) -> dict:
     say = (lambda m: print(m, file=sys.stderr)) if args.json else print
     t0 = time.monotonic()
     shape = ClusterShape(prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
-                         transfer=args.transfer)
+                         transfer=args.transfer, verify_experts=not args.no_expert_guard)
     maker = PromptMaker(Tokenizer(SHIPPED_MODEL), seed)
     keys = maker.keys()
     cluster = ChaosCluster(shape, keys, seed)

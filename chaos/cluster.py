@@ -26,6 +26,7 @@ class ClusterShape:
     max_model_len: int = 512
     paged_experts_num_resident: int = 32
     transfer: str = "grpc"
+    verify_experts: bool = True       # the expert guard (off: see what corrupt_expert does without it)
 
 
 class ChaosCluster:
@@ -35,7 +36,7 @@ class ChaosCluster:
             prefill_workers=shape.prefill_workers, decode_workers=shape.decode_workers, port=0,
             api_keys=api_keys, kv_cache_tokens=shape.kv_cache_tokens, max_model_len=shape.max_model_len,
             paged_experts_num_resident=shape.paged_experts_num_resident, transfer=shape.transfer,
-            verify_experts=True, chaos_seed=seed, max_restarts=100, log_level="error", drain_timeout_s=5.0)
+            verify_experts=shape.verify_experts, chaos_seed=seed, max_restarts=100, log_level="error", drain_timeout_s=5.0)
         self.deployment = Deployment(self.settings, say=lambda m: None)
         self.api_key = next(iter(api_keys))
 
