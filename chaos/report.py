@@ -29,9 +29,11 @@ class ScenarioResult:
 
     def tally(self, outs) -> None:
         self.requests = len(outs)
-        codes = Counter(o.error.split(":")[0] for o in outs if o.outcome == "error")
+        errors = [o.error for o in outs if o.outcome == "error"]
+        codes = Counter(e.split(":")[0] for e in errors)
         if codes:
-            self.notes.append("explicit errors: " + ", ".join(f"{n} {c}" for c, n in codes.most_common()))
+            self.notes.append("explicit errors: " + ", ".join(f"{n} {c}" for c, n in codes.most_common())
+                              + f" (e.g. {errors[0][:160]!r})")
         for o in outs:
             if o.outcome == "ok":
                 self.completed += 1

@@ -26,6 +26,9 @@ STATUS = {"INVALID_REQUEST": 400, "PROMPT_TOO_LONG": 400, "KV_FULL": 503, "UNAVA
           "NO_WORKER": 503, "TIMEOUT": 408, "INTERNAL": 500}
 UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN}
 CAPACITY_POLL_S = 0.05
+# before the first token, these wait (up to the queue timeout) for a worker to have room or to
+# come back (Ray restarts a dead one at a new address) rather than fail the request
+WAIT_FOR = ("KV_FULL", "NO_WORKER", "PREFILL_UNAVAILABLE", "DECODE_UNAVAILABLE")
 
 
 class ForwardError(Exception):
@@ -64,7 +67,7 @@ async def forward(pool: WorkerPool, request_id: str, tenant: str, ids: list[int]
                     last = ForwardError("NO_WORKER", "no prefill worker is available" +
                                         (f" (before: {last.code}: {last.message})" if attempt else ""))
         if decode is None:
-            if last.code not in ("KV_FULL", "NO_WORKER") or time.monotonic() > deadline:
+            if last.code not in WAIT_FOR or time.monotonic() > deadline:
                 break
             tried -= full
             full.clear()
@@ -112,7 +115,8 @@ async def _attempt(decode: Worker, prefill: Worker | None, rid, tenant, ids, par
             if kind == "error":
                 err = prefill_failure[0] if prefill_failure else ForwardError(msg.error.code, msg.error.message)
                 if not streamed and msg.error.code == "TRANSFER_FAILED" and prefill is not None:
-                    broke.add(prefill.address)    # the push broke before any token: try again
+                    # the push broke before any token: try again, not on a prefill worker that died
+                    (tried if err.code == "PREFILL_UNAVAILABLE" else broke).add(prefill.address)
                     raise _Retry(err)
                 raise err
             streamed = streamed or kind == "tokens"
