@@ -63,7 +63,7 @@ async def _exchange(host, port, path, body, api_key, res: StreamResult) -> None:
             headers[k.strip().lower()] = v.strip()
         chunked = headers.get("transfer-encoding", "").lower() == "chunked"
         buf = b""
-        async for piece in (_chunks(reader) if chunked else _plain(reader)):
+        async for piece in (read_chunked(reader) if chunked else read_plain(reader)):
             buf += piece
             while b"\n\n" in buf:
                 event, buf = buf.split(b"\n\n", 1)
@@ -76,7 +76,8 @@ async def _exchange(host, port, path, body, api_key, res: StreamResult) -> None:
         writer.close()
 
 
-async def _chunks(reader: asyncio.StreamReader):
+async def read_chunked(reader: asyncio.StreamReader):
+    """The pieces of a chunked HTTP/1.1 body, as they arrive."""
     while True:
         size = int((await reader.readline()).strip().split(b";")[0], 16)
         if size == 0:
@@ -86,7 +87,8 @@ async def _chunks(reader: asyncio.StreamReader):
         yield data
 
 
-async def _plain(reader: asyncio.StreamReader):
+async def read_plain(reader: asyncio.StreamReader):
+    """A body without chunking, read to the end of the connection."""
     while data := await reader.read(65536):
         yield data
 

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
+from bench.http_stream import read_chunked, read_plain
 from chaos.prompts import Job
 
 
@@ -73,8 +74,8 @@ async def _exchange(url: str, api_key: str, body: dict, out: Outcome) -> None:
         while (line := await reader.readline()) not in (b"\r\n", b""):
             k, _, v = line.decode().partition(":")
             headers[k.strip().lower()] = v.strip()
-        chunks = _chunked(reader) if headers.get("transfer-encoding", "").lower() == "chunked" \
-            else _plain(reader)
+        chunks = read_chunked(reader) if headers.get("transfer-encoding", "").lower() == "chunked" \
+            else read_plain(reader)
         if out.status == 200 and body["stream"]:
             await _read_events(chunks, out, writer)
         else:
@@ -126,18 +127,3 @@ def _whole(raw: bytes, out: Outcome) -> None:
     out.token_ids, out.text, out.finish = choice.get("token_ids") or [], choice.get("text") or "", \
         choice.get("finish_reason")
     out.outcome = "ok" if out.finish else "silent"
-
-
-async def _chunked(reader: asyncio.StreamReader):
-    while True:
-        size = int((await reader.readline()).strip().split(b";")[0], 16)
-        if size == 0:
-            return
-        data = await reader.readexactly(size)
-        await reader.readline()
-        yield data
-
-
-async def _plain(reader: asyncio.StreamReader):
-    while data := await reader.read(65536):
-        yield data
