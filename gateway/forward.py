@@ -97,6 +97,7 @@ async def _attempt(decode: Worker, prefill: Worker | None, rid, tenant, ids, par
     prefill_failure: list[ForwardError] = []
     task = None
     streamed = False
+    started: list[bool] = [False]     # tokens arrived: the transfer committed, prefill is done
     try:
         first = await _read(call, decode, streamed, tried, prefill_failure)
         if first.WhichOneof("kind") == "error":
@@ -108,7 +109,7 @@ async def _attempt(decode: Worker, prefill: Worker | None, rid, tenant, ids, par
         decode.succeeded()
         if prefill is not None:
             task = asyncio.create_task(_prefill(prefill, call, rid, tenant, ids, params, first.reservation,
-                                                timeout_s, prefill_failure, tried))
+                                                timeout_s, prefill_failure, tried, started))
         while True:
             msg = await _read(call, decode, streamed, tried, prefill_failure)
             kind = msg.WhichOneof("kind")
@@ -119,7 +120,7 @@ async def _attempt(decode: Worker, prefill: Worker | None, rid, tenant, ids, par
                     (tried if err.code == "PREFILL_UNAVAILABLE" else broke).add(prefill.address)
                     raise _Retry(err)
                 raise err
-            streamed = streamed or kind == "tokens"
+            streamed = started[0] = streamed or kind == "tokens"
             yield msg
             if kind == "finish":
                 return
@@ -166,7 +167,7 @@ async def _read(call, decode: Worker, streamed: bool, tried: set[str], prefill_f
 
 
 async def _prefill(prefill: Worker, call, rid, tenant, ids, params, res: wpb.Reservation, timeout_s,
-                   failure: list, tried: set[str]) -> None:
+                   failure: list, tried: set[str], started: list[bool]) -> None:
     p = params_to_proto(params)
     p.has_seed, p.seed = True, res.seed
     prefill.outstanding += 1
@@ -182,6 +183,7 @@ async def _prefill(prefill: Worker, call, rid, tenant, ids, params, res: wpb.Res
     except asyncio.CancelledError:
         if asyncio.current_task().cancelling():
             raise                     # the request ended: nothing to report
+        tried.add(prefill.address)    # its channel was closed: the worker left the registry
         failure.append(ForwardError("PREFILL_UNAVAILABLE", f"{prefill.address}: the call was cut"))
     except grpc.aio.AioRpcError as e:
         prefill.failed()
@@ -190,4 +192,5 @@ async def _prefill(prefill: Worker, call, rid, tenant, ids, params, res: wpb.Res
     finally:
         prefill.outstanding -= 1
         prefill.queued_tokens -= len(ids)
-    call.cancel()                 # the decode worker frees the reservation at once
+    if not started[0]:            # a committed transfer decodes on without its prefill worker
+        call.cancel()             # otherwise the decode worker frees the reservation at once
