@@ -9,6 +9,7 @@ import logging
 import sys
 import time
 
+from chaos.report import table
 from chaos.scenarios import select, split
 
 
@@ -47,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chaos: error: {e}", file=sys.stderr)
         return 2
     seed = args.seed if args.seed is not None else int(time.time()) % 100000
-    report = run(args, scenarios, seed)
-    print(json.dumps(report, indent=1) if args.json else report.pop("_table"))
+    report, results = run(args, scenarios, seed)
+    print(json.dumps(report, indent=1) if args.json else table(results) + "\n" + _summary(report))
     if not report["ok"]:
         print(f"chaos: violations found; replay with: {replay_command(args, scenarios, seed)}", file=sys.stderr)
         return 1
@@ -64,11 +65,12 @@ def replay_command(args, scenarios, seed: int) -> str:
     return cmd + (" --no-expert-guard" if args.no_expert_guard else "")
 
 
-def run(args, scenarios, seed: int) -> dict:
+def run(args, scenarios, seed: int) -> tuple[dict, list]:
+    """The run's totals (the JSON report) and its per-scenario results."""
     from chaos.cluster import ChaosCluster, ClusterShape
     from chaos.oracle import Reference, judge
     from chaos.prompts import PromptMaker
-    from chaos.report import table, totals
+    from chaos.report import totals
     from chaos.runner import ScenarioRunner
     from engine.config import SHIPPED_MODEL
     from engine.tokenizer import Tokenizer
@@ -94,12 +96,8 @@ def run(args, scenarios, seed: int) -> dict:
     finally:
         cluster.stop()
     say("chaos: checking every response against the single-process reference")
-    judge(results, Reference(cluster.settings.model, shape.max_model_len, None))
-    report = totals(results, seed, time.monotonic() - t0)
-    report["_table"] = table(results) + "\n" + _summary(report)
-    if args.json:
-        report.pop("_table")
-    return report
+    judge(results, Reference(cluster.settings.model, shape.max_model_len))
+    return totals(results, seed, time.monotonic() - t0), results
 
 
 def _summary(t: dict) -> str:

@@ -116,7 +116,7 @@ class ChaosCluster:
 
     def wait_idle(self, timeout_s: float = 90.0) -> dict[str, dict]:
         """Poll every worker's pool until no page is in use (or the time is up); returns the
-        last idle checks (integrity, pages used, experts repaired by the final scan)."""
+        last idle checks (integrity, pages used); each check also scans every expert slot."""
         end = time.monotonic() + timeout_s
         while True:
             checks = {wid: self.call(wid, "idle_check") for wid in self.workers()}

@@ -1,8 +1,8 @@
 """The chaos run's hand inside one worker process: arms that worker's injectors, reports what
 they injected and what its receiver refused, and checks its pool at idle.
 
-A worker actor holds one `ChaosControl` only when the deployment was started with
-`chaos=True`; otherwise no injector exists in the process at all.
+A worker actor holds one `ChaosControl` only when the deployment was started with a
+`chaos_seed`; otherwise no injector exists in the process at all.
 """
 
 from __future__ import annotations
@@ -54,6 +54,10 @@ class ChaosControl:
             done += 1
         return done
 
+    def injected(self, point: str) -> list[str]:
+        """Victim transfer ids of this worker's `point` injections so far (a cheap poll)."""
+        return [tid for p, tid in self.faults.log if p == point] if self.faults else []
+
     def disarm(self) -> None:
         for injector in (self.sender, self.receiver):
             if injector is not None:
@@ -69,8 +73,7 @@ class ChaosControl:
         receiver = getattr(engine, "receiver", None)
         if receiver is not None:
             out.update(refusals=list(receiver.refusal_log), failures=list(receiver.failure_log),
-                       refused=dict(receiver.refused),
-                       accepted_bytes=receiver.accepted_bytes, accepted_frames=receiver.accepted_frames)
+                       accepted_bytes=receiver.accepted_bytes)
         return out
 
     def idle_check(self) -> dict:
@@ -83,6 +86,6 @@ class ChaosControl:
                 problem = ""
             except AssertionError as e:
                 problem = str(e) or "check_integrity failed"
-            experts = [layer for layer, e in h.llm.paged_experts().items() if e.slots.verify(range(e.slots.num_slots))]
-            return {"role": self.role, "pid": os.getpid(), "used": pool.num_used, "free": pool.num_free,
-                    "capacity": pool.num_pages, "integrity": problem, "corrupt_expert_layers": experts}
+            for e in h.llm.paged_experts().values():      # a flip no step read yet is counted here
+                e.slots.verify(range(e.slots.num_slots))
+            return {"used": pool.num_used, "integrity": problem}

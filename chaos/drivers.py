@@ -23,8 +23,7 @@ async def kill_prefill(cluster: ChaosCluster, live: list[Outcome], done: asyncio
     end = loop.time() + wait_s
     while loop.time() < end and not done.is_set():
         for wid in cluster.workers("prefill"):
-            ledger = await _call(cluster.call, wid, "ledger")
-            held = [tid for point, tid in ledger["injected"] if point == "delay"]
+            held = await _call(cluster.call, wid, "injected", point="delay")
             if held:
                 await _call(cluster.kill, wid)
                 await _call(cluster.wait_recovered)

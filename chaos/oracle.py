@@ -18,8 +18,8 @@ from chaos.report import ScenarioResult
 class Reference:
     """Greedy outputs of the single-process engine, one request at a time."""
 
-    def __init__(self, model: str, max_model_len: int, resident: int | None):
-        self.llm = LLM(model, max_model_len=max_model_len, paged_experts_num_resident=resident)
+    def __init__(self, model: str, max_model_len: int):
+        self.llm = LLM(model, max_model_len=max_model_len)
 
     def tokens(self, ids: list[int], max_tokens: int) -> list[int]:
         out = self.llm.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0))[0]

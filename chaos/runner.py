@@ -36,8 +36,7 @@ class ScenarioRunner:
         outs = [Outcome(j) for j in jobs_for(self.maker, sc, n, self.limit)]
         if sc.point is not None:
             self.cluster.arm(sc.role, sc.point, times=max(1, math.ceil(n * sc.share)),
-                             probability=sc.per_frame, seconds=sc.seconds,
-                             **({"after": 2} if sc.driver == "kill_prefill" else {}))
+                             probability=sc.per_frame, seconds=sc.seconds, after=sc.after)
         records = asyncio.run(self._drive(sc, outs))
         self.cluster.disarm()
         checks = self.cluster.wait_idle()

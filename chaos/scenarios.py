@@ -25,6 +25,7 @@ class Scenario:
     share: float = 0.4               # about this share of the scenario's requests is faulted
     per_frame: float = 0.5           # chance per frame while the armed count lasts
     seconds: float = 0.0
+    after: int = 0                   # frames each injector lets pass before it may fire
     client: str = "normal"           # normal | disconnect | storm | over_by_one | far_over | at_limit
     driver: str | None = None        # kill_prefill | kill_decode | corrupt_expert
     weight: float = 1.0              # share of --requests, relative to the other scenarios
@@ -59,7 +60,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("corrupt_expert", "pool", "a bit of a resident expert slot flipped after start-up",
              driver="corrupt_expert"),
     Scenario("kill_prefill", "process", "the prefill worker killed mid-push (SIGKILL, Ray restarts it)",
-             "delay", "prefill", seconds=30.0, share=0.0, per_frame=1.0, driver="kill_prefill", weight=0.6),
+             "delay", "prefill", seconds=30.0, share=0.0, per_frame=1.0, after=2, driver="kill_prefill",
+             weight=0.6),
     Scenario("kill_decode", "process", "a decode worker killed mid-stream (Ray restarts it)",
              driver="kill_decode", weight=0.6),
     Scenario("stalled_peer", "process", "a receiver that reads nothing for 2 s, then continues",
