@@ -26,8 +26,10 @@ class StopChecker:
         self.params, self.tokenizer = params, tokenizer
         self.eos_ids, self.max_model_len = eos_ids, max_model_len
         self._regexes = [regex.compile(p) for p in params.stop_regex]
+        self._watch = bool(params.stop or self._regexes)   # the text is needed at every token
+        self._longest = max((len(s) for s in params.stop), default=0)
         self.token_ids: list[int] = []
-        self.text = ""
+        self._text, self._decoded = "", 0    # the output text, decoded from the first _decoded ids
         self.cut: int | None = None          # the final text ends here (a stop string / regex)
         self.drop_last_token = False         # a stop token that is not part of the text
         self.matched_stop: str | int | None = None
@@ -37,12 +39,19 @@ class StopChecker:
     def append(self, token: int, num_tokens: int) -> str | None:
         """Record a generated token (`num_tokens`: prompt + output so far).  Returns the
         finish reason ("stop", "length") or None to go on."""
+        before = len(self.text) if self._watch else 0
         self.token_ids.append(token)
-        before = len(self.text)
-        self.text = self.tokenizer.decode(self.token_ids)
         reason = self._check(token, before, num_tokens)
         self.finish_reason = reason
         return reason
+
+    @property
+    def text(self) -> str:
+        """The decoded output so far (decoded on demand: without stop strings or regexes,
+        nothing needs it until the text is streamed or read)."""
+        if self._decoded != len(self.token_ids):
+            self._text, self._decoded = self.tokenizer.decode(self.token_ids), len(self.token_ids)
+        return self._text
 
     def _check(self, token: int, before: int, num_tokens: int) -> str | None:
         p = self.params
@@ -51,7 +60,7 @@ class StopChecker:
                 self.matched_stop = token
                 self.drop_last_token = not p.no_stop_trim
                 return "stop"
-            if self._match_text(before):
+            if self._watch and self._match_text(before):
                 return "stop"
         if len(self.token_ids) >= p.max_tokens or num_tokens >= self.max_model_len:
             return "length"
@@ -60,8 +69,7 @@ class StopChecker:
     def _match_text(self, before: int) -> bool:
         """Earliest stop string or regex match ending in the new text; sets cut/matched_stop."""
         best: tuple[int, int, str] | None = None      # (start, end, what matched)
-        longest = max((len(s) for s in self.params.stop), default=0)
-        start_from = max(0, before - longest + 1)
+        start_from = max(0, before - self._longest + 1)
         for s in self.params.stop:
             i = self.text.find(s, start_from)
             if i >= 0 and (best is None or i < best[0]):
@@ -87,8 +95,9 @@ class StopChecker:
     def delta(self) -> str:
         """Text that became safe to stream since the last call (all of the rest once finished)."""
         if self.finish_reason is not None:
-            end = max(self._emitted, len(self.final_text()))
-            out = self.final_text()[self._emitted:end]
+            final = self.final_text()
+            end = max(self._emitted, len(final))
+            out = final[self._emitted:end]
         else:
             end = max(self._emitted, self._safe_end())
             out = self.text[self._emitted:end]
