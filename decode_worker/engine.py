@@ -24,6 +24,7 @@ from decode_worker.messages import WorkerError, check_prompt, finish_to_proto, l
 from engine import LLM
 from engine.kv_pool import PoolExhausted
 from engine.request import Request
+from engine.scheduler import Scheduler
 from engine.sampling import SamplingParams
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import Reservation
@@ -44,7 +45,6 @@ class DecodeEngine:
     def __init__(self, llm: LLM, secret: bytes, transfer_timeout_s: float, lock: threading.RLock,
                  faults=None):
         self.llm, self.pool, self.lock = llm, llm.pool, lock
-        from engine.scheduler import Scheduler
         self.scheduler = Scheduler(llm.pool, llm.config.max_num_seqs, llm.config.max_prefill_tokens)
         self.receiver = TransferReceiver(llm.pool, secret, transfer_timeout_s,
                                          on_failed=lambda r: self._post("failed", r.request_id, r.transfer_id),
@@ -82,7 +82,7 @@ class DecodeEngine:
                 self.pool.free(request_id)            # nothing stays reserved
                 raise WorkerError("INVALID_REQUEST", str(e)) from None
             req = Request(request_id=request_id, prompt_token_ids=list(ids), params=params,
-                          generator=decode_generator(params, llm), stopper=llm.stop_checker(params))
+                          generator=decode_generator(params), stopper=llm.stop_checker(params))
             dreq = self.requests[request_id] = DecodeRequest(req, tenant, res)
             dreq.reserved_pages = len(self.pool.page_table(request_id))
             self.counts["reserved"] += 1
@@ -120,8 +120,6 @@ class DecodeEngine:
                 self._end(req.request_id, error=WorkerError("INTERNAL", f"decode step failed: {e!r}"))
             raise
         for req, token, lp in zip(batch.requests, output.tokens, output.logprobs):
-            self.pool.mark_tokens_written(req.request_id, req.num_computed, 1)
-            req.num_computed += 1
             self._emit_token(req, token, lp)
         return True
 
@@ -151,7 +149,6 @@ class DecodeEngine:
         lp = None
         if req.params.logprobs is not None:
             lp = {res.first_token_id: res.first_logprob, **res.first_top}
-        req.num_computed = len(req.prompt_token_ids)
         with self.lock:
             self.scheduler.add_prefilled(req)
         self._emit_token(req, res.first_token_id, lp)
@@ -179,9 +176,7 @@ class DecodeEngine:
         req = dreq.req
         with self.lock:
             self.receiver.release(dreq.reservation.transfer_id)
-            if req in self.scheduler.running:
-                self.scheduler.finish(req, req.finish_reason or "abort")
-            elif not self.scheduler.remove(req):
+            if not self.scheduler.remove(req, req.finish_reason or "abort"):
                 self.pool.free(request_id)       # reserved, not admitted yet
             dreq.done = True
             del self.requests[request_id]
@@ -200,7 +195,7 @@ class DecodeEngine:
             self._end(rid, error=WorkerError("UNAVAILABLE", message))
 
 
-def decode_generator(params: SamplingParams, llm: LLM) -> torch.Generator:
+def decode_generator(params: SamplingParams) -> torch.Generator:
     """The request's generator in the state it has after prefill drew the first token: the
     same seed, and one draw taken when the request samples (so seeded sampling continues the
     stream a single-process `LLM` would produce)."""

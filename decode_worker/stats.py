@@ -6,8 +6,8 @@ from engine import LLM
 from proto import worker_pb2 as wpb
 
 
-def health(llm: LLM, role: str, ready: bool = True) -> wpb.HealthReply:
-    return wpb.HealthReply(ready=ready, role=role, model=str(llm.config.model),
+def health(llm: LLM, role: str) -> wpb.HealthReply:
+    return wpb.HealthReply(ready=True, role=role, model=str(llm.config.model),
                            max_model_len=llm.max_model_len, kv_capacity_tokens=llm.pool.capacity_tokens,
                            paged_experts_num_resident=llm.config.paged_experts_num_resident or 0)
 

@@ -156,9 +156,7 @@ class LLM:
 
     def _update(self, batch: ScheduledBatch, output: SampleOutput) -> list[RequestOutput]:
         finished = []
-        for req, n, token, lp in zip(batch.requests, batch.num_new_tokens, output.tokens, output.logprobs):
-            self.pool.mark_tokens_written(req.request_id, req.num_computed, n)
-            req.num_computed += n
+        for req, token, lp in zip(batch.requests, output.tokens, output.logprobs):
             if token < 0:
                 continue
             req.output_token_ids.append(token)

@@ -19,8 +19,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, on_layer=None) -> SampleOutput:
-        """Forward the batch (writing its K/V into the pool) and sample a token for every
-        request whose prompt is complete.  Rows of requests still prefilling hold -1.
+        """Forward the batch (writing its K/V into the pool, marking those positions written
+        and advancing each request's `num_computed`) and sample a token for every request
+        whose prompt is complete.  Rows of requests still prefilling hold -1.
         `on_layer(i)` is called after layer i has written its K/V (transfer overlap)."""
         reqs = batch.requests
         tokens = [[r.token_at(p) for p in range(r.num_computed, r.num_computed + n)]
@@ -30,6 +31,9 @@ class ModelRunner:
                          self.pool.page_size, self.device)
         hidden = self.model.forward(fb, self.pool.kv, on_layer)  # [B, H]
         samples = batch.samples()
+        for r, n in zip(reqs, batch.num_new_tokens):
+            self.pool.mark_tokens_written(r.request_id, r.num_computed, n)
+            r.num_computed += n
         rows = [i for i, s in enumerate(samples) if s]
         out = SampleOutput([-1] * len(reqs), [None] * len(reqs))
         if not rows:

@@ -104,9 +104,9 @@ class Scheduler:
         req.status = Status.FINISHED
         self.running.remove(req)
 
-    def remove(self, req: Request) -> bool:
-        """Drop a request wherever it is (abort), freeing any pages it holds.  Returns
-        whether it was here."""
+    def remove(self, req: Request, reason: str = "abort") -> bool:
+        """Drop a request wherever it is (finishing it with `reason` if it runs), freeing any
+        pages it holds.  Returns whether it was here."""
         for queue in (self.waiting, self.ready):
             if req in queue:
                 queue.remove(req)
@@ -114,7 +114,7 @@ class Scheduler:
                 req.status = Status.FINISHED
                 return True
         if req in self.running:
-            self.finish(req, "abort")
+            self.finish(req, reason)
             return True
         return False
 

@@ -112,9 +112,6 @@ class PrefillEngine:
             for req in batch.requests:
                 self._fail_before_push(req, WorkerError("INTERNAL", f"prefill step failed: {e!r}"))
             raise
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            self.pool.mark_tokens_written(req.request_id, req.num_computed, n)
-            req.num_computed += n
         for req, token, lp in zip(batch.requests, output.tokens, output.logprobs):
             job = self.jobs.get(req.request_id)
             if token < 0 or job is None or job.done.is_set() or req not in self.scheduler.running:
