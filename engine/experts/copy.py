@@ -1,8 +1,11 @@
 """How expert weights travel from the host store to a device slot.
 
 A copy engine starts copies and hands back a `Copy` to wait on before the slot is read.
-Demand page-ins (a step needs the expert now) go ahead of prefetches (a guess about the
-next step), and `idle()` tells the prefetcher whether the link has time to spare.
+Demand page-ins (a step needs the expert now) are scheduled ahead of prefetches (a guess
+about the next step), but on CUDA they still wait for prefetches already queued, which may
+write the same slot (precise per-slot ordering is left until it can be measured on a GPU);
+`idle()` tells the prefetcher whether the link has time to spare, so prefetches are only
+queued while it is free.
   * `DirectCopy`     — a plain synchronous copy (CPU, or tests);
   * `CudaStreamCopy` — copies from pinned memory on two side CUDA streams (demand on a
                        high-priority one), ordered with events, so page-ins and prefetches
