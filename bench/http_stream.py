@@ -49,21 +49,9 @@ async def post_stream(url: str, path: str, body: dict, api_key: str | None, time
 async def _exchange(host, port, path, body, api_key, res: StreamResult) -> None:
     reader, writer = await asyncio.open_connection(host, port)
     try:
-        payload = json.dumps(body).encode()
-        head = [f"POST {path} HTTP/1.1", f"Host: {host}:{port}", "Content-Type: application/json",
-                f"Content-Length: {len(payload)}", "Accept: text/event-stream", "Connection: close"]
-        if api_key:
-            head.append(f"Authorization: Bearer {api_key}")
-        writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
-        await writer.drain()
-        status = int((await reader.readline()).split()[1])
-        headers = {}
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            k, _, v = line.decode().partition(":")
-            headers[k.strip().lower()] = v.strip()
-        chunked = headers.get("transfer-encoding", "").lower() == "chunked"
+        status, pieces = await post_json(reader, writer, f"{host}:{port}", path, body, api_key)
         buf = b""
-        async for piece in (read_chunked(reader) if chunked else read_plain(reader)):
+        async for piece in pieces:
             buf += piece
             while b"\n\n" in buf:
                 event, buf = buf.split(b"\n\n", 1)
@@ -74,6 +62,26 @@ async def _exchange(host, port, path, body, api_key, res: StreamResult) -> None:
             res.error = f"HTTP {status}: {buf.decode(errors='replace')[:200]}"
     finally:
         writer.close()
+
+
+async def post_json(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str, path: str,
+                    body: dict, api_key: str | None):
+    """POST `body` as JSON on an open connection (closed by the server after the response).
+    Returns the status and an async iterator over the body's pieces as they arrive."""
+    payload = json.dumps(body).encode()
+    head = [f"POST {path} HTTP/1.1", f"Host: {host}", "Content-Type: application/json",
+            f"Content-Length: {len(payload)}", "Accept: text/event-stream", "Connection: close"]
+    if api_key:
+        head.append(f"Authorization: Bearer {api_key}")
+    writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
+    await writer.drain()
+    status = int((await reader.readline()).split()[1])
+    headers = {}
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        k, _, v = line.decode().partition(":")
+        headers[k.strip().lower()] = v.strip()
+    chunked = headers.get("transfer-encoding", "").lower() == "chunked"
+    return status, (read_chunked(reader) if chunked else read_plain(reader))
 
 
 async def read_chunked(reader: asyncio.StreamReader):

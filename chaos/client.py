@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-from bench.http_stream import read_chunked, read_plain
+from bench.http_stream import post_json
 from chaos.prompts import Job
 
 
@@ -63,19 +63,8 @@ async def _exchange(url: str, api_key: str, body: dict, out: Outcome) -> None:
     hang_up = asyncio.get_running_loop().call_later(job.disconnect_s, hang) \
         if job.disconnect_s is not None else None
     try:
-        payload = json.dumps(body).encode()
-        head = [f"POST {u.path.rstrip('/')}/v1/completions HTTP/1.1", f"Host: {u.hostname}:{u.port}",
-                "Content-Type: application/json", f"Content-Length: {len(payload)}",
-                f"Authorization: Bearer {api_key}", "Connection: close"]
-        writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
-        await writer.drain()
-        out.status = int((await reader.readline()).split()[1])
-        headers = {}
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            k, _, v = line.decode().partition(":")
-            headers[k.strip().lower()] = v.strip()
-        chunks = read_chunked(reader) if headers.get("transfer-encoding", "").lower() == "chunked" \
-            else read_plain(reader)
+        out.status, chunks = await post_json(reader, writer, f"{u.hostname}:{u.port}",
+                                             f"{u.path.rstrip('/')}/v1/completions", body, api_key)
         if out.status == 200 and body["stream"]:
             await _read_events(chunks, out, writer)
         else:

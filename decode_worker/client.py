@@ -16,7 +16,7 @@ from typing import Iterator
 
 import grpc
 
-from decode_worker.messages import params_to_proto
+from decode_worker.messages import params_to_proto, prefill_request
 from engine.sampling import SamplingParams
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
@@ -53,11 +53,8 @@ def generate(decode: grpc.Channel, prefill: grpc.Channel | None, request_id: str
 
 
 def _prefill(channel, request_id, tenant, ids, params, res: wpb.Reservation, timeout_s, call, failure):
-    p = params_to_proto(params)
-    p.has_seed, p.seed = True, res.seed
-    future = wpb_grpc.PrefillServiceStub(channel).Prefill.future(wpb.PrefillRequest(
-        request_id=request_id, tenant=tenant, prompt_token_ids=ids, params=p,
-        decode_endpoint=res.transfer_endpoint, transfer_id=res.transfer_id), timeout=timeout_s)
+    future = wpb_grpc.PrefillServiceStub(channel).Prefill.future(
+        prefill_request(request_id, tenant, ids, params, res), timeout=timeout_s)
     lock = threading.Lock()
 
     def done(f) -> None:

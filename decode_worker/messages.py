@@ -65,3 +65,13 @@ def check_prompt(ids, params: SamplingParams, vocab: int, max_model_len: int, kv
         engine_check(ids, params, vocab, max_model_len, kv_tokens, reserve_output)
     except RequestError as e:
         raise WorkerError(e.code, str(e)) from None
+
+
+def prefill_request(request_id: str, tenant: str, ids: list[int], params: SamplingParams,
+                    res: wpb.Reservation) -> wpb.PrefillRequest:
+    """The Prefill call that fills the decode worker's reservation `res`, with the seed the
+    reservation chose (prefill's first token and the decode stream continue one sampler)."""
+    p = params_to_proto(params)
+    p.has_seed, p.seed = True, res.seed
+    return wpb.PrefillRequest(request_id=request_id, tenant=tenant, prompt_token_ids=ids, params=p,
+                              decode_endpoint=res.transfer_endpoint, transfer_id=res.transfer_id)

@@ -27,14 +27,13 @@ class WorkerActor:
         if chaos_seed is not None:                 # a chaos run: this worker's injectors
             from chaos.control import ChaosControl
             self.chaos = ChaosControl(role, chaos_seed)
-        self.handle = _start(role, cfg, self.chaos.faults if self.chaos else None)
+        from deploy.worker import start_worker
+        self.handle = start_worker(role, cfg, self.chaos.faults if self.chaos else None)
         if self.chaos is not None:
             self.chaos.handle = self.handle
-        h = self.handle.llm
+        # what the registry serves; the rest (health, KV, experts) is read live from the worker
         self.info = {"role": role, "address": self.handle.address, "node_ip": ip,
-                     "node_id": ray.get_runtime_context().get_node_id(), "kv_capacity_tokens": h.pool.capacity_tokens,
-                     "max_model_len": h.max_model_len,
-                     "paged_experts_num_resident": h.config.paged_experts_num_resident or 0}
+                     "node_id": ray.get_runtime_context().get_node_id()}
         ray.get(registry.register.remote(worker_id, self.info))
         self._stopped = threading.Event()
         threading.Thread(target=self._heartbeat, name="registry-heartbeat", daemon=True).start()
@@ -70,17 +69,6 @@ def _pin(cores: list[int]) -> None:
     import torch
     os.sched_setaffinity(0, set(cores))
     torch.set_num_threads(len(cores))
-
-
-def _start(role: str, cfg, faults=None):
-    if role == "prefill":
-        from prefill_worker.server import start_prefill_worker
-        return start_prefill_worker(cfg, faults=faults)
-    if role == "decode":
-        from decode_worker.server import start_decode_worker
-        return start_decode_worker(cfg, faults=faults)
-    from decode_worker.colocated import start_colocated_worker
-    return start_colocated_worker(cfg)
 
 
 @ray.remote(num_cpus=0)

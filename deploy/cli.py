@@ -125,14 +125,11 @@ def serve_settings(args: argparse.Namespace):
     """The flags as ServeSettings; raises ValueError on a conflict or a missing model."""
     from deploy.settings import ServeSettings, parse_resources
     from engine.config import SHIPPED_MODEL
-    from gateway.config import load_api_keys
+    from gateway.config import api_keys
     if args.colocated and (args.prefill_workers is not None or args.decode_workers is not None):
         raise ValueError("--colocated workers do both prefill and decode: drop --prefill-workers/--decode-workers "
                          "(use --colocated-workers N)")
-    keys = load_api_keys(args.api_keys_file) if args.api_keys_file else {}
-    for k in args.api_key:
-        key, _, tenant = k.partition(":")
-        keys[key] = tenant or "default"
+    keys = api_keys(args.api_keys_file, args.api_key)
     return ServeSettings(
         address=args.address, model=args.model or str(SHIPPED_MODEL), served_model_name=args.served_model_name,
         prefill_workers=1 if args.prefill_workers is None else args.prefill_workers,

@@ -31,7 +31,7 @@ class Deployment:
         self.workers: dict[str, "ray.actor.ActorHandle"] = {}
         self.gateways: list = []
         self.pg = None
-        self.url = ""
+        self.urls: list[str] = []          # one per gateway replica, once started
         self._started_ray = False
 
     def start(self, timeout_s: float = 600.0, on_ray_started=None) -> "Deployment":
@@ -67,10 +67,14 @@ class Deployment:
         self.gateways = [GatewayActor.options(scheduling_strategy=here).remote(self._gateway_config(i), registry)
                          for i in range(s.gateway_replicas)]
         self.urls = ray.get([g.url.remote() for g in self.gateways], timeout=timeout_s)
-        self.url = self.urls[0]
         for url in self.urls:
             self._wait_healthy(url, timeout_s)
         return self
+
+    @property
+    def url(self) -> str:
+        """The first gateway's URL ("" before start)."""
+        return self.urls[0] if self.urls else ""
 
     def _init_ray(self) -> None:
         s = self.s

@@ -4,8 +4,6 @@ the gateway and `tandem status` read it."""
 
 from __future__ import annotations
 
-import time
-
 import ray
 
 NAME = "tandem_registry"
@@ -18,7 +16,7 @@ class Registry:
         self._workers: dict[str, dict] = {}
 
     def register(self, worker_id: str, info: dict) -> None:
-        self._workers[worker_id] = {**info, "worker_id": worker_id, "registered": time.time()}
+        self._workers[worker_id] = {**info, "worker_id": worker_id}
 
     def unregister(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)

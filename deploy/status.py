@@ -14,18 +14,18 @@ from proto import worker_pb2_grpc as wpb_grpc
 def status(address: str) -> int:
     ray.init(address=address, namespace=reg.NAMESPACE, logging_level="ERROR", log_to_driver=False)
     try:
-        workers = ray.get(reg.lookup().workers.remote())
-    except ValueError:
-        print("tandem: no deployment is running on this Ray cluster")
-        return 1
+        try:
+            workers = ray.get(reg.lookup().workers.remote())
+        except ValueError:
+            print("tandem: no deployment is running on this Ray cluster")
+            return 1
+        print(f"{'worker':14s} {'role':10s} {'node':15s} {'address':22s} {'health':8s} {'KV used/capacity':>22s} "
+              f"{'expert hit rate':>15s}")
+        for w in workers:
+            print(_row(w))
+        return 0
     finally:
-        pass
-    print(f"{'worker':14s} {'role':10s} {'node':15s} {'address':22s} {'health':8s} {'KV used/capacity':>22s} "
-          f"{'expert hit rate':>15s}")
-    for w in workers:
-        print(_row(w))
-    ray.shutdown()
-    return 0
+        ray.shutdown()
 
 
 def _row(w: dict) -> str:

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
                           kv_cache_tokens=args.kv_cache_tokens, max_model_len=args.max_model_len,
                           paged_experts_num_resident=args.paged_experts_num_resident, host=args.host,
                           port=args.port, transfer=args.transfer, secret=secret)
-    handle = _start(args.role, config, args.chaos_fault)
+    handle = start_worker(args.role, config, _injector(args.role, args.chaos_fault))
     print(f"READY {args.role} {handle.address}", flush=True)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -58,22 +58,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _start(role: str, config, faults: list[str]):
-    if role == "prefill":
-        from kv_transfer.faults import FaultInjector
-        from prefill_worker.server import start_prefill_worker
-        injector = None
-        if faults:
-            injector = FaultInjector()
-            for spec in faults:
-                point, kw = parse_fault(spec)
-                injector.arm(point, **kw)
-        return start_prefill_worker(config, faults=injector)
-    if faults:
+def _injector(role: str, specs: list[str]):
+    """The sender's injector armed by --chaos-fault specs (None without any)."""
+    if not specs:
+        return None
+    if role != "prefill":
         raise SystemExit("--chaos-fault arms the sending side: use it with --role prefill")
+    from kv_transfer.faults import FaultInjector
+    injector = FaultInjector()
+    for spec in specs:
+        point, kw = parse_fault(spec)
+        injector.arm(point, **kw)
+    return injector
+
+
+def start_worker(role: str, config, faults=None):
+    """Start a prefill, decode or colocated worker in this process (Ray actors call this too).
+    `faults`: the sender's (prefill) or receiver's (decode) injector in chaos runs."""
+    if role == "prefill":
+        from prefill_worker.server import start_prefill_worker
+        return start_prefill_worker(config, faults=faults)
     if role == "decode":
         from decode_worker.server import start_decode_worker
-        return start_decode_worker(config)
+        return start_decode_worker(config, faults=faults)
     from decode_worker.colocated import start_colocated_worker
     return start_colocated_worker(config)
 

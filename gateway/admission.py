@@ -21,9 +21,13 @@ class AdmissionQueue:
         self.max_queue, self.tenant_limit, self.timeout_s = max_queue, tenant_limit, timeout_s
         self._slots = asyncio.Semaphore(max_running)
         self.per_tenant: Counter[str] = Counter()
-        self.total = 0
         self.waiting = 0
         self.running = 0
+
+    @property
+    def total(self) -> int:
+        """Requests admitted and not yet ended (waiting for a slot or running)."""
+        return self.waiting + self.running
 
     @asynccontextmanager
     async def admit(self, tenant: str):
@@ -34,7 +38,6 @@ class AdmissionQueue:
         if self.per_tenant[tenant] >= self.tenant_limit:
             raise Rejected(429, "tenant_limit", f"tenant has {self.per_tenant[tenant]} requests in flight, "
                            f"the limit is {self.tenant_limit}")
-        self.total += 1
         self.per_tenant[tenant] += 1
         self.waiting += 1
         try:
@@ -52,7 +55,6 @@ class AdmissionQueue:
                 self.running -= 1
                 self._slots.release()
         finally:
-            self.total -= 1
             self.per_tenant[tenant] -= 1
             if not self.per_tenant[tenant]:
                 del self.per_tenant[tenant]

@@ -18,7 +18,7 @@ from starlette.background import BackgroundTask
 from engine.sampling import SamplingParams
 from gateway.admission import Rejected
 from gateway.forward import ForwardError, forward
-from gateway.openai_format import ChoiceState, Formatter, error_body
+from gateway.openai_format import ChoiceState, Formatter, error_body, prompt_tokens
 from gateway.protocol import ChatCompletionRequest, sampling_params
 
 log = logging.getLogger("tandem.gateway")
@@ -221,7 +221,7 @@ class CompletionHandler:
     def _count(self, jobs: list[Job], status: str) -> None:
         m = self.gw.metrics
         m.requests.labels(status).inc()
-        m.prompt_tokens.inc(sum({j.state.prompt_group: j.state.prompt_tokens for j in jobs}.values()))
+        m.prompt_tokens.inc(prompt_tokens([j.state for j in jobs]))
         m.generated.inc(sum(len(j.state.token_ids) for j in jobs))
 
     def _error(self, err: ForwardError) -> JSONResponse:

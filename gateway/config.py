@@ -58,3 +58,13 @@ def load_api_keys(path: str | Path) -> dict[str, str]:
     if not all(isinstance(k, str) and isinstance(v, str) and k and v for k, v in keys.items()):
         raise ValueError(f"{path}: keys and tenants must be non-empty strings")
     return keys
+
+
+def api_keys(path: str | Path | None, flags: list[str]) -> dict[str, str]:
+    """Key -> tenant from a keys file (if any) and `--api-key KEY[:TENANT]` flags (tenant
+    "default" when none is given); a flag overrides the file for the same key."""
+    keys = load_api_keys(path) if path else {}
+    for k in flags:
+        key, _, tenant = k.partition(":")
+        keys[key] = tenant or "default"
+    return keys

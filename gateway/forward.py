@@ -17,7 +17,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from decode_worker.messages import params_to_proto
+from decode_worker.messages import params_to_proto, prefill_request
 from engine.sampling import SamplingParams
 from gateway.routing import Worker, WorkerPool
 from proto import worker_pb2 as wpb
@@ -96,10 +96,9 @@ async def _attempt(decode: Worker, prefill: Worker | None, rid, tenant, ids, par
     decode.outstanding += 1
     prefill_failure: list[ForwardError] = []
     task = None
-    streamed = False
-    started: list[bool] = [False]     # tokens arrived: the transfer committed, prefill is done
+    streamed: list[bool] = [False]    # tokens arrived: the transfer committed, prefill is done
     try:
-        first = await _read(call, decode, streamed, tried, prefill_failure)
+        first = await _read(call, decode, False, tried, prefill_failure)
         if first.WhichOneof("kind") == "error":
             err = ForwardError(first.error.code, first.error.message)
             if first.error.code == "KV_FULL":
@@ -109,18 +108,18 @@ async def _attempt(decode: Worker, prefill: Worker | None, rid, tenant, ids, par
         decode.succeeded()
         if prefill is not None:
             task = asyncio.create_task(_prefill(prefill, call, rid, tenant, ids, params, first.reservation,
-                                                timeout_s, prefill_failure, tried, started))
+                                                timeout_s, prefill_failure, tried, streamed))
         while True:
-            msg = await _read(call, decode, streamed, tried, prefill_failure)
+            msg = await _read(call, decode, streamed[0], tried, prefill_failure)
             kind = msg.WhichOneof("kind")
             if kind == "error":
                 err = prefill_failure[0] if prefill_failure else ForwardError(msg.error.code, msg.error.message)
-                if not streamed and msg.error.code == "TRANSFER_FAILED" and prefill is not None:
+                if not streamed[0] and msg.error.code == "TRANSFER_FAILED" and prefill is not None:
                     # the push broke before any token: try again, not on a prefill worker that died
                     (tried if err.code == "PREFILL_UNAVAILABLE" else broke).add(prefill.address)
                     raise _Retry(err)
                 raise err
-            streamed = started[0] = streamed or kind == "tokens"
+            streamed[0] = streamed[0] or kind == "tokens"
             yield msg
             if kind == "finish":
                 return
@@ -139,21 +138,13 @@ async def _read(call, decode: Worker, streamed: bool, tried: set[str], prefill_f
         # closed on this side; only a cancellation of this task itself may propagate
         if asyncio.current_task().cancelling():
             raise
-        if prefill_failure:
-            err = prefill_failure[0]
-            if not streamed and err.code == "PREFILL_UNAVAILABLE":
-                raise _Retry(err) from None
-            raise err from None
+        _raise_prefill_failure(prefill_failure, streamed)
         if not streamed:
             tried.add(decode.address)
             raise _Retry(ForwardError("DECODE_UNAVAILABLE", f"{decode.address}: the call was cut")) from None
         raise ForwardError("DECODE_FAILED", f"{decode.address}: the stream was cut") from None
     except grpc.aio.AioRpcError as e:
-        if prefill_failure:
-            err = prefill_failure[0]
-            if not streamed and err.code == "PREFILL_UNAVAILABLE":
-                raise _Retry(err) from None
-            raise err from None
+        _raise_prefill_failure(prefill_failure, streamed)
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
             raise ForwardError("TIMEOUT", "the request timeout passed") from None
         if e.code() in UNREACHABLE and not streamed:
@@ -166,16 +157,22 @@ async def _read(call, decode: Worker, streamed: bool, tried: set[str], prefill_f
     return msg
 
 
+def _raise_prefill_failure(failure: list, streamed: bool) -> None:
+    """The decode call broke because its prefill failed: that failure is the request's (to
+    retry on another prefill worker when it could not be reached and no token went out)."""
+    if failure:
+        err = failure[0]
+        if not streamed and err.code == "PREFILL_UNAVAILABLE":
+            raise _Retry(err) from None
+        raise err from None
+
+
 async def _prefill(prefill: Worker, call, rid, tenant, ids, params, res: wpb.Reservation, timeout_s,
-                   failure: list, tried: set[str], started: list[bool]) -> None:
-    p = params_to_proto(params)
-    p.has_seed, p.seed = True, res.seed
+                   failure: list, tried: set[str], streamed: list[bool]) -> None:
     prefill.outstanding += 1
     prefill.queued_tokens += len(ids)
     try:
-        reply = await prefill.stub.Prefill(wpb.PrefillRequest(
-            request_id=rid, tenant=tenant, prompt_token_ids=ids, params=p,
-            decode_endpoint=res.transfer_endpoint, transfer_id=res.transfer_id), timeout=timeout_s)
+        reply = await prefill.stub.Prefill(prefill_request(rid, tenant, ids, params, res), timeout=timeout_s)
         if reply.ok:
             prefill.succeeded()
             return
@@ -192,5 +189,5 @@ async def _prefill(prefill: Worker, call, rid, tenant, ids, params, res: wpb.Res
     finally:
         prefill.outstanding -= 1
         prefill.queued_tokens -= len(ids)
-    if not started[0]:            # a committed transfer decodes on without its prefill worker
+    if not streamed[0]:           # a committed transfer decodes on without its prefill worker
         call.cancel()             # otherwise the decode worker frees the reservation at once

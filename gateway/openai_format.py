@@ -104,7 +104,7 @@ class Formatter:
             if self.token_ids:
                 body["token_ids"] = c.token_ids
             out.append(body)
-        prompt = _prompt_tokens(choices)
+        prompt = prompt_tokens(choices)
         return {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
                 "created": self.created, "model": self.model, "choices": out,
                 "usage": usage(prompt, sum(len(c.token_ids) for c in choices))}
@@ -128,10 +128,10 @@ class Formatter:
     def usage_chunk(self, choices: list[ChoiceState]) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
                 "created": self.created, "model": self.model, "choices": [],
-                "usage": usage(_prompt_tokens(choices), sum(len(c.token_ids) for c in choices))}
+                "usage": usage(prompt_tokens(choices), sum(len(c.token_ids) for c in choices))}
 
 
-def _prompt_tokens(choices: list[ChoiceState]) -> int:
+def prompt_tokens(choices: list[ChoiceState]) -> int:
     """Prompt tokens counted once per prompt (n choices of one prompt share it)."""
     seen: dict[int, int] = {}
     for c in choices:

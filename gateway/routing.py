@@ -102,11 +102,6 @@ class WorkerPool:
             w.health = None
             w.failed()
 
-    async def refresh_forever(self, every_s: float) -> None:
-        while True:
-            await self.refresh()
-            await asyncio.sleep(every_s)
-
     @property
     def ready(self) -> bool:
         decode = any(w.healthy for w in self.of("decode"))
@@ -119,9 +114,9 @@ class WorkerPool:
 
     def pick_decode(self, need_tokens: int, exclude: set[str]) -> Worker | None:
         """A decode (or colocated) worker with room for `need_tokens` and the least work."""
+        prefill_up = any(p.available() for p in self.of("prefill"))
         ok = [w for w in self.of("decode", "colocated") if w.available() and w.address not in exclude
-              and w.health.kv_capacity_tokens >= need_tokens
-              and (w.role == "colocated" or any(p.available() for p in self.of("prefill")))]
+              and w.health.kv_capacity_tokens >= need_tokens and (w.role == "colocated" or prefill_up)]
         roomy = [w for w in ok if w.stats is None or w.stats.kv_tokens_free >= need_tokens] or ok
         return min(roomy, key=lambda w: w.outstanding + (w.stats.running + w.stats.waiting if w.stats else 0),
                    default=None)

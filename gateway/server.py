@@ -11,7 +11,7 @@ import time
 import uvicorn
 
 from gateway.app import create_app
-from gateway.config import GatewayConfig, load_api_keys
+from gateway.config import GatewayConfig, api_keys
 
 
 class GatewayServer:
@@ -69,10 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api-keys-file", default=None)
     ap.add_argument("--request-timeout", type=float, default=600.0)
     args = ap.parse_args(argv)
-    keys = load_api_keys(args.api_keys_file) if args.api_keys_file else {}
-    for k in args.api_key:
-        key, _, tenant = k.partition(":")
-        keys[key] = tenant or "default"
+    keys = api_keys(args.api_keys_file, args.api_key)
     config = GatewayConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
                            port=args.port, decode_workers=tuple(args.decode), prefill_workers=tuple(args.prefill),
                            colocated_workers=tuple(args.colocated), api_keys=keys,
