@@ -33,4 +33,9 @@ class TransferRefused(Exception):
     def __init__(self, reason: Refusal | str, detail: str = ""):
         self.reason = Refusal(reason) if reason in Refusal._value2member_map_ else reason
         self.detail = detail
-        super().__init__(f"{getattr(self.reason, 'value', self.reason)}: {detail}")
+        super().__init__(f"{self.code}: {detail}")
+
+    @property
+    def code(self) -> str:
+        """The reason as its code string (a Refusal's value, or an unknown code as given)."""
+        return getattr(self.reason, "value", str(self.reason))

@@ -29,6 +29,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return DTYPE_NAMES[dtype]
 
 
+def tokens_in_page(page_size: int, prompt_len: int, index: int) -> int:
+    """Prompt tokens in logical page `index` (the last page may be partly filled)."""
+    return min(page_size, prompt_len - index * page_size)
+
+
 def block_shape(pool: PagePool, l0: int, l1: int, n: int) -> tuple[int, ...]:
     _, _, _, _, heads, dim = pool.kv.shape
     return (l1 - l0, 2, n, heads, dim)

@@ -133,7 +133,7 @@ class TransferReceiver:
         if self.faults is not None:
             self.faults.before_receive(h)
         with self._lock:
-            res = self._checked(h.transfer_id, h.protocol_version, h.ownership_tag, h.tenant, h.request_id)
+            res = self._checked(h)
             self._guard(res, lambda: (res.check_geometry(h, len(payload), self.pool), res.check_new(h)))
         t0 = perf_counter()
         ok = frame_checksum(h, [payload]) == h.checksum
@@ -144,7 +144,7 @@ class TransferReceiver:
                                                      f"{h.page_index}: header + payload do not match"))
         ref = res.pages[h.page_index]
         with self._lock:
-            self._checked(h.transfer_id, h.protocol_version, h.ownership_tag, h.tenant, h.request_id)
+            self._checked(h)
             self._guard(res, lambda: (res.check_new(h), self._check_page(res, ref)))
             res.claim(h)
         try:
@@ -176,7 +176,7 @@ class TransferReceiver:
         """Close the transfer: coverage, digest and a re-checksum of the destination pages.
         Returns the committed reservation; raises TransferRefused (failing it) otherwise."""
         with self._lock:
-            res = self._checked(c.transfer_id, c.protocol_version, c.ownership_tag, c.tenant, c.request_id)
+            res = self._checked(c)
             self._lock.wait_for(lambda: res.writers == 0)
             self._guard(res, lambda: self._check_coverage(res, c))
             records = list(res.frames.values())
@@ -187,7 +187,7 @@ class TransferReceiver:
                != r.header.checksum]
         self.checksum_s += perf_counter() - t0
         with self._lock:
-            self._checked(c.transfer_id, c.protocol_version, c.ownership_tag, c.tenant, c.request_id)
+            self._checked(c)
             if bad:
                 self._guard(res, lambda: self._raise(Refusal.RECHECK_FAILED, f"destination pages of frames "
                                                      f"{bad[:8]} do not hash as sent"))
@@ -200,7 +200,11 @@ class TransferReceiver:
         return res
 
     # ---- checks (called with the lock held) ----------------------------------------
-    def _checked(self, tid: bytes, version: int, tag: bytes, tenant: str, request_id: str) -> Reservation:
+    def _checked(self, msg: pb.FrameHeader | pb.Commit) -> Reservation:
+        """The open reservation `msg` (a frame header or a commit) is for, if its version, tag,
+        tenant and request match; refuses otherwise."""
+        tid, version, tag = msg.transfer_id, msg.protocol_version, msg.ownership_tag
+        tenant, request_id = msg.tenant, msg.request_id
         res = self._live.get(tid)
         if version != PROTOCOL_VERSION:
             self._refuse(res, Refusal.BAD_VERSION, f"protocol version {version}, receiver speaks "

@@ -15,7 +15,7 @@ from enum import Enum
 
 from engine.kv_pool import PageRef
 from kv_transfer.errors import Refusal, TransferRefused
-from kv_transfer.pages import block_nbytes, block_shape, dtype_name
+from kv_transfer.pages import block_nbytes, block_shape, dtype_name, tokens_in_page
 from proto import kv_transfer_pb2 as pb
 
 
@@ -65,7 +65,7 @@ class Reservation:
         return all(self.layers_done[index])
 
     def tokens_in_page(self, index: int) -> int:
-        return min(self.page_size, self.prompt_len - index * self.page_size)
+        return tokens_in_page(self.page_size, self.prompt_len, index)
 
     def check_geometry(self, h: pb.FrameHeader, payload_len: int, pool) -> None:
         """Raises TransferRefused(OUT_OF_RANGE | BAD_GEOMETRY) unless the frame fits exactly."""

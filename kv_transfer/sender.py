@@ -20,7 +20,7 @@ import torch
 from engine.kv_pool import PagePool
 from kv_transfer.frame import PROTOCOL_VERSION, commit_digest, frame_checksum, ownership_tag
 from kv_transfer.pages import (Payload, block_nbytes, block_shape, dtype_name, payload_view,
-                               read_block, read_bytes)
+                               read_block, read_bytes, tokens_in_page)
 from proto import kv_transfer_pb2 as pb
 
 
@@ -68,7 +68,7 @@ class TransferSender:
         self._early_commit = False
 
     def header(self, page_index: int, l0: int, l1: int) -> pb.FrameHeader:
-        n = min(self.pool.page_size, self.prompt_len - page_index * self.pool.page_size)
+        n = tokens_in_page(self.pool.page_size, self.prompt_len, page_index)
         return pb.FrameHeader(
             protocol_version=PROTOCOL_VERSION, transfer_id=self.ticket.transfer_id,
             request_id=self.ticket.request_id, tenant=self.ticket.tenant, ownership_tag=self.tag,

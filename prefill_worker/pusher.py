@@ -55,7 +55,7 @@ class Pusher:
                     error = f"CANCELLED: {item[1]}"
                     break
         except TransferRefused as e:
-            error = f"{getattr(e.reason, 'value', e.reason)}: {e.detail}"
+            error = str(e)
         except Exception as e:  # a bug or a dead peer: the request fails with a coded error
             error = f"TRANSPORT: {e!r}"
         self._on_done(error, len(sender.checksums) if sender else 0)

@@ -65,8 +65,7 @@ class _Servicer(pb_grpc.KvTransferServicer):
                     accepted += 1
         except TransferRefused as e:
             self._close(seen)            # a stream that refused ends: its transfers with it
-            reason = getattr(e.reason, "value", str(e.reason))
-            return pb.PushReply(ok=False, reason=reason, detail=e.detail, frames_accepted=accepted)
+            return pb.PushReply(ok=False, reason=e.code, detail=e.detail, frames_accepted=accepted)
         except Exception as e:  # the client went away (cancelled, deadline, connection lost)
             self._close(seen)
             return pb.PushReply(ok=False, reason=Refusal.TRANSPORT.value, detail=repr(e))

@@ -128,8 +128,7 @@ class _Lane:
 class GrpcStream:
     def __init__(self, target: str, transfer_id: bytes, config: TransportConfig, sender: str = ""):
         self.config = config
-        self._lanes = [_Lane(target, transfer_id, config, 0, sender)]
-        self._lanes += [_Lane(target, transfer_id, config, i, sender) for i in range(1, config.streams)]
+        self._lanes = [_Lane(target, transfer_id, config, i, sender) for i in range(config.streams)]  # lane 0 shakes hands
         self._next = 0
         self.closed = False
 

@@ -42,7 +42,7 @@ class LocalStream:
             self._receiver = _ENDPOINTS.get(name)
         if self._receiver is None:
             raise TransferRefused(Refusal.TRANSPORT, f"no local transfer endpoint {name!r}")
-        self.version = self._receiver.hello(list(versions))
+        self._receiver.hello(list(versions))          # raises BAD_VERSION when none is shared
         self._staging = StagingBuffer()
         self._open: set[bytes] = {transfer_id}
         self.closed = False

@@ -42,7 +42,7 @@ class _Channel:
         self.shm = shared_memory.SharedMemory(create=True, size=config.shm_bytes)
         self.ring = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
         self.inflight: deque[tuple[int, int]] = deque()    # (offset, nbytes), oldest first
-        self.head = 0
+        self.key = (path, config.shm_bytes, tuple(config.versions))   # who may reuse this channel
         self.closed = False
         try:
             send_msg(self.sock, pb.PushMessage(hello=pb.Hello(
@@ -75,13 +75,13 @@ class _Channel:
             pass                       # a payload view is still alive; the mapping goes with it
 
 
-_IDLE: dict[tuple[str, int], list[_Channel]] = {}
+_IDLE: dict[tuple, list[_Channel]] = {}       # (path, ring bytes, versions) -> idle channels
 _IDLE_LOCK = threading.Lock()
 
 
 def _take_channel(path: str, config: TransportConfig, sender: str) -> _Channel:
     with _IDLE_LOCK:
-        idle = _IDLE.get((path, config.shm_bytes), [])
+        idle = _IDLE.get((path, config.shm_bytes, tuple(config.versions)), [])
         while idle:
             ch = idle.pop()
             if ch.idle_and_alive():
@@ -92,7 +92,7 @@ def _take_channel(path: str, config: TransportConfig, sender: str) -> _Channel:
 
 def _give_back(ch: _Channel) -> None:
     with _IDLE_LOCK:
-        _IDLE.setdefault((ch.path, ch.ring.numel()), []).append(ch)
+        _IDLE.setdefault(ch.key, []).append(ch)
 
 
 def close_channels() -> None:
@@ -130,11 +130,13 @@ class ShmStream:
         if not ch.inflight:
             return 0
         tail = ch.inflight[0][0]
-        if ch.inflight[-1][0] >= tail:                 # not wrapped: free [head, size) + [0, tail)
-            if ch.head + n <= size:
-                return ch.head
+        last, last_n = ch.inflight[-1]
+        head = last + last_n                          # the end of the newest payload in flight
+        if last >= tail:                              # not wrapped: free [head, size) + [0, tail)
+            if head + n <= size:
+                return head
             return 0 if n <= tail else None
-        return ch.head if ch.head + n <= tail else None   # wrapped: free [head, tail)
+        return head if head + n <= tail else None     # wrapped: free [head, tail)
 
     def send(self, header: pb.FrameHeader, payload: Payload) -> None:
         if self.closed:
@@ -149,7 +151,6 @@ class ShmStream:
             staged.copy_(payload.reshape(-1).view(torch.uint8))
             off = staged.data_ptr() - ch.ring.data_ptr()
         ch.inflight.append((off, n))
-        ch.head = off + n
         self._batch.append(pb.Frame(header=header, payload_offset=off, payload_length=n))
         if len(self._batch) >= self.BATCH:
             self._flush()

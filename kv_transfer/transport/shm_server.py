@@ -94,8 +94,7 @@ class ShmTransferServer:
                     self._receive(shm, f)
                 send_msg(conn, pb.PushReply(ok=True, frames_accepted=len(frames)))
             except TransferRefused as e:
-                reason = getattr(e.reason, "value", str(e.reason))
-                send_msg(conn, pb.PushReply(ok=False, reason=reason, detail=e.detail))
+                send_msg(conn, pb.PushReply(ok=False, reason=e.code, detail=e.detail))
 
     def _receive(self, shm: mmap.mmap, f: pb.Frame) -> None:
         end = f.payload_offset + f.payload_length
