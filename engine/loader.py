@@ -1,4 +1,10 @@
-"""Load a HF-layout checkpoint into a runtime model, checking every tensor."""
+"""Load a HF-layout checkpoint into a runtime model, checking every tensor.
+
+Every tensor is copied once, here, into memory the engine allocates: the model never holds a
+view into the memory-mapped file.  Such a view sits at the tensor's offset in the file, so its
+alignment (and with it the order in which MKL's SGEMM sums) would depend on how the checkpoint
+happens to be sharded, and rewriting the file would change the live weights.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +13,22 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from engine.attention import TorchAttention
 from engine.checkpoint import CheckpointError, iter_tensors, weight_files
 from engine.config import ModelConfig
-from engine.attention import TorchAttention
 from engine.models import spec_for
+from engine.models.qwen3_moe import Qwen3MoeModel
+from engine.models.qwen3_moe_weights import ExpertsFactory
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PROGRESS_MIN_TENSORS = 2000
+WEIGHT_ALIGNMENT = 64  # bytes; torch's CPU allocator gives 64, CUDA's caching allocator 512
 
 
 def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
-               attention: TorchAttention, progress: bool | None = None, make_experts=None,
-               moe_triton: bool = False):
-    """Read every tensor, check its name and shape, cast to `dtype` on `device`, fuse.
+               attention: TorchAttention, progress: bool | None = None,
+               make_experts: ExpertsFactory | None = None, moe_triton: bool = False) -> Qwen3MoeModel:
+    """Read every tensor, check its name and shape, copy it in `dtype` to `device`, fuse.
 
     With `make_experts` (paged experts) the expert tensors stay in host memory and the
     factory builds each layer's experts from them.
@@ -46,13 +55,24 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: s
         if tensor.dtype not in SUPPORTED_DTYPES:
             raise CheckpointError(f"tensor {name} has dtype {tensor.dtype}; supported: "
                                   "float32, bfloat16, float16")
-        if make_experts is not None and ".mlp.experts." in name:
-            loaded[name] = tensor.to(dtype=dtype)  # host; the store is pinned once stacked
-        else:
-            loaded[name] = tensor.to(device=device, dtype=dtype)
+        on_host = make_experts is not None and ".mlp.experts." in name  # the store is pinned once stacked
+        loaded[name] = owned_copy(tensor, dtype, "cpu" if on_host else device)
     missing = [n for n in expected if n not in loaded]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"missing tensor {missing[0]} (expected shape {list(expected[missing[0]])})"
                               f"{more} in {path}")
     return spec.assemble(cfg, loaded, attention, make_experts, moe_triton)
+
+
+def owned_copy(tensor: torch.Tensor, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """`tensor` cast to `dtype`, in a fresh allocation on `device` (never sharing the storage
+    of `tensor`, even where `.to()` would return it as is), aligned to WEIGHT_ALIGNMENT.
+
+    Raises RuntimeError when the allocator hands back memory that is not aligned."""
+    out = torch.empty(tensor.shape, dtype=dtype, device=device)
+    out.copy_(tensor)
+    if out.data_ptr() % WEIGHT_ALIGNMENT:
+        raise RuntimeError(f"allocator returned a {list(out.shape)} {dtype} tensor on {device} at "
+                           f"{out.data_ptr():#x}, not {WEIGHT_ALIGNMENT}-byte aligned")
+    return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -13,7 +14,7 @@ from engine.models.qwen3_moe_weights import expected_tensors
 
 # A shape unlike the shipped model's: GQA 4:1, tied embeddings, a dense layer
 # (mlp_only_layers), and the transformers-5 spelling of the config keys.
-RANDOM_CONFIG = {
+RANDOM_CONFIG: dict[str, Any] = {
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
     "vocab_size": 4096, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
     "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16,

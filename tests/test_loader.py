@@ -1,11 +1,18 @@
-"""Checkpoint loading: sharded files, both config spellings, and named errors."""
+"""Checkpoint loading: sharded files, both config spellings, named errors, and weights the
+engine owns (aligned, never a view into the mapped file)."""
+
+from __future__ import annotations
 
 import json
+import types
+from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import engine.loader
 from engine import LLM, SamplingParams
 from engine.checkpoint import CheckpointError
 from engine.config import ModelConfig
@@ -15,7 +22,7 @@ PROMPT = [5, 17, 300, 42, 7, 99]
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
 
 
-def test_sharded_checkpoint_loads_and_matches_the_single_file(tmp_path, random_llm):
+def test_sharded_checkpoint_loads_and_matches_the_single_file(tmp_path: Path, random_llm: LLM) -> None:
     sharded = write_random_checkpoint(tmp_path / "sharded", max_shard_bytes=200_000)
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 3
@@ -25,7 +32,7 @@ def test_sharded_checkpoint_loads_and_matches_the_single_file(tmp_path, random_l
     assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
-def test_bf16_checkpoint_loads_into_fp32(tmp_path):
+def test_bf16_checkpoint_loads_into_fp32(tmp_path: Path) -> None:
     path = write_random_checkpoint(tmp_path / "bf16")
     tensors = load_file(str(path / "model.safetensors"))
     save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(path / "model.safetensors"))
@@ -34,7 +41,7 @@ def test_bf16_checkpoint_loads_into_fp32(tmp_path):
     assert len(llm.generate([PROMPT], GREEDY)[0].token_ids) == 8
 
 
-def test_missing_tensor_is_named(tmp_path):
+def test_missing_tensor_is_named(tmp_path: Path) -> None:
     path = write_random_checkpoint(tmp_path / "missing")
     tensors = load_file(str(path / "model.safetensors"))
     del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
@@ -44,7 +51,7 @@ def test_missing_tensor_is_named(tmp_path):
         LLM(path)
 
 
-def test_misshapen_tensor_names_both_shapes(tmp_path):
+def test_misshapen_tensor_names_both_shapes(tmp_path: Path) -> None:
     path = write_random_checkpoint(tmp_path / "misshapen")
     tensors = load_file(str(path / "model.safetensors"))
     tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(48, 64)
@@ -54,7 +61,7 @@ def test_misshapen_tensor_names_both_shapes(tmp_path):
         LLM(path)
 
 
-def test_missing_shard_and_missing_weights_are_reported(tmp_path):
+def test_missing_shard_and_missing_weights_are_reported(tmp_path: Path) -> None:
     path = write_random_checkpoint(tmp_path / "shards", max_shard_bytes=200_000)
     (path / "model-00002-of-{:05d}.safetensors".format(
         len(set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values())))).unlink()
@@ -66,7 +73,7 @@ def test_missing_shard_and_missing_weights_are_reported(tmp_path):
         LLM(empty)
 
 
-def test_unsupported_dtype_is_named(tmp_path):
+def test_unsupported_dtype_is_named(tmp_path: Path) -> None:
     path = write_random_checkpoint(tmp_path / "int8")
     tensors = load_file(str(path / "model.safetensors"))
     tensors["model.norm.weight"] = torch.ones(64, dtype=torch.int8)
@@ -75,7 +82,7 @@ def test_unsupported_dtype_is_named(tmp_path):
         LLM(path)
 
 
-def test_both_config_spellings_read_the_same():
+def test_both_config_spellings_read_the_same() -> None:
     released = dict(RANDOM_CONFIG)
     released["num_experts"] = released.pop("num_local_experts")
     released["rope_theta"] = released.pop("rope_parameters")["rope_theta"]
@@ -84,6 +91,94 @@ def test_both_config_spellings_read_the_same():
     assert cfg.num_experts == 8 and cfg.rope_theta == 50000.0 and cfg.moe_layers == [0, 2]
 
 
-def test_random_tensors_are_seeded():
+def test_random_tensors_are_seeded() -> None:
     a, b = random_tensors(RANDOM_CONFIG, seed=3), random_tensors(RANDOM_CONFIG, seed=3)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def held_tensors(root: object) -> dict[str, torch.Tensor]:
+    """Every tensor reachable from `root` through attributes, lists, tuples and dicts, named by
+    the path that first reached it (e.g. `layers[0].experts.slots.store.w13`)."""
+    found: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+
+    def walk(obj: object, path: str) -> None:
+        if isinstance(obj, torch.Tensor):  # a tied tensor is listed under each of its names
+            found[path] = obj
+            return
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, types.FunctionType)):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            for key, value in obj.items():
+                walk(value, f"{path}[{key!r}]")
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            for i, value in enumerate(obj):
+                walk(value, f"{path}[{i}]")
+        elif hasattr(obj, "__dict__"):
+            for key, value in vars(obj).items():
+                walk(value, f"{path}.{key}" if path else key)
+
+    walk(root, "")
+    return found
+
+
+def load_recording_file_tensors(monkeypatch: pytest.MonkeyPatch, path: Path, num_resident: int | None
+                                ) -> tuple[LLM, list[torch.Tensor]]:
+    """An LLM loaded from `path` (with `num_resident` paged experts per layer), and every tensor
+    the loader read from the mapped files, kept alive so their mappings stay where the loader
+    saw them (a fresh `safe_open` would map the file elsewhere, and find no overlap ever)."""
+    read: list[torch.Tensor] = []
+    iter_tensors = engine.loader.iter_tensors
+
+    def recording(p: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in iter_tensors(p):
+            read.append(tensor)
+            yield name, tensor
+    monkeypatch.setattr(engine.loader, "iter_tensors", recording)
+    return LLM(path, paged_experts_num_resident=num_resident), read
+
+
+def shares_memory(t: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
+    """Whether `t`'s storage overlaps any of the [start, end) address ranges."""
+    lo, hi = storage_range(t)
+    return lo < hi and any(start < hi and lo < end for start, end in ranges)
+
+
+def storage_range(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return s.data_ptr(), s.data_ptr() + s.nbytes()
+
+
+# Per layer: two norms, wqkv, wo, qk_norm; per MoE layer: router and two expert tensors (paged:
+# the host store's two and the slots' two); per dense layer: w13, w2; embed, lm_head, final norm.
+@pytest.mark.parametrize("num_resident, at_least, must_hold", [
+    (None, 3 * 5 + 2 * 3 + 2 + 3, ["layers[0].experts.w13", "layers[2].router", "lm_head"]),
+    (2, 3 * 5 + 2 * 5 + 2 + 3, ["layers[0].experts.slots.store.w13", "layers[2].experts.slots.w2"]),
+])
+def test_every_weight_is_owned_and_aligned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           num_resident: int | None, at_least: int, must_hold: list[str]) -> None:
+    path = write_random_checkpoint(tmp_path / "ckpt", max_shard_bytes=200_000)  # shards: offsets not aligned
+    llm, read = load_recording_file_tensors(monkeypatch, path, num_resident)
+    assert len(read) == len(random_tensors(RANDOM_CONFIG))
+    held = held_tensors(llm.model)
+    assert len(held) >= at_least and all(name in held for name in must_hold), sorted(held)
+    misaligned = {name: t.data_ptr() % 64 for name, t in held.items() if t.data_ptr() % 64}
+    assert not misaligned
+    mapped = [storage_range(t) for t in read]
+    assert not [name for name, t in held.items() if shares_memory(t, mapped)]
+
+
+def test_rewriting_the_checkpoint_after_load_changes_nothing(tmp_path: Path) -> None:
+    path = write_random_checkpoint(tmp_path / "live")
+    other = write_random_checkpoint(tmp_path / "other", seed=1)
+    file, new_bytes = path / "model.safetensors", (other / "model.safetensors").read_bytes()
+    assert file.stat().st_size == len(new_bytes) and file.read_bytes() != new_bytes
+    llm = LLM(path)
+    before = llm.generate([PROMPT], GREEDY)[0]
+    with open(file, "r+b") as f:  # in place, as a mapping of the file would see it
+        f.write(new_bytes)
+    after = llm.generate([PROMPT], GREEDY)[0]
+    assert after.token_ids == before.token_ids and after.logprobs == before.logprobs
+    fresh = LLM(path).generate([PROMPT], GREEDY)[0]  # the rewrite did change the weights on disk
+    assert fresh.logprobs != before.logprobs
