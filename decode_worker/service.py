@@ -3,24 +3,42 @@
 from __future__ import annotations
 
 import queue
+from typing import Iterator, Protocol
 
 import grpc
 
-from decode_worker.engine import DecodeEngine
-from decode_worker.messages import WorkerError, params_from_proto
-from decode_worker.stats import health, stats
+from decode_worker.engine import DecodeEngine, DecodeRequest
+from engine.sampling import SamplingParams
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
+from worker.convert import params_from_proto
+from worker.stats import health, stats
+from worker.types import ErrorCode, Role, WorkerError
 
 POLL_S = 0.5     # how often a stream waiting for tokens checks that its client is still there
 
 
-class DecodeServicer(wpb_grpc.DecodeServiceServicer):
-    def __init__(self, engine: DecodeEngine, transfer_endpoint: str, role: str = "decode", prefill=None):
-        self.engine, self.endpoint, self.role = engine, transfer_endpoint, role
-        self.prefill = prefill            # a PrefillEngine when colocated
+class LocalPrefill(Protocol):
+    """A prefill role in the same process (colocated): it fills this worker's reservations."""
 
-    def Generate(self, request: wpb.GenerateRequest, context):
+    def submit(self, request_id: str, tenant: str, ids: list[int], params: SamplingParams,
+               endpoint: str, transfer_id: bytes) -> object:
+        """Queue the prompt; raises WorkerError having queued nothing."""
+        ...
+
+    def cancel(self, request_id: str, why: str) -> None:
+        """Drop the request's prefill wherever it is."""
+        ...
+
+
+class DecodeServicer(wpb_grpc.DecodeServiceServicer):
+    def __init__(self, engine: DecodeEngine, transfer_endpoint: str, role: Role = Role.DECODE,
+                 prefill: LocalPrefill | None = None):
+        self.engine, self.endpoint, self.role = engine, transfer_endpoint, role
+        self.prefill = prefill
+
+    def Generate(self, request: wpb.GenerateRequest, context: grpc.ServicerContext
+                 ) -> Iterator[wpb.GenerateResponse]:
         rid = request.request_id
         try:
             params = params_from_proto(request.params)
@@ -29,7 +47,9 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         except WorkerError as e:
             yield wpb.GenerateResponse(error=e.to_proto())
             return
-        cancel = lambda: self.engine.abort(rid, "CANCELLED", "the Generate stream was cancelled")  # noqa: E731
+
+        def cancel() -> None:
+            self.engine.abort(rid, ErrorCode.CANCELLED, "the Generate stream was cancelled")
         if not context.add_callback(cancel):
             cancel()                      # the stream already ended
             return
@@ -38,7 +58,7 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
             transfer_id=res.transfer_id, transfer_endpoint=self.endpoint, prompt_tokens=res.prompt_len,
             reserved_pages=dreq.reserved_pages, seed=dreq.req.params.seed))
         if self.prefill is not None:
-            self._prefill_here(dreq, request)
+            self._prefill_here(self.prefill, dreq, request)
         while True:
             try:
                 msg = dreq.events.get(timeout=POLL_S)
@@ -50,27 +70,27 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
             if msg.WhichOneof("kind") in ("finish", "error"):
                 return
 
-    def _prefill_here(self, dreq, request: wpb.GenerateRequest) -> None:
+    def _prefill_here(self, prefill: LocalPrefill, dreq: DecodeRequest, request: wpb.GenerateRequest) -> None:
         try:
-            self.prefill.submit(request.request_id, request.tenant, list(request.prompt_token_ids),
-                                dreq.req.params, self.endpoint, dreq.reservation.transfer_id)
+            prefill.submit(request.request_id, request.tenant, list(request.prompt_token_ids),
+                           dreq.req.params, self.endpoint, dreq.reservation.transfer_id)
         except WorkerError as e:
             self.engine.abort(request.request_id, e.code, e.message)
 
-    def Abort(self, request: wpb.AbortRequest, context) -> wpb.AbortReply:
-        found = self.engine.abort(request.request_id, "ABORTED", "aborted by the caller")
+    def Abort(self, request: wpb.AbortRequest, context: grpc.ServicerContext) -> wpb.AbortReply:
+        found = self.engine.abort(request.request_id, ErrorCode.ABORTED, "aborted by the caller")
         if self.prefill is not None:
             self.prefill.cancel(request.request_id, "aborted by the caller")
         return wpb.AbortReply(found=found)
 
-    def Health(self, request, context) -> wpb.HealthReply:
-        return health(self.engine.llm, self.role)
+    def Health(self, request: wpb.HealthRequest, context: grpc.ServicerContext) -> wpb.HealthReply:
+        return health(self.engine.core, self.role)
 
-    def Stats(self, request, context) -> wpb.StatsReply:
+    def Stats(self, request: wpb.StatsRequest, context: grpc.ServicerContext) -> wpb.StatsReply:
         e = self.engine
         r = e.receiver
         waiting = sum(1 for d in list(e.requests.values()) if not d.reservation.terminal)
-        return stats(e.llm, self.role, running=len(e.scheduler.running), waiting=waiting,
+        return stats(e.core, self.role, running=len(e.core.scheduler.running), waiting=waiting,
                      accepted=r.accepted_frames, refused=dict(r.refused),
                      finished=e.counts["finished"], failed=e.counts["failed"])
 

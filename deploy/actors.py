@@ -17,7 +17,8 @@ HEARTBEAT_S = 2.0
 class WorkerActor:
     def __init__(self, worker_id: str, role: str, config: dict, secret: bytes, registry, host: str | None,
                  cores: list[int] | None = None, chaos_seed: int | None = None):
-        from decode_worker.config import WorkerConfig
+        from worker.config import WorkerConfig
+        from worker.types import Role
         if cores:
             _pin(cores)
         ip = ray.util.get_node_ip_address()
@@ -28,9 +29,9 @@ class WorkerActor:
             from chaos.control import ChaosControl
             self.chaos = ChaosControl(role, chaos_seed)
         from deploy.worker import start_worker
-        self.handle = start_worker(role, cfg, self.chaos.faults if self.chaos else None)
+        self.handle = start_worker(Role(role), cfg)
         if self.chaos is not None:
-            self.chaos.handle = self.handle
+            self.chaos.attach(self.handle)
         # what the registry serves; the rest (health, KV, experts) is read live from the worker
         self.info = {"role": role, "address": self.handle.address, "node_ip": ip,
                      "node_id": ray.get_runtime_context().get_node_id()}

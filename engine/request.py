@@ -24,12 +24,14 @@ class Request:
     params: SamplingParams
     generator: torch.Generator
     prompt: str | None = None
+    handoff: bool = False                      # prefilled for another worker: ends after its first
+                                               # token, pages kept for the push (EngineCore)
     status: Status = Status.WAITING
     num_computed: int = 0                      # tokens whose K/V are in the cache
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
-    stopper: StopChecker | None = None         # stop conditions and the output text
+    stopper: StopChecker | None = None         # stop conditions and the output text (not on hand-off)
 
     @property
     def num_tokens(self) -> int:
@@ -39,6 +41,11 @@ class Request:
     def max_total_tokens(self) -> int:
         """Prompt plus every token it may generate: the KV it can ever need."""
         return len(self.prompt_token_ids) + self.params.max_tokens
+
+    @property
+    def reserved_tokens(self) -> int:
+        """The KV this pool reserves for it: the prompt alone for a hand-off, else all of it."""
+        return len(self.prompt_token_ids) if self.handoff else self.max_total_tokens
 
     @property
     def prefilling(self) -> bool:

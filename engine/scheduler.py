@@ -29,14 +29,13 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """`reserve_output=False` (a prefill worker) reserves pages for the prompt only."""
+    """The one scheduler of a pool.  A hand-off request (prefill for another worker) reserves
+    pages for its prompt only; every other request for prompt + max_tokens."""
 
-    def __init__(self, pool: PagePool, max_num_seqs: int, max_prefill_tokens: int,
-                 reserve_output: bool = True):
+    def __init__(self, pool: PagePool, max_num_seqs: int, max_prefill_tokens: int):
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
-        self.reserve_output = reserve_output
         self.waiting: deque[Request] = deque()
         self.ready: deque[Request] = deque()     # prefilled elsewhere, pages held: decode only
         self.running: list[Request] = []
@@ -77,8 +76,7 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            need = self.pool.pages_for(req.max_total_tokens if self.reserve_output
-                                       else len(req.prompt_token_ids))
+            need = self.pool.pages_for(req.reserved_tokens)
             if need > self.pool.num_free:
                 break  # first come, first served: wait for pages to be freed
             self.waiting.popleft()
@@ -92,16 +90,20 @@ class Scheduler:
         return ScheduledBatch(reqs, counts, is_prefill=True) if reqs else None
 
     def finish(self, req: Request, reason: str) -> None:
-        """End a request and hand its pages back to the pool."""
+        """End a running or ready request and hand its pages back to the pool."""
         req.status = Status.FINISHED
         req.finish_reason = reason
-        self.running.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.ready.remove(req)
         self.pool.free(req.request_id)
 
     def detach(self, req: Request) -> None:
-        """Take a request out of the batch, keeping its pages (a prefill worker exports them
-        and frees them itself once the push has ended)."""
+        """Take a request out of the batch, keeping its pages (a hand-off: the prefill side
+        exports them and frees them once the push has ended)."""
         req.status = Status.FINISHED
+        req.finish_reason = "handoff"
         self.running.remove(req)
 
     def remove(self, req: Request, reason: str = "abort") -> bool:

@@ -14,14 +14,23 @@ from __future__ import annotations
 
 import threading
 import time
-from time import perf_counter
 from collections import Counter, OrderedDict, deque
+from time import perf_counter
 from typing import Callable
 
 from engine.kv_pool import PagePool
 from kv_transfer.errors import Refusal, TransferRefused
-from kv_transfer.frame import (PROTOCOL_VERSION, SUPPORTED_VERSIONS, check_secret, commit_digest,
-                               frame_checksum, new_transfer_id, ownership_tag, tags_equal)
+from kv_transfer.frame import (
+    PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
+    check_secret,
+    commit_digest,
+    frame_checksum,
+    new_transfer_id,
+    ownership_tag,
+    tags_equal,
+)
+from kv_transfer.hooks import PLAIN_RECEIVER, ReceiverHooks
 from kv_transfer.pages import block_parts, write_payload
 from kv_transfer.reservation import Reservation, State
 from proto import kv_transfer_pb2 as pb
@@ -34,7 +43,7 @@ class TransferReceiver:
     def __init__(self, pool: PagePool, secret: bytes, timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic,
                  on_failed: Callable[[Reservation], None] | None = None,
-                 on_committed: Callable[[Reservation], None] | None = None, faults=None):
+                 on_committed: Callable[[Reservation], None] | None = None):
         if timeout_s <= 0:
             raise ValueError(f"transfer timeout_s={timeout_s} must be > 0")
         self.pool = pool
@@ -49,11 +58,16 @@ class TransferReceiver:
         self.refused: Counter[str] = Counter()
         self.refusal_log: deque[tuple[str, str]] = deque(maxlen=REFUSAL_LOG)
         self.failure_log: deque[tuple[str, str]] = deque(maxlen=REFUSAL_LOG)  # transfers failed, and why
-        self.faults = faults   # chaos runs only: stalls and skipped page writes (chaos/injectors.py)
+        self.hooks: ReceiverHooks = PLAIN_RECEIVER     # see install_hooks
         self.accepted_frames = 0
         self.accepted_bytes = 0
         self.committed = 0
         self.checksum_s = 0.0   # time spent verifying and re-checksumming (benchmark figure)
+
+    def install_hooks(self, hooks: ReceiverHooks) -> None:
+        """Route every later frame through `hooks` (kv_transfer.hooks; chaos runs install fault
+        injectors this way)."""
+        self.hooks = hooks
 
     # ---- the pool owner's side ---------------------------------------------------
     def reserve(self, request_id: str, tenant: str, prompt_len: int,
@@ -130,8 +144,7 @@ class TransferReceiver:
     def receive(self, h: pb.FrameHeader, payload) -> None:
         """Verify one frame and write it into its reserved page.  Raises TransferRefused
         (having written nothing, and failing the transfer if it was open) on any refusal."""
-        if self.faults is not None:
-            self.faults.before_receive(h)
+        self.hooks.before_receive(h)
         with self._lock:
             res = self._checked(h)
             self._guard(res, lambda: (res.check_geometry(h, len(payload), self.pool), res.check_new(h)))
@@ -148,7 +161,7 @@ class TransferReceiver:
             self._guard(res, lambda: (res.check_new(h), self._check_page(res, ref)))
             res.claim(h)
         try:
-            if self.faults is None or not self.faults.skip_write(h):
+            if not self.hooks.skip_write(h):
                 write_payload(self.pool, ref.page, h.layer_start, h.layer_end, h.num_tokens, payload)
         except BaseException as e:
             with self._lock:

@@ -19,8 +19,17 @@ import torch
 
 from engine.kv_pool import PagePool
 from kv_transfer.frame import PROTOCOL_VERSION, commit_digest, frame_checksum, ownership_tag
-from kv_transfer.pages import (Payload, block_nbytes, block_shape, dtype_name, payload_view,
-                               read_block, read_bytes, tokens_in_page)
+from kv_transfer.hooks import PLAIN_SENDER, SenderHooks
+from kv_transfer.pages import (
+    Payload,
+    block_nbytes,
+    block_shape,
+    dtype_name,
+    payload_view,
+    read_block,
+    read_bytes,
+    tokens_in_page,
+)
 from proto import kv_transfer_pb2 as pb
 
 
@@ -54,7 +63,7 @@ class SenderStream(Protocol):
 
 class TransferSender:
     def __init__(self, stream: SenderStream, ticket: TransferTicket, secret: bytes, pool: PagePool,
-                 page_table: list[int], prompt_len: int, faults=None):
+                 page_table: list[int], prompt_len: int, hooks: SenderHooks = PLAIN_SENDER):
         if pool.pages_for(prompt_len) > len(page_table):
             raise ValueError(f"prompt of {prompt_len} tokens needs {pool.pages_for(prompt_len)} pages, "
                              f"page table has {len(page_table)}")
@@ -64,7 +73,7 @@ class TransferSender:
         self.tag = ownership_tag(secret, ticket.tenant, ticket.request_id, ticket.transfer_id)
         self.checksum_s = time.perf_counter() - t0   # checksums and tag (benchmark figure)
         self.checksums: list[int] = []
-        self.faults = faults
+        self.hooks = hooks
         self._early_commit = False
 
     def header(self, page_index: int, l0: int, l1: int) -> pb.FrameHeader:
@@ -86,7 +95,7 @@ class TransferSender:
 
     def send_page(self, page_index: int, l0: int, l1: int) -> None:
         if self._early_commit:
-            return                   # a fault injector committed this transfer early
+            return                   # a hook committed this transfer early
         h = self.header(page_index, l0, l1)
         page, n = self.page_table[page_index], h.num_tokens
         buf = self.stream.stage(block_nbytes(self.pool, l0, l1, n))
@@ -98,10 +107,7 @@ class TransferSender:
         h.checksum = frame_checksum(h, [payload_view(buf)])
         self.checksum_s += time.perf_counter() - t0
         self.checksums.append(h.checksum)
-        if self.faults is None:
-            self.stream.send(h, buf)
-        else:
-            self._early_commit = self.faults.on_frame(self.ticket, h, buf, self.stream)
+        self._early_commit = self.hooks.on_frame(self.ticket, h, buf, self.stream)
 
     def commit(self, first_token_id: int, first_logprob: float,
                first_top: dict[int, float] | None = None) -> pb.PushReply:
@@ -111,10 +117,8 @@ class TransferSender:
                       tokens_covered=self.prompt_len, digest=commit_digest(self.checksums),
                       first_token_id=first_token_id, first_logprob=first_logprob,
                       first_top_ids=list(first_top or ()), first_top_logprobs=list((first_top or {}).values()))
-        if self.faults is None:
-            return self.stream.commit(c)
-        self.faults.flush(self.ticket, self.stream)
+        self.hooks.before_commit(self.ticket, self.stream)
         try:
             return self.stream.commit(c)
         finally:
-            self.faults.ended(self.ticket)
+            self.hooks.after_commit(self.ticket)

@@ -1,22 +1,24 @@
-"""Starting a prefill worker's service."""
+"""Starting a prefill worker: its engine core, the prefill role and its gRPC service."""
 
 from __future__ import annotations
 
 import threading
 
-from decode_worker.config import WorkerConfig
-from decode_worker.loop import WorkerLoop
-from decode_worker.server import WorkerHandle, build_llm, grpc_server
-from engine import LLM
+from engine.core import EngineCore
 from prefill_worker.engine import PrefillEngine
 from prefill_worker.service import PrefillServicer, add_to_server
+from worker.config import WorkerConfig
+from worker.loop import WorkerLoop
+from worker.server import WorkerHandle, build_core, grpc_server
+from worker.types import Role
 
 
-def start_prefill_worker(config: WorkerConfig, llm: LLM | None = None, faults=None) -> WorkerHandle:
-    llm = llm or build_llm(config)
-    engine = PrefillEngine(llm, config.secret, threading.RLock(), config.layer_group, faults=faults)
+def start_prefill_worker(config: WorkerConfig, core: EngineCore | None = None) -> WorkerHandle:
+    core = core or build_core(config)
+    lock, wake = threading.RLock(), threading.Event()
+    engine = PrefillEngine(core, config.secret, lock, wake, config.layer_group)
     server, address = grpc_server(config)
     add_to_server(PrefillServicer(engine), server)
-    loop = WorkerLoop([engine]).start()
+    loop = WorkerLoop(core, [engine], lock, wake).start()
     server.start()
-    return WorkerHandle("prefill", address, llm, server, loop, [engine])
+    return WorkerHandle(Role.PREFILL, address, core, lock, server, loop, [engine])

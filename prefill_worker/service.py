@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import grpc
 
-from decode_worker.messages import WorkerError, params_from_proto
-from decode_worker.stats import health, stats
 from prefill_worker.engine import PrefillEngine
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
+from worker.convert import params_from_proto
+from worker.stats import health, stats
+from worker.types import ErrorCode, Role, WorkerError
 
 POLL_S = 0.5
 
 
 class PrefillServicer(wpb_grpc.PrefillServiceServicer):
-    def __init__(self, engine: PrefillEngine):
+    def __init__(self, engine: PrefillEngine) -> None:
         self.engine = engine
 
-    def Prefill(self, request: wpb.PrefillRequest, context) -> wpb.PrefillReply:
+    def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillReply:
         """Prefill, push the pages and the commit to the decode worker; reply once the push was
         acknowledged, or with a coded error."""
         try:
@@ -30,19 +31,20 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
             if not context.is_active():
                 self.engine.cancel(request.request_id, "the Prefill call was cancelled")
                 job.done.wait(POLL_S * 10)
-                return wpb.PrefillReply(ok=False, error=wpb.Error(code="CANCELLED", message="cancelled"))
+                return wpb.PrefillReply(ok=False, error=wpb.Error(code=ErrorCode.CANCELLED.value,
+                                                                    message="cancelled"))
         if job.error is not None:
             return wpb.PrefillReply(ok=False, error=job.error.to_proto(), frames=job.frames)
         return wpb.PrefillReply(ok=True, first_token_id=job.first_token, first_logprob=job.first_logprob,
                                 frames=job.frames)
 
-    def Health(self, request, context) -> wpb.HealthReply:
-        return health(self.engine.llm, "prefill")
+    def Health(self, request: wpb.HealthRequest, context: grpc.ServicerContext) -> wpb.HealthReply:
+        return health(self.engine.core, Role.PREFILL)
 
-    def Stats(self, request, context) -> wpb.StatsReply:
+    def Stats(self, request: wpb.StatsRequest, context: grpc.ServicerContext) -> wpb.StatsReply:
         e = self.engine
-        s = e.scheduler
-        return stats(e.llm, "prefill", running=len(s.running), waiting=len(s.waiting),
+        s = e.core.scheduler
+        return stats(e.core, Role.PREFILL, running=len(s.running), waiting=len(s.waiting),
                      waiting_tokens=e.queued_tokens, accepted=e.counts["pushed"],
                      finished=e.counts["pushed"], failed=e.counts["failed"])
 

@@ -32,7 +32,7 @@ def stats(handle, kind):
 
 def counters(decode, prefill):
     d, p = stats(decode, "decode"), stats(prefill, "prefill")
-    recv = decode.engines[0].receiver
+    recv = decode.roles[0].receiver
     return (d.requests_finished, d.requests_failed, recv.accepted_bytes, recv.committed, p.requests_finished,
             p.requests_failed, prefill.engines[0].counts["pushed"])
 
@@ -48,7 +48,7 @@ def test_an_oversized_prompt_is_refused_before_any_worker(cluster, over):
     assert f"prompt_tokens ({CONTEXT - 4 + over}) + max_tokens (4) = {CONTEXT + over}" in message
     assert f"context length of {CONTEXT} tokens" in message
     assert counters(decode, prefill) == before                 # no reservation, no KV byte
-    assert decode.llm.pool.num_free == decode.llm.pool.num_pages
+    assert decode.core.pool.num_free == decode.core.pool.num_pages
 
 
 def test_a_prompt_exactly_at_the_limit_passes(cluster):

@@ -89,7 +89,7 @@ def test_a_client_that_disconnects_frees_the_pages(cluster):
         headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200 and resp.readline().startswith(b"data: ")
-    assert decode.llm.pool.num_free < decode.llm.pool.num_pages           # decoding, pages held
+    assert decode.core.pool.num_free < decode.core.pool.num_pages           # decoding, pages held
     conn.close()                                                           # the client goes away
     wait_idle(decode, prefill)
 
@@ -105,9 +105,9 @@ def test_a_client_that_leaves_a_non_streaming_request_ends_it_at_once(cluster):
         "model": "tiny-moe", "prompt": "while True:\n", "max_tokens": 500, "ignore_eos": True}),
         headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
     end = time.monotonic() + 10
-    while decode.llm.pool.num_free == decode.llm.pool.num_pages and time.monotonic() < end:
+    while decode.core.pool.num_free == decode.core.pool.num_pages and time.monotonic() < end:
         time.sleep(0.01)
-    assert decode.llm.pool.num_free < decode.llm.pool.num_pages             # generating
+    assert decode.core.pool.num_free < decode.core.pool.num_pages             # generating
     conn.close()                                                            # the client goes away
     wait_idle(decode, prefill, timeout_s=3.0)
     assert counts["finished"] == finished and counts["failed"] == failed + 1
@@ -148,7 +148,7 @@ def test_a_peer_stalled_for_40_seconds_does_not_fail_a_longer_request():
     """The decode worker stops reading the KV push for 40 s (flow control backs the prefill
     worker up), then continues: with a 120 s request timeout the request completes."""
     decode, prefill = start_decode_worker(config()), start_prefill_worker(config())
-    receiver = decode.engines[0].receiver
+    receiver = decode.roles[0].receiver
     inner, stalled = receiver.receive, []
 
     def stall_once(h, payload):
@@ -190,7 +190,7 @@ def test_a_prefill_worker_killed_mid_push_is_retried_on_another():
         while sum(w["healthy"] for w in json.loads(get(gw.url, "/v1/server_info")[1])["workers"]) < 3:
             assert time.monotonic() < end, "workers never all healthy"
             time.sleep(0.1)
-        receiver = decode.engines[0].receiver
+        receiver = decode.roles[0].receiver
 
         def kill_when_pushing():
             end = time.monotonic() + 60

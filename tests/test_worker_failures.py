@@ -13,9 +13,10 @@ import time
 import grpc
 import pytest
 
-from decode_worker.client import generate
-from decode_worker.messages import params_to_proto
-from decode_worker.server import build_llm, start_decode_worker
+from worker.client import generate
+from worker.convert import params_to_proto
+from decode_worker.server import start_decode_worker
+from worker.server import build_core
 from engine.sampling import SamplingParams
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
@@ -51,17 +52,17 @@ def open_stream(decode, rid, ids, params):
 
 
 def test_an_oversized_prompt_is_refused_before_any_page(decode, ids):
-    free = decode.llm.pool.num_free
+    free = decode.core.pool.num_free
     _, call = open_stream(decode, "big", ids * 120, SamplingParams(max_tokens=16))
     msgs = list(call)
     assert len(msgs) == 1 and msgs[0].error.code == "PROMPT_TOO_LONG"
     assert "exceeds the model context of 1024 tokens" in msgs[0].error.message
-    assert decode.llm.pool.num_free == free and decode.engines[0].receiver.open_transfers == 0
+    assert decode.core.pool.num_free == free and decode.roles[0].receiver.open_transfers == 0
     assert list(open_stream(decode, "bad", [10**6], SamplingParams())[1])[0].error.code == "INVALID_REQUEST"
     stub = wpb_grpc.DecodeServiceStub(grpc.insecure_channel(decode.address))
     bad_timeout = list(stub.Generate(wpb.GenerateRequest(request_id="neg", tenant="acme", prompt_token_ids=ids,
                                                          params=params_to_proto(SamplingParams()), timeout_s=-1)))
-    assert bad_timeout[0].error.code == "INVALID_REQUEST" and decode.llm.pool.num_free == free
+    assert bad_timeout[0].error.code == "INVALID_REQUEST" and decode.core.pool.num_free == free
 
 
 def test_cancelling_the_stream_mid_decode_frees_the_pages(decode, prefill, ids):
@@ -69,7 +70,7 @@ def test_cancelling_the_stream_mid_decode_frees_the_pages(decode, prefill, ids):
                    "cancel-me", "acme", ids, LONG)
     kinds = [next(gen).WhichOneof("kind") for _ in range(4)]
     assert kinds == ["reservation", "tokens", "tokens", "tokens"]
-    assert decode.llm.pool.num_free < decode.llm.pool.num_pages
+    assert decode.core.pool.num_free < decode.core.pool.num_pages
     gen.close()                                                # the client goes away
     wait_idle(decode, prefill)
 
@@ -106,7 +107,7 @@ def test_a_prefill_worker_killed_mid_push(decode, ids):
         gen = generate(grpc.insecure_channel(decode.address), grpc.insecure_channel(line[2]),
                        "killed", "acme", ids * 4, SamplingParams(max_tokens=8))
         assert next(gen).WhichOneof("kind") == "reservation"
-        receiver = decode.engines[0].receiver
+        receiver = decode.roles[0].receiver
         base = receiver.accepted_frames
         end = time.monotonic() + 30
         while receiver.accepted_frames == base and time.monotonic() < end:
@@ -124,7 +125,7 @@ def test_a_prefill_worker_killed_mid_push(decode, ids):
 
 def test_start_up_refuses_a_pool_smaller_than_the_context():
     with pytest.raises(ValueError, match="raise --kv-cache-tokens to at least 2048"):
-        build_llm(config(kv_cache_tokens=512))
+        build_core(config(kv_cache_tokens=512))
 
 
 def test_stopping_a_worker_ends_its_streams_with_an_explicit_error(prefill, ids):

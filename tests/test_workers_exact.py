@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from decode_worker.colocated import start_colocated_worker
+from deploy.colocated import start_colocated_worker
 from decode_worker.server import start_decode_worker
 from engine.sampling import SamplingParams
 from proto import worker_pb2 as wpb

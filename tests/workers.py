@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from decode_worker.client import generate
-from decode_worker.config import WorkerConfig
-from decode_worker.server import WorkerHandle
+from worker.client import generate
+from worker.config import WorkerConfig
+from worker.server import WorkerHandle
 from engine.sampling import SamplingParams
 
 SECRET = b"tandem-test-cluster-secret-0123"
@@ -52,7 +52,7 @@ def wait_idle(*handles: WorkerHandle, timeout_s: float = 10.0) -> None:
     """Every worker's pool intact and fully free (I6), waiting for in-flight ends to land."""
     end = time.monotonic() + timeout_s
     for h in handles:
-        pool = h.llm.pool
+        pool = h.core.pool
         while pool.num_free != pool.num_pages and time.monotonic() < end:
             time.sleep(0.02)
         pool.check_integrity()

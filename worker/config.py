@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.config import SHIPPED_MODEL, EngineConfig, parse_dtype
 from kv_transfer.frame import check_secret
 
 
@@ -43,9 +44,11 @@ class WorkerConfig:
     def public_host(self) -> str:
         return self.advertise_host or self.host
 
-    def llm_kwargs(self) -> dict:
-        return dict(model=self.model, dtype=self.dtype, device=self.device,
-                    kv_cache_tokens=self.kv_cache_tokens, page_size=self.page_size,
-                    max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
-                    max_prefill_tokens=self.max_prefill_tokens, seed=self.seed,
-                    paged_experts_num_resident=self.paged_experts_num_resident)
+    def engine_config(self, kv_cache_tokens: int | None = None) -> EngineConfig:
+        """The engine's config for this worker (`kv_cache_tokens` overrides the configured size)."""
+        return EngineConfig(model=str(self.model or SHIPPED_MODEL), dtype=parse_dtype(self.dtype),
+                            device=self.device, page_size=self.page_size,
+                            kv_cache_tokens=kv_cache_tokens or self.kv_cache_tokens,
+                            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+                            max_prefill_tokens=self.max_prefill_tokens, seed=self.seed,
+                            paged_experts_num_resident=self.paged_experts_num_resident)

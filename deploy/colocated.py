@@ -1,0 +1,32 @@
+"""A colocated worker, assembled from both roles: one process, one `EngineCore` (model, KV
+pool, one scheduler), prefill and decode.  The prompt's pages move into the decode reservation
+through the in-process transport, verified exactly as across nodes.  Its `Generate` is the
+decode worker's: it prefills itself."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+from decode_worker.engine import DecodeEngine
+from decode_worker.service import DecodeServicer, add_to_server
+from engine.core import EngineCore
+from kv_transfer.transport.local import LocalServer
+from prefill_worker.engine import PrefillEngine
+from worker.config import WorkerConfig
+from worker.loop import WorkerLoop
+from worker.server import WorkerHandle, build_core, grpc_server
+from worker.types import Role
+
+
+def start_colocated_worker(config: WorkerConfig, core: EngineCore | None = None) -> WorkerHandle:
+    core = core or build_core(config)
+    lock, wake = threading.RLock(), threading.Event()
+    decode = DecodeEngine(core, config.secret, config.transfer_timeout_s, lock, wake)
+    prefill = PrefillEngine(core, config.secret, lock, wake, config.layer_group, owner_suffix="#prefill")
+    transfer = LocalServer(decode.receiver, f"colocated-{uuid.uuid4().hex[:8]}")
+    server, address = grpc_server(config)
+    add_to_server(DecodeServicer(decode, transfer.endpoint, role=Role.COLOCATED, prefill=prefill), server)
+    loop = WorkerLoop(core, [prefill, decode], lock, wake).start()
+    server.start()
+    return WorkerHandle(Role.COLOCATED, address, core, lock, server, loop, [prefill, decode], [transfer.stop])

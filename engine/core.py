@@ -1,0 +1,185 @@
+"""`EngineCore`: one model, one KV pool and the one scheduler of that pool, stepped as
+
+    batch  = core.schedule()
+    output = core.run(batch)
+    events = core.update(batch, output)     # the one token path
+
+The single-process `LLM` and every worker (prefill, decode, colocated) drive a core; nothing
+else schedules over its pool.  `update` (and `accept_token`, for a first token that came
+with a KV transfer) is the only code that appends a sampled token to a request, runs its
+stop checks and hands a finished request's pages back to the pool.
+
+Who frees which pages when:
+- a request that finishes (stop, length) is freed by `update`/`accept_token`, at once;
+- a hand-off request (`Request.handoff`: prefill for another worker) is detached after its
+  first token with its pages kept; its owner frees them (`free`) once the push has ended;
+- `abort` drops a request wherever it is and frees its pages.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from engine.attention import select_attention
+from engine.config import SHIPPED_MODEL, EngineConfig, ModelConfig, parse_dtype
+from engine.experts import PagedExperts, check_independence, paged_factory, validate_num_resident
+from engine.kv_pool import PagePool
+from engine.loader import load_model
+from engine.model_runner import ModelRunner
+from engine.moe import select_moe_kernel
+from engine.request import Request
+from engine.sampling import SampleOutput, SamplingParams
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.stop import StopChecker
+from engine.tokenizer import Tokenizer
+from engine.validate import check_prompt
+
+LayerHook = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One token appended to a request by the token path, and whether it ended the request."""
+    req: Request
+    token: int
+    logprobs: dict[int, float] | None
+    finish_reason: str | None          # "stop", "length", "handoff" (pages kept), or None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, attention: str | None = None):
+        """Load the checkpoint `config.model` and size the KV pool.  Raises ValueError naming
+        the setting to change, CheckpointError naming the tensor, ExpertCheckError when the
+        start-up check of paged experts fails."""
+        device, k = config.device, config.paged_experts_num_resident
+        path = Path(config.model)
+        if torch.device(device).type == "cuda" and torch.device(device).index is not None:
+            torch.cuda.set_device(torch.device(device))  # streams, events and Triton use it
+        self.config = config
+        self.model_config = mc = ModelConfig.from_path(path)
+        validate_num_resident(k, mc.num_experts, mc.num_experts_per_tok, config.dtype)
+        self.tokenizer = Tokenizer(path)
+        attn = select_attention(device, attention, config.page_size)
+        self.attention_backend = attn.name
+        triton_moe = select_moe_kernel(device)
+        self.model = load_model(path, mc, config.dtype, device, attn, moe_triton=triton_moe,
+                                make_experts=paged_factory(k, device, triton_moe) if k is not None else None)
+        if k is not None:
+            for layer, experts in self.paged_experts().items():
+                check_independence(experts.slots, layer)
+            prefetch = config.paged_experts_prefetch
+            self.model.prefetch_experts = torch.device(device).type == "cuda" if prefetch is None else prefetch
+        self.pool = PagePool(config.num_pages, config.page_size, mc.num_hidden_layers,
+                             mc.num_key_value_heads, mc.head_dim, config.dtype, device)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_prefill_tokens)
+        limit = mc.max_position_embeddings
+        self.max_model_len = min(config.max_model_len, limit) if config.max_model_len else limit
+        eos = set(mc.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = frozenset(eos)
+        self.runner = ModelRunner(self.model, self.pool, device, self.eos_ids)
+        self._seed_rng = torch.Generator().manual_seed(config.seed)
+        self._ids = itertools.count()
+
+    # ---- requests --------------------------------------------------------------------
+    def check(self, ids: list[int], params: SamplingParams, reserve_output: bool = True) -> None:
+        """Raises RequestError (INVALID_REQUEST, PROMPT_TOO_LONG) naming the problem and the limit."""
+        check_prompt(ids, params, self.model_config.vocab_size, self.max_model_len,
+                     self.pool.capacity_tokens, reserve_output)
+
+    def make_request(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
+                     prompt: str | None = None, handoff: bool = False,
+                     generator: torch.Generator | None = None) -> Request:
+        """A checked request (not yet scheduled).  Without a seed, one is drawn from the core's
+        seeded generator.  Raises RequestError, creating nothing."""
+        self.check(ids, params, reserve_output=not handoff)
+        if generator is None:
+            seed = params.seed if params.seed is not None else \
+                int(torch.randint(0, 2**62, (), generator=self._seed_rng))
+            generator = torch.Generator().manual_seed(seed)
+        return Request(request_id=request_id or f"req-{next(self._ids)}", prompt_token_ids=list(ids),
+                       params=params, generator=generator, prompt=prompt, handoff=handoff,
+                       stopper=None if handoff else self.stop_checker(params))
+
+    def stop_checker(self, params: SamplingParams) -> StopChecker:
+        return StopChecker(params, self.tokenizer, self.eos_ids, self.max_model_len)
+
+    def add(self, req: Request) -> None:
+        """Queue a request to prefill here (its pages are allocated when it is admitted)."""
+        self.scheduler.add(req)
+
+    def add_prefilled(self, req: Request, first_token: int, logprobs: dict[int, float] | None) -> TokenEvent:
+        """A request whose prompt KV was imported into the pages it holds, and the first token
+        sampled with it: it joins the decode batch unless that token already ended it."""
+        self.scheduler.add_prefilled(req)
+        return self.accept_token(req, first_token, logprobs)
+
+    def abort(self, req: Request) -> bool:
+        """Drop `req` wherever it is, freeing its pages.  Returns whether it was here."""
+        return self.scheduler.remove(req, "abort")
+
+    def free(self, request_id: str) -> None:
+        """Hand back the pages of a detached (hand-off) or never-scheduled request."""
+        self.pool.free(request_id)
+
+    # ---- the step --------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        return self.scheduler.schedule()
+
+    def run(self, batch: ScheduledBatch, on_layer: LayerHook | None = None) -> SampleOutput:
+        return self.runner.run(batch, on_layer)
+
+    def update(self, batch: ScheduledBatch, output: SampleOutput) -> list[TokenEvent]:
+        """The token path: every request that sampled a token this step gets it."""
+        return [self.accept_token(req, token, lp)
+                for req, token, lp in zip(batch.requests, output.tokens, output.logprobs) if token >= 0]
+
+    def accept_token(self, req: Request, token: int, logprobs: dict[int, float] | None) -> TokenEvent:
+        """Append `token` (and its logprobs) to `req`, run its stop checks, and end it when it
+        stops: a finished request's pages go back to the pool here; a hand-off request is
+        detached with its pages kept after its first token."""
+        req.output_token_ids.append(token)
+        if logprobs is not None:
+            req.logprobs.append(logprobs)
+        if req.handoff:
+            reason: str | None = "handoff"
+            self.scheduler.detach(req)
+        else:
+            assert req.stopper is not None, f"{req.request_id} has no stop checker"
+            reason = req.stopper.append(token, req.num_tokens)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+        return TokenEvent(req, token, logprobs, reason)
+
+    def abort_all(self) -> None:
+        """Drop every request, returning all their pages (a failed step)."""
+        self.scheduler.abort_all()
+
+    # ---- paged experts -----------------------------------------------------------------
+    def paged_experts(self) -> dict[int, PagedExperts]:
+        """MoE layer index -> its paged experts (empty when every expert is resident)."""
+        return {i: layer.experts for i, layer in enumerate(self.model.layers)
+                if isinstance(layer.experts, PagedExperts)}
+
+    def verify_experts(self, on: bool = True) -> None:
+        """Guard mode: after each MoE compute the slots it read (and before eviction, every slot
+        it gives up) are compared with the host copy; a corrupted one is re-paged and the compute
+        run again, so no output comes from a corrupted slot; counted as `corrupt_slots`.  Costs
+        a read of those experts per step."""
+        for e in self.paged_experts().values():
+            e.slots.verify_on_use = on
+
+    def expert_stats(self) -> dict[int, dict]:
+        """Per paged MoE layer: hits, misses, hit_rate, bytes_paged, waves, steps, prefetch counters."""
+        return {i: e.counters.as_dict() for i, e in self.paged_experts().items()}
+

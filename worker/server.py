@@ -1,0 +1,113 @@
+"""Starting and stopping a worker process's services, whatever its role: the engine core it
+serves, the gRPC server, and the handle that stops them.  The roles assemble themselves in
+`prefill_worker/server.py`, `decode_worker/server.py` and (colocated) `deploy/colocated.py`."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import Counter
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Callable
+
+import grpc
+import torch
+
+from engine.config import ModelConfig, parse_dtype
+from engine.core import EngineCore
+from kv_transfer.hooks import TransferHooks
+from worker.config import WorkerConfig
+from worker.loop import RoleEngine, WorkerLoop
+from worker.types import Role
+
+RPC_THREADS = 512
+SERVICE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
+@dataclass
+class WorkerHandle:
+    """A running worker: its service address, its engine core and lock, and how to stop it."""
+    role: Role
+    address: str                      # host:port of its gRPC service
+    core: EngineCore
+    lock: threading.RLock             # held for every page ownership change off the loop's thread
+    server: grpc.Server
+    loop: WorkerLoop
+    roles: list[RoleEngine] = field(default_factory=list)
+    closers: list[Callable[[], None]] = field(default_factory=list)
+    stopped: bool = False
+
+    def counts(self) -> Counter[str]:
+        """The roles' request counters (submitted, pushed, reserved, finished, failed)."""
+        total: Counter[str] = Counter()
+        for role in self.roles:
+            total.update(role.counts)
+        return total
+
+    def install_transfer_hooks(self, hooks: TransferHooks) -> None:
+        """Route the transfers this worker sends and receives through `hooks` from now on (a
+        chaos run installs its fault injectors this way)."""
+        for role in self.roles:
+            role.install_hooks(hooks)
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        """End every live request with an explicit error, release all pages, stop serving."""
+        if self.stopped:
+            return
+        self.stopped = True
+        for role in self.roles:         # new Generate/Prefill calls are refused from here on
+            role.closing = True
+        self.loop.stop()                # from here on, only this thread changes page ownership
+        for role in self.roles:
+            role.shutdown()
+        self.server.stop(grace_s).wait()
+        for close in self.closers:
+            close()
+
+
+def build_core(config: WorkerConfig) -> EngineCore:
+    """Load the engine.  Raises ValueError naming the setting to change when the KV pool cannot
+    hold one request of the full context (ExpertCheckError from a failed independence check)."""
+    tokens = kv_tokens_for_fraction(config) if config.mem_fraction is not None else None
+    core = EngineCore(config.engine_config(tokens))
+    if config.verify_experts:
+        core.verify_experts()
+    if core.pool.capacity_tokens < core.max_model_len:
+        raise ValueError(f"kv_cache_tokens ({core.pool.capacity_tokens}) cannot hold one request of the "
+                         f"maximum context ({core.max_model_len} tokens): raise --kv-cache-tokens to at "
+                         f"least {core.max_model_len} or lower --max-model-len")
+    return core
+
+
+def kv_tokens_for_fraction(config: WorkerConfig) -> int:
+    """KV tokens that fit in `mem_fraction` of the device's free memory (host RAM on CPU)."""
+    assert config.mem_fraction is not None
+    ec = config.engine_config()
+    mc = ModelConfig.from_path(ec.model)
+    per_token = mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * \
+        torch.empty(0, dtype=parse_dtype(config.dtype)).element_size()
+    if torch.device(config.device).type == "cuda":
+        free = torch.cuda.mem_get_info(torch.device(config.device))[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    tokens = int(free * config.mem_fraction) // per_token
+    return tokens // config.page_size * config.page_size
+
+
+def grpc_server(config: WorkerConfig) -> tuple[grpc.Server, str]:
+    """A gRPC server bound to the configured host and port (0: a free one), not yet started,
+    and the address others reach it at."""
+    # every Generate/Prefill holds a thread for its whole life: leave room for Health/Stats,
+    # and refuse (RESOURCE_EXHAUSTED) rather than queue calls beyond the pool
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=RPC_THREADS, thread_name_prefix="worker-rpc"),
+                         options=SERVICE_OPTIONS, maximum_concurrent_rpcs=RPC_THREADS - 16)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"cannot bind the worker's gRPC service to {config.host}:{config.port}")
+    return server, f"{config.public_host}:{port}"
