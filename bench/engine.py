@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -29,7 +30,7 @@ PROMPTS = [
 ]
 
 
-def best_rate(fn, tokens: int, repeats: int) -> float:
+def best_rate(fn: Callable[[], None], tokens: int, repeats: int) -> float:
     fn()  # warm-up
     best = float("inf")
     for _ in range(repeats):
@@ -45,7 +46,7 @@ def hf_rate(prompt: str, tokens: int, repeats: int) -> float:
     model = AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL, dtype=torch.float32).eval()
     ids = tok(prompt, return_tensors="pt", add_special_tokens=False)
 
-    def run():
+    def run() -> None:
         with torch.inference_mode():
             out = model.generate(**ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
                                  pad_token_id=tok.pad_token_id)
@@ -56,7 +57,7 @@ def hf_rate(prompt: str, tokens: int, repeats: int) -> float:
 def engine_rate(llm: LLM, prompts: list[str], tokens: int, repeats: int) -> float:
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
 
-    def run():
+    def run() -> None:
         outs = llm.generate(prompts, params)
         assert all(len(o.token_ids) == tokens for o in outs)
     return best_rate(run, tokens * len(prompts), repeats)

@@ -40,10 +40,10 @@ def main() -> None:
             for on in (False, True):                           # alternate: noise hits both alike
                 llm.verify_experts(on)
                 rates[on].append(decode_rate(llm, prompts[:batch], args.tokens)[0])
-        off, on = (sorted(rates[x])[len(rates[x]) // 2] for x in (False, True))
-        result[f"b{batch}_tok_s_off"] = off
-        result[f"b{batch}_tok_s_on"] = on
-        result[f"b{batch}_on_over_off"] = on / off
+        rate_off, rate_on = (sorted(rates[x])[len(rates[x]) // 2] for x in (False, True))
+        result[f"b{batch}_tok_s_off"] = rate_off
+        result[f"b{batch}_tok_s_on"] = rate_on
+        result[f"b{batch}_on_over_off"] = rate_on / rate_off
     llm.verify_experts(False)
     result["corrupt_slots"] = sum(c["corrupt_slots"] for c in llm.expert_stats().values())
     emit(result, args.json, width=22)

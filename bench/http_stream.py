@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
@@ -46,7 +47,8 @@ async def post_stream(url: str, path: str, body: dict, api_key: str | None, time
     return res
 
 
-async def _exchange(host, port, path, body, api_key, res: StreamResult) -> None:
+async def _exchange(host: str | None, port: int, path: str, body: dict, api_key: str | None,
+                    res: StreamResult) -> None:
     reader, writer = await asyncio.open_connection(host, port)
     try:
         status, pieces = await post_json(reader, writer, f"{host}:{port}", path, body, api_key)
@@ -65,7 +67,7 @@ async def _exchange(host, port, path, body, api_key, res: StreamResult) -> None:
 
 
 async def post_json(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str, path: str,
-                    body: dict, api_key: str | None):
+                    body: dict, api_key: str | None) -> tuple[int, AsyncIterator[bytes]]:
     """POST `body` as JSON on an open connection (closed by the server after the response).
     Returns the status and an async iterator over the body's pieces as they arrive."""
     payload = json.dumps(body).encode()
@@ -76,7 +78,7 @@ async def post_json(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
     writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
     await writer.drain()
     status = int((await reader.readline()).split()[1])
-    headers = {}
+    headers: dict[str, str] = {}
     while (line := await reader.readline()) not in (b"\r\n", b""):
         k, _, v = line.decode().partition(":")
         headers[k.strip().lower()] = v.strip()
@@ -84,7 +86,7 @@ async def post_json(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
     return status, (read_chunked(reader) if chunked else read_plain(reader))
 
 
-async def read_chunked(reader: asyncio.StreamReader):
+async def read_chunked(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
     """The pieces of a chunked HTTP/1.1 body, as they arrive."""
     while True:
         size = int((await reader.readline()).strip().split(b";")[0], 16)
@@ -95,7 +97,7 @@ async def read_chunked(reader: asyncio.StreamReader):
         yield data
 
 
-async def read_plain(reader: asyncio.StreamReader):
+async def read_plain(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
     """A body without chunking, read to the end of the connection."""
     while data := await reader.read(65536):
         yield data

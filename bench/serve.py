@@ -38,12 +38,12 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
         raise SystemExit(f"--shapes {text!r}: expected INPUTxOUTPUT[,INPUTxOUTPUT...], e.g. 512x64,64x256")
     if any(len(s) != 2 or min(s) < 1 for s in shapes):
         raise SystemExit(f"--shapes {text!r}: each shape is INPUTxOUTPUT with both >= 1")
-    return shapes
+    return [(inp, out) for inp, out in shapes]   # each has two, checked above
 
 
-def sweep(target: Target, maker: PromptMaker, mode: str, concurrency: list[int], shapes, per_level: int | None,
-          slo: tuple[float, float]) -> list[dict]:
-    runs = []
+def sweep(target: Target, maker: PromptMaker, mode: str, concurrency: list[int], shapes: list[tuple[int, int]],
+          per_level: int | None, slo: tuple[float, float]) -> list[dict]:
+    runs: list[dict] = []
     total = sum((per_level or 2 * c) for c in concurrency) * len(shapes)
     with tqdm(total=total, desc=f"{mode} sweep", unit="req", file=sys.stderr) as bar:
         for inp, out in shapes:
@@ -55,7 +55,7 @@ def sweep(target: Target, maker: PromptMaker, mode: str, concurrency: list[int],
     return runs
 
 
-def interference_test(target: Target, maker: PromptMaker, mode: str, slo) -> dict:
+def interference_test(target: Target, maker: PromptMaker, mode: str, slo: tuple[float, float]) -> dict:
     """8 short decodes (32 in, 128 out) at a time while 2 long prompts (1024 in, 1 out) keep arriving."""
     short = [maker.make(32) for _ in range(16)]
     long = [maker.make(1024) for _ in range(8)]
@@ -65,7 +65,8 @@ def interference_test(target: Target, maker: PromptMaker, mode: str, slo) -> dic
             **summarize(results, wall, *slo)}
 
 
-def measure(target: Target, maker, mode, args, slo) -> tuple[list[dict], dict | None, dict | None]:
+def measure(target: Target, maker: PromptMaker, mode: str, args: argparse.Namespace,
+            slo: tuple[float, float]) -> tuple[list[dict], dict | None, dict | None]:
     before = scrape(target.url)
     runs = sweep(target, maker, mode, args.concurrency, args.shapes, args.requests_per_level, slo)
     inter = interference_test(target, maker, mode, slo) if args.compare else None
@@ -78,7 +79,7 @@ def measure(target: Target, maker, mode, args, slo) -> tuple[list[dict], dict | 
 
 
 def table(runs: list[dict]) -> str:
-    def cell(v):
+    def cell(v: object) -> str:
         return "-" if v is None else f"{v:.1f}" if isinstance(v, float) else str(v)
     lines = [" ".join(f"{c:>13s}" for c in COLUMNS)]
     lines += [" ".join(f"{cell(r.get(c)):>13s}" for c in COLUMNS) for r in runs]

@@ -4,22 +4,30 @@ pinned to one CPU core of its own, the same sweep and the interference test agai
 
 from __future__ import annotations
 
+import argparse
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.serve_load import Target
+from bench.serve_prompts import PromptMaker
 from gateway.server import _free_port
+
+# bench.serve.measure: one mode's sweep, interference result and Tandem metrics delta
+Measure = Callable[[Target, PromptMaker, str, argparse.Namespace, tuple[float, float]],
+                   tuple[list[dict], dict | None, dict | None]]
 
 MODES = {"colocated": ["--colocated"], "disaggregated": ["--prefill-workers", "1", "--decode-workers", "1"]}
 
 
-def start_tandem(flags: list[str]) -> tuple[subprocess.Popen, str]:
+def start_tandem(flags: list[str]) -> tuple[subprocess.Popen[str], str]:
     port = _free_port("127.0.0.1")
     tandem = Path(sys.executable).parent / "tandem"
     proc = subprocess.Popen([str(tandem), "serve", "--port", str(port), "--worker-cores", "1", *flags],
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None   # stdout=PIPE
     line = proc.stdout.readline()
     if not line.startswith("Tandem is serving"):
         proc.kill()
@@ -27,8 +35,10 @@ def start_tandem(flags: list[str]) -> tuple[subprocess.Popen, str]:
     return proc, line.split()[-1].rsplit("/v1", 1)[0]
 
 
-def compare(args, maker, slo, measure) -> dict:
-    runs, inter, tandem = [], [], {}
+def compare(args: argparse.Namespace, maker: PromptMaker, slo: tuple[float, float], measure: Measure) -> dict:
+    runs: list[dict] = []
+    inter: list[dict] = []
+    tandem: dict[str, dict | None] = {}
     for mode, flags in MODES.items():
         proc, url = start_tandem(flags)
         try:
@@ -37,6 +47,7 @@ def compare(args, maker, slo, measure) -> dict:
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=120)
+        assert i is not None   # measure runs the interference test whenever args.compare
         runs += r
         inter.append(i)
         tandem[mode] = t

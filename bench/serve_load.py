@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Protocol
 
 from bench.http_stream import StreamResult, post_stream
 
 
+class Progress(Protocol):
+    """What the load loops report finished requests to (a tqdm bar)."""
+
+    def update(self, n: int) -> object: ...
+
+
 class Target:
-    def __init__(self, url: str, model: str, api_key: str | None, chat: bool, timeout_s: float):
+    def __init__(self, url: str, model: str, api_key: str | None, chat: bool, timeout_s: float) -> None:
         self.url, self.model, self.api_key, self.chat, self.timeout_s = url, model, api_key, chat, timeout_s
 
     def body(self, prompt: str, output_len: int) -> dict:
@@ -28,14 +35,14 @@ class Target:
 
 
 async def run_level(target: Target, prompts: list[str], output_len: int, concurrency: int,
-                    progress=None) -> tuple[list[StreamResult], float]:
+                    progress: Progress | None = None) -> tuple[list[StreamResult], float]:
     """Send every prompt, at most `concurrency` at a time.  Returns results and wall time."""
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue[str] = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
     results: list[StreamResult] = []
 
-    async def worker():
+    async def worker() -> None:
         while not queue.empty():
             r = await target.one(queue.get_nowait(), output_len)
             results.append(r)
@@ -48,13 +55,14 @@ async def run_level(target: Target, prompts: list[str], output_len: int, concurr
 
 
 async def interference(target: Target, short: list[str], short_out: int, long: list[str],
-                       decode_concurrency: int, long_concurrency: int, progress=None) -> tuple[list, float]:
+                       decode_concurrency: int, long_concurrency: int,
+                       progress: Progress | None = None) -> tuple[list[StreamResult], float]:
     """Keep `decode_concurrency` short-prompt / long-output requests going while
     `long_concurrency` long-prompt / one-token requests keep arriving; returns the short
     requests' results (their ITL is what long prefills disturb) and the wall time."""
     stop = asyncio.Event()
 
-    async def long_stream():
+    async def long_stream() -> None:
         i = 0
         while not stop.is_set():
             await target.one(long[i % len(long)], 1)

@@ -36,7 +36,7 @@ def _sum(metrics: dict[str, float], name: str) -> float:
     return sum(metrics[k] for k in keys)
 
 
-def run_delta(before: dict, after: dict) -> dict:
+def run_delta(before: dict[str, float], after: dict[str, float]) -> dict:
     """Expert hit rate and transfer refusals (by reason) between two scrapes."""
     hits = _sum(after, "tandem_worker_expert_hits") - _sum(before, "tandem_worker_expert_hits")
     misses = _sum(after, "tandem_worker_expert_misses") - _sum(before, "tandem_worker_expert_misses")

@@ -20,19 +20,20 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else x * 1000
 
 
-def summarize(results: list[StreamResult], wall_s: float, slo_ttft_ms: float, slo_itl_ms: float) -> dict:
+def summarize(results: list[StreamResult], wall_s: float, slo_ttft_ms: float,
+              slo_itl_ms: float) -> dict[str, float | None]:
     """TTFT, ITL (every gap between text chunks, pooled), TPOT ((e2e - ttft) / (tokens - 1) per
     request), e2e; output tokens/s and requests/s over the level's wall time; goodput: requests/s
     whose TTFT and TPOT both meet the SLOs.  Errors are counted, never timed."""
     ok = [r for r in results if r.error is None and r.chunk_times]   # a reply with no text has no timing
-    ttft = [r.ttft for r in ok]
+    ttft = [t for r in ok if (t := r.ttft) is not None]             # every one of ok: each has chunks
     itl = [x for r in ok for x in r.itls]
     tokens = [r.output_tokens or len(r.chunk_times) for r in ok]
-    tpot = [(r.end - r.start - r.ttft) / (n - 1) for r, n in zip(ok, tokens) if n > 1]
+    tpot = [(r.end - r.start - t) / (n - 1) for r, t, n in zip(ok, ttft, tokens) if n > 1]
     e2e = [r.end - r.start for r in ok]
-    good = sum(1 for r, n in zip(ok, tokens)
-               if r.ttft * 1000 <= slo_ttft_ms and (n <= 1 or (r.end - r.start - r.ttft) / (n - 1) * 1000 <= slo_itl_ms))
-    out = {"requests": len(results), "errors": sum(r.error is not None for r in results)}
+    good = sum(1 for r, t, n in zip(ok, ttft, tokens)
+               if t * 1000 <= slo_ttft_ms and (n <= 1 or (r.end - r.start - t) / (n - 1) * 1000 <= slo_itl_ms))
+    out: dict[str, float | None] = {"requests": len(results), "errors": sum(r.error is not None for r in results)}
     for name, values in (("ttft", ttft), ("itl", itl), ("tpot", tpot), ("e2e", e2e)):
         for q in (50, 90, 99):
             out[f"{name}_p{q}_ms"] = _ms(percentile(values, q))

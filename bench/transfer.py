@@ -31,6 +31,7 @@ import torch
 
 from bench.report import emit
 from bench.transfer_shape import LAYER_GROUP, PROMPT_TOKENS, SHAPE, make_pool, payload_bytes, pool_digest
+from engine.kv_pool import PagePool
 from kv_transfer.frame import new_cluster_secret
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.sender import TransferSender, TransferTicket
@@ -41,29 +42,33 @@ from kv_transfer.transport.local import LocalServer
 class Peer:
     """The receiving process."""
 
-    def __init__(self, kind: str, secret: bytes, config: dict, path: str = ""):
+    def __init__(self, kind: str, secret: bytes, config: dict, path: str = "") -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "bench.transfer_peer", kind, secret.hex(),
                                       json.dumps(config), path], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         self.endpoint = self._read()["endpoint"]
 
     def _read(self) -> dict:
+        assert self.proc.stdout is not None   # stdout=PIPE
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"transfer peer exited with {self.proc.wait()}")
         return json.loads(line)
 
-    def ask(self, **cmd) -> dict:
+    def ask(self, **cmd: object) -> dict:
+        assert self.proc.stdin is not None   # stdin=PIPE
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
         return self._read()
 
     def stop(self) -> None:
+        assert self.proc.stdin is not None   # stdin=PIPE
         self.proc.stdin.close()
         self.proc.wait(timeout=30)
 
 
-def push(src, secret, endpoint, tid: bytes, rid: str, config: TransportConfig) -> tuple[float, float]:
+def push(src: PagePool, secret: bytes, endpoint: str, tid: bytes, rid: str,
+         config: TransportConfig) -> tuple[float, float]:
     """One whole transfer; returns (seconds, sender checksum seconds)."""
     t0 = time.perf_counter()
     stream = connect(endpoint, tid, config)
@@ -81,7 +86,7 @@ def run_memcpy(nbytes: int, repeats: int) -> list[float]:
     a = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
     b = torch.empty_like(a)
     b.copy_(a)
-    times = []
+    times: list[float] = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         b.copy_(a)
@@ -92,7 +97,7 @@ def run_memcpy(nbytes: int, repeats: int) -> list[float]:
 def run_tcp(secret: bytes, nbytes: int, repeats: int) -> list[float]:
     peer = Peer("tcp", secret, {})
     data = memoryview(bytearray(os.urandom(1 << 20)) * (nbytes >> 20))
-    times = []
+    times: list[float] = []
     try:
         for _ in range(repeats):
             port = peer.ask(cmd="sink", nbytes=nbytes)["port"]
@@ -107,11 +112,11 @@ def run_tcp(secret: bytes, nbytes: int, repeats: int) -> list[float]:
     return times
 
 
-def run_local(src, secret, want: int, config, repeats: int) -> list[float]:
+def run_local(src: PagePool, secret: bytes, want: int, config: TransportConfig, repeats: int) -> list[float]:
     dst = make_pool(seed=2)
     recv = TransferReceiver(dst, secret)
     server = LocalServer(recv, "bench")
-    times = []
+    times: list[float] = []
     for i in range(repeats):
         rid = f"r{i}"
         dst.allocate(rid, dst.pages_for(PROMPT_TOKENS))
@@ -124,9 +129,11 @@ def run_local(src, secret, want: int, config, repeats: int) -> list[float]:
     return times
 
 
-def run_remote(kind, src, secret, want, config, repeats, path="") -> tuple[list[float], list[tuple]]:
+def run_remote(kind: str, src: PagePool, secret: bytes, want: int, config: TransportConfig, repeats: int,
+               path: str = "") -> tuple[list[float], list[tuple[float, float, float]]]:
     peer = Peer(kind, secret, config.__dict__ if kind == "grpc" else {}, path)
-    times, overhead = [], []
+    times: list[float] = []
+    overhead: list[tuple[float, float, float]] = []
     try:
         for i in range(repeats):
             rid = f"r{i}"

@@ -13,12 +13,18 @@ import json
 import socket
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
 from bench.transfer_shape import SHAPE, make_pool, pool_digest
 from kv_transfer.receiver import TransferReceiver
+from kv_transfer.reservation import Reservation
 from kv_transfer.transport.base import TransportConfig
+
+if TYPE_CHECKING:
+    from kv_transfer.transport.grpc_server import GrpcTransferServer
+    from kv_transfer.transport.shm_server import ShmTransferServer
 
 
 def tcp_sink(nbytes: int) -> int:
@@ -26,7 +32,7 @@ def tcp_sink(nbytes: int) -> int:
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
 
-    def run():
+    def run() -> None:
         conn, _ = srv.accept()
         buf = bytearray(nbytes)
         view, got = memoryview(buf), 0
@@ -46,6 +52,7 @@ def main() -> None:
     pool = make_pool(seed=2)
     recv = TransferReceiver(pool, secret, timeout_s=600)
     config = TransportConfig(**json.loads(arg)) if kind == "grpc" else None
+    server: ShmTransferServer | GrpcTransferServer | None
     if kind == "shm":
         from kv_transfer.transport.shm_server import ShmTransferServer
         server = ShmTransferServer(recv, sys.argv[4])
@@ -55,7 +62,8 @@ def main() -> None:
     else:
         server = None
     print(json.dumps({"endpoint": server.endpoint if server else None, "shape": SHAPE}), flush=True)
-    res = {}
+    res: dict[str, Reservation] = {}
+    out: dict[str, object]
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["cmd"] == "reserve":

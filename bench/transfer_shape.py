@@ -7,13 +7,24 @@ layers, so 64 MiB is a 512-token prompt (32 pages).  Frames carry 4 layers of on
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 import xxhash
 
 from engine.kv_pool import PagePool
 from kv_transfer.pages import block_parts
 
-SHAPE = dict(layers=32, kv_heads=8, head_dim=128, page_size=16, dtype="bfloat16")
+
+class KVShape(TypedDict):
+    layers: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: str
+
+
+SHAPE = KVShape(layers=32, kv_heads=8, head_dim=128, page_size=16, dtype="bfloat16")
 PROMPT_TOKENS = 512
 LAYER_GROUP = 4
 NUM_PAGES = 33

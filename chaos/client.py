@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
@@ -80,7 +81,7 @@ async def _exchange(url: str, api_key: str, body: dict, out: Outcome) -> None:
         writer.close()
 
 
-async def _read_events(chunks, out: Outcome, writer) -> None:
+async def _read_events(chunks: AsyncIterator[bytes], out: Outcome, writer: asyncio.StreamWriter) -> None:
     buf, seen = b"", 0
     async for piece in chunks:
         buf += piece

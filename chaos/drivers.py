@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 from chaos.client import Outcome
 from chaos.cluster import ChaosCluster
 
+P = ParamSpec("P")
+T = TypeVar("T")
 
-async def _call(fn, *args, **kw):
+
+async def _call(fn: Callable[P, T], *args: P.args, **kw: P.kwargs) -> T:
     return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kw))
 
 
@@ -53,7 +58,7 @@ async def kill_decode(cluster: ChaosCluster, live: list[Outcome], done: asyncio.
 async def corrupt_expert(cluster: ChaosCluster, live: list[Outcome], done: asyncio.Event, rng: random.Random,
                          every_s: float = 0.2) -> list[dict]:
     """Flip a bit in a resident expert slot of a random decode worker every `every_s`."""
-    records = []
+    records: list[dict] = []
     while not done.is_set():
         wid = rng.choice(sorted(cluster.workers("decode")))
         if await _call(cluster.call, wid, "arm", point="corrupt_expert", times=1):

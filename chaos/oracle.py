@@ -8,17 +8,16 @@
 
 from __future__ import annotations
 
-from engine import LLM
-from engine.sampling import SamplingParams
-
 from chaos.prompts import CANARY
 from chaos.report import ScenarioResult
+from engine import LLM
+from engine.sampling import SamplingParams
 
 
 class Reference:
     """Greedy outputs of the single-process engine, one request at a time."""
 
-    def __init__(self, model: str, max_model_len: int):
+    def __init__(self, model: str, max_model_len: int) -> None:
         self.llm = LLM(model, max_model_len=max_model_len)
 
     def tokens(self, ids: list[int], max_tokens: int) -> list[int]:

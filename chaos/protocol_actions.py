@@ -31,7 +31,7 @@ import torch
 from chaos.protocol_threads import DONE, PARKED, Board, Call, TracedCondition
 from engine.kv_pool import PagePool
 from kv_transfer.frame import frame_checksum
-from kv_transfer.pages import pool_bytes, read_bytes
+from kv_transfer.pages import Payload, pool_bytes, read_bytes
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import Reservation
 from kv_transfer.sender import TransferSender, TransferTicket
@@ -110,7 +110,7 @@ class _Capture:
     def stage(self, nbytes: int) -> None:
         return None
 
-    def send(self, header: pb.FrameHeader, payload: bytes) -> None:
+    def send(self, header: pb.FrameHeader, payload: Payload) -> None:
         h = pb.FrameHeader()
         h.CopyFrom(header)
         self.frames.append((h, bytes(payload)))
@@ -135,11 +135,17 @@ class Request:
     frames: list[Frame] = field(default_factory=list)
     commit: pb.Commit | None = None
 
+    @property
+    def reservation(self) -> Reservation:
+        """The transfer reserved when the request was admitted."""
+        assert self.res is not None, f"{self.rid} is not admitted"
+        return self.res
+
 
 class World:
     """One run: fresh pool, receiver and senders; `apply` takes an action and settles."""
 
-    def __init__(self, bounds: Bounds, make_receiver: MakeReceiver = TransferReceiver):
+    def __init__(self, bounds: Bounds, make_receiver: MakeReceiver = TransferReceiver) -> None:
         self.bounds = bounds
         self.pool = self._pool(bounds.pool_pages)
         self.recv = make_receiver(self.pool, SECRET)
@@ -200,7 +206,7 @@ class World:
 
     def _busy(self, q: Request) -> bool:
         """Whether a write into q's pages is in flight (release and commit wait for it)."""
-        res = self.recv.get(q.res.transfer_id)
+        res = self.recv.get(q.reservation.transfer_id)
         return res is not None and res.writers > 0
 
     def _admit(self, a: Action) -> None:
@@ -217,7 +223,7 @@ class World:
         for i, page in enumerate(pages):
             pool_bytes(src)[:, :, page] = self.bounds.identity(q.index, i)
         stream = _Capture()
-        sender = TransferSender(stream, TransferTicket(q.res.transfer_id, q.rid, TENANT), SECRET,
+        sender = TransferSender(stream, TransferTicket(q.reservation.transfer_id, q.rid, TENANT), SECRET,
                                 src, pages, self.bounds.prompt_len)
         for layer in range(self.bounds.layers):
             sender.send_layers(layer, layer + 1)
@@ -233,7 +239,7 @@ class World:
         f, target = self.requests[a.request].frames[a.frame], self.requests[a.target]
         h = pb.FrameHeader()
         h.CopyFrom(f.header)
-        h.transfer_id, h.request_id, h.tenant = target.res.transfer_id, target.rid, target.res.tenant
+        h.transfer_id, h.request_id, h.tenant = target.reservation.transfer_id, target.rid, target.reservation.tenant
         h.checksum = frame_checksum(h, [f.payload])
         self._deliver(a, h, f.payload, f.identity)
 
@@ -246,12 +252,12 @@ class World:
         self._call(a, lambda: self.recv.commit(q.commit), self._busy(q))
 
     def _close(self, a: Action) -> None:
-        self.recv.stream_closed(self.requests[a.request].res.transfer_id)   # never waits
+        self.recv.stream_closed(self.requests[a.request].reservation.transfer_id)   # never waits
 
     def _release(self, a: Action) -> None:
         q = self.requests[a.request]
         q.phase = "releasing"
-        self._call(a, lambda: self.recv.release(q.res.transfer_id), self._busy(q))
+        self._call(a, lambda: self.recv.release(q.reservation.transfer_id), self._busy(q))
 
     def _free(self, a: Action) -> None:
         q = self.requests[a.request]

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from chaos.protocol_actions import MIXED, Action, Bounds, Contents, MakeReceiver, World
 from chaos.protocol_threads import DONE, PARKED, WAITING, Call, Hang, gated_writes
 from kv_transfer.receiver import TransferReceiver
+from kv_transfer.reservation import Reservation
 
 __all__ = ["Bounds", "Result", "explore"]
 
@@ -99,9 +100,10 @@ def explore(bounds: Bounds = Bounds(), make_receiver: MakeReceiver = TransferRec
     return result
 
 
-def _expand(node: Node, seen: set, queue: deque, result: Result) -> None:
+def _expand(node: Node, seen: set[tuple], queue: deque[Node], result: Result) -> None:
     base, suffix, trace, key = node
-    world: World | None = _resume(node, result)
+    world: World | None
+    world = _resume(node, result)
     for action in world.enabled():
         world = world or _resume(node, result)
         line, problems = _step(world, action, result)
@@ -172,7 +174,8 @@ def _tally(world: World, action: Action, calls: list[Call], result: Result) -> s
 def _writes(world: World, before: Contents, after: Contents, finished: list[Call]) -> list[str]:
     """Ownership: every page copy was an accepted frame's, into a page its reservation owns
     now (same request, generation and logical page); no page changed any other way."""
-    problems, copied = [], set()
+    problems: list[str] = []
+    copied: set[tuple[int, int]] = set()
     for c in finished:
         for page, l0, l1 in c.writes:
             copied.update((page, layer) for layer in range(l0, l1))
@@ -190,7 +193,7 @@ def _owned(world: World, page: int, ident: int) -> list[str]:
     r, i = world.bounds.writer(ident)
     q = world.requests[r]
     owner, gen = world.pool.owner(page), world.pool.generation(page)
-    ref = q.res.pages[i]
+    ref = q.reservation.pages[i]
     if (owner, gen, page) == (q.rid, ref.generation, ref.page):
         return []
     now = "free" if owner is None else f"{owner}'s"
@@ -200,9 +203,10 @@ def _owned(world: World, page: int, ident: int) -> list[str]:
 
 def _commits(world: World, after: Contents, finished: list[Call]) -> list[str]:
     """Coverage: a successful commit finds every prompt page holding its own bytes."""
-    problems = []
+    problems: list[str] = []
     for call in (c for c in finished if c.action.kind == "commit" and c.error is None):
         r = call.action.request
+        assert isinstance(call.result, Reservation)   # what a commit returns
         for i, ref in enumerate(call.result.pages):
             want, where = world.bounds.identity(r, i), f"committed r{r}'s page {i} (pool page {ref.page})"
             wrong = [f"layer {k} holds {_name(world, g)}" for k, g in enumerate(after[ref.page])

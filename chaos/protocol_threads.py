@@ -18,10 +18,15 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import kv_transfer.receiver as receiver_module
+from engine.kv_pool import PagePool
 from kv_transfer.errors import TransferRefused
+from kv_transfer.frame import Buffer
+
+if TYPE_CHECKING:
+    from chaos.protocol_actions import Action  # protocol_actions imports this module
 
 HANG_S = 5.0
 RUNNING, PARKED, WAITING, DONE = "running", "parked", "waiting", "done"
@@ -35,7 +40,7 @@ class Hang(RuntimeError):
 class Call:
     """One receiver call, on its own thread or the model's; its `status` is kept by the board."""
 
-    def __init__(self, action: object, fn: Callable[[], object], board: Board, identity: int = 0):
+    def __init__(self, action: Action, fn: Callable[[], object], board: Board, identity: int = 0) -> None:
         self.action, self.label, self.board = action, str(action), board
         self.identity = identity            # frames: the identity byte of the payload
         self.status, self.collected = RUNNING, False
@@ -75,7 +80,7 @@ class Call:
             return self.status
         if self.error is None:
             return "ok"
-        if self.refused:
+        if isinstance(self.error, TransferRefused):
             return str(getattr(self.error.reason, "value", self.error.reason))
         return f"raised {self.error!r}"
 
@@ -154,7 +159,7 @@ def gated_writes() -> Iterator[None]:
     `go` is set (on the call's own thread), and is recorded in `call.writes`."""
     real = receiver_module.write_payload
 
-    def gated(pool, page: int, l0: int, l1: int, n: int, payload) -> None:
+    def gated(pool: PagePool, page: int, l0: int, l1: int, n: int, payload: Buffer) -> None:
         call = getattr(_local, "call", None)
         if call is not None and call.parks:
             call.board.mark(call, PARKED)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from chaos.client import Outcome
 
 
 @dataclass
@@ -25,9 +29,9 @@ class ScenarioResult:
     seconds: float = 0.0
     violations: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    outcomes: list = field(default_factory=list, repr=False)
+    outcomes: list[Outcome] = field(default_factory=list, repr=False)
 
-    def tally(self, outs) -> None:
+    def tally(self, outs: list[Outcome]) -> None:
         self.requests = len(outs)
         errors = [o.error for o in outs if o.outcome == "error"]
         codes = Counter(e.split(":")[0] for e in errors)

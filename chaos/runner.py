@@ -22,7 +22,7 @@ PROCESS_DETECT = ("STREAM_CLOSED", "TRANSPORT", "CANCELLED", "EXPIRED")
 
 class ScenarioRunner:
     def __init__(self, cluster: ChaosCluster, maker: PromptMaker, keys: dict[str, str], model: str,
-                 concurrency: int, seed: int):
+                 concurrency: int, seed: int) -> None:
         self.cluster, self.maker, self.model = cluster, maker, model
         self.key_of = {tenant: key for key, tenant in keys.items()}
         self.concurrency = concurrency
@@ -35,6 +35,7 @@ class ScenarioRunner:
         before = self.cluster.ledgers()
         outs = [Outcome(j) for j in jobs_for(self.maker, sc, n, self.limit)]
         if sc.point is not None:
+            assert sc.role is not None   # a scenario with a point names the role it is armed on
             self.cluster.arm(sc.role, sc.point, times=max(1, math.ceil(n * sc.share)),
                              probability=sc.per_frame, seconds=sc.seconds, after=sc.after)
         records = asyncio.run(self._drive(sc, outs))
@@ -65,6 +66,7 @@ class ScenarioRunner:
     # ---- accounting ---------------------------------------------------------------------
     def _account(self, sc: Scenario, res: ScenarioResult, new: dict, records: list[dict]) -> None:
         if sc.refused:
+            assert sc.point is not None   # a refused scenario's injections come from its point
             injected = [tid for point, tid in new["injected"] if point == sc.point]
             _match(res, sc.point, injected, new["refusals"], sc.expect)
         elif sc.driver == "kill_prefill":

@@ -12,9 +12,11 @@ import logging
 import os
 import time
 import urllib.request
+from collections.abc import Callable
+from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from deploy import registry as reg
@@ -26,15 +28,15 @@ log = logging.getLogger("tandem.deploy")
 
 
 class Deployment:
-    def __init__(self, settings: ServeSettings, say=print):
+    def __init__(self, settings: ServeSettings, say: Callable[[str], object] = print) -> None:
         self.s, self.say = settings, say
-        self.workers: dict[str, "ray.actor.ActorHandle"] = {}
-        self.gateways: list = []
-        self.pg = None
+        self.workers: dict[str, reg.ActorHandle] = {}
+        self.gateways: list[reg.ActorHandle] = []
+        self.pg: PlacementGroup | None = None
         self.urls: list[str] = []          # one per gateway replica, once started
         self._started_ray = False
 
-    def start(self, timeout_s: float = 600.0, on_ray_started=None) -> "Deployment":
+    def start(self, timeout_s: float = 600.0, on_ray_started: Callable[[], object] | None = None) -> "Deployment":
         s = self.s
         self._init_ray()
         if on_ray_started is not None:
@@ -52,7 +54,8 @@ class Deployment:
         for i, role in enumerate(roles):
             wid = f"{role}-{counts.setdefault(role, 0)}"
             counts[role] += 1
-            self.workers[wid] = WorkerActor.options(
+            # ray.remote(...) turns a class into an ActorClass (with .options); ray's stubs keep the plain class
+            self.workers[wid] = WorkerActor.options(  # type: ignore[attr-defined]
                 name=f"tandem-{wid}", namespace=reg.NAMESPACE, max_restarts=s.max_restarts,
                 num_cpus=bundles[i].get("CPU", 0), num_gpus=bundles[i].get("GPU", 0),
                 resources={k: v for k, v in bundles[i].items() if k not in ("CPU", "GPU")},
@@ -61,11 +64,11 @@ class Deployment:
                      None if s.chaos_seed is None else s.chaos_seed + i)
         self.say(f"tandem: loading {s.model} on {len(roles)} worker(s): {', '.join(self.workers)}")
         for wid, actor in self.workers.items():
-            address = ray.get(actor.address.remote(), timeout=timeout_s)
+            address: str = ray.get(actor.address.remote(), timeout=timeout_s)
             self.say(f"tandem: {wid} ready at {address}")
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.gateways = [GatewayActor.options(scheduling_strategy=here).remote(self._gateway_config(i), registry)
-                         for i in range(s.gateway_replicas)]
+        self.gateways = [GatewayActor.options(scheduling_strategy=here)  # type: ignore[attr-defined]
+                         .remote(self._gateway_config(i), registry) for i in range(s.gateway_replicas)]
         self.urls = ray.get([g.url.remote() for g in self.gateways], timeout=timeout_s)
         for url in self.urls:
             self._wait_healthy(url, timeout_s)
@@ -80,8 +83,10 @@ class Deployment:
         s = self.s
         if ray.is_initialized():
             return
-        kw = dict(namespace=reg.NAMESPACE, include_dashboard=False, logging_level=s.log_level.upper(),
-                  log_to_driver=s.log_level.lower() == "debug")
+        # ray.init's keywords, of several types (logging_level: a level name, which ray accepts though
+        # its annotation says int)
+        kw: dict[str, Any] = dict(namespace=reg.NAMESPACE, include_dashboard=False,
+                                  logging_level=s.log_level.upper(), log_to_driver=s.log_level.lower() == "debug")
         if s.address is None:
             # a local instance: enough logical CPUs for every worker (they share the real cores)
             kw.update(num_cpus=max(os.cpu_count() or 1, len(s.roles()) + 1),
@@ -97,7 +102,7 @@ class Deployment:
         total = os.cpu_count() or 1
         return sorted({(i * n + k) % total for k in range(n)})
 
-    def _bundle(self, role: str) -> dict:
+    def _bundle(self, role: str) -> dict[str, float]:
         b = {"CPU": 1.0}
         if self.s.gpus_per_worker:
             b["GPU"] = self.s.gpus_per_worker

@@ -4,7 +4,13 @@ the gateway and `tandem status` read it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import ray
+
+# A Ray actor handle.  Ray types attribute access on `ActorHandle` as Never, so mypy would take
+# every line after `handle.method.remote()` as unreachable and check none of it: handles are Any.
+ActorHandle = Any
 
 NAME = "tandem_registry"
 NAMESPACE = "tandem"
@@ -12,7 +18,7 @@ NAMESPACE = "tandem"
 
 @ray.remote(num_cpus=0, max_restarts=-1)
 class Registry:
-    def __init__(self):
+    def __init__(self) -> None:
         self._workers: dict[str, dict] = {}
 
     def register(self, worker_id: str, info: dict) -> None:
@@ -31,14 +37,15 @@ class Registry:
         return out
 
 
-def get_or_create() -> "ray.actor.ActorHandle":
+def get_or_create() -> ActorHandle:
     """The registry, on this (the driver's, normally the head) node: it must not share the fate
     of a worker node.  Workers re-register every few seconds, so a restarted registry refills."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return Registry.options(name=NAME, namespace=NAMESPACE, get_if_exists=True,
+    # ray.remote(...) turns the class into an ActorClass; ray's stubs keep the plain class
+    return Registry.options(name=NAME, namespace=NAMESPACE, get_if_exists=True,  # type: ignore[attr-defined]
                             scheduling_strategy=here).remote()
 
 
-def lookup() -> "ray.actor.ActorHandle":
+def lookup() -> ActorHandle:
     return ray.get_actor(NAME, namespace=NAMESPACE)

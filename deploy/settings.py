@@ -23,7 +23,7 @@ class ServeSettings:
     port: int = 8000
     worker_host: str | None = None          # workers listen here; None: 127.0.0.1 on a local Ray,
                                             # the node's own IP when joining a cluster
-    api_keys: dict = field(default_factory=dict, repr=False)
+    api_keys: dict[str, str] = field(default_factory=dict, repr=False)   # key -> tenant
     dtype: str = "float32"
     device: str = "cpu"
     max_model_len: int | None = None
@@ -34,7 +34,7 @@ class ServeSettings:
     placement_strategy: str = "PACK"
     log_level: str = "info"
     transfer: str = "grpc"
-    worker_resources: dict = field(default_factory=dict)   # role -> extra Ray resources (placement)
+    worker_resources: dict[str, dict[str, float]] = field(default_factory=dict)   # role -> extra Ray resources
     worker_cores: int | None = None         # pin each worker to this many cores of its own (CPU runs)
     gateway_replicas: int = 1               # gateways on ports port, port+1, ... (same registry)
     max_restarts: int = 3
@@ -75,9 +75,10 @@ class ServeSettings:
 
     def worker_config(self) -> dict:
         """What every worker gets (WorkerConfig fields; the secret travels separately)."""
-        cfg = dict(model=self.model, dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
-                   paged_experts_num_resident=self.paged_experts_num_resident, transfer=self.transfer,
-                   verify_experts=self.verify_experts)
+        cfg: dict[str, str | int | float | bool | None] = dict(
+            model=self.model, dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
+            paged_experts_num_resident=self.paged_experts_num_resident, transfer=self.transfer,
+            verify_experts=self.verify_experts)
         if self.kv_cache_tokens is not None:
             cfg["kv_cache_tokens"] = self.kv_cache_tokens
         if self.mem_fraction is not None:
@@ -85,7 +86,7 @@ class ServeSettings:
         return cfg
 
 
-def parse_resources(text: str | None) -> dict:
+def parse_resources(text: str | None) -> dict[str, dict[str, float]]:
     """--worker-resources '{"decode": {"gpu_node": 1}}'."""
     if not text:
         return {}

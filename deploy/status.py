@@ -12,10 +12,11 @@ from proto import worker_pb2_grpc as wpb_grpc
 
 
 def status(address: str) -> int:
-    ray.init(address=address, namespace=reg.NAMESPACE, logging_level="ERROR", log_to_driver=False)
+    ray.init(address=address, namespace=reg.NAMESPACE, log_to_driver=False,
+             logging_level="ERROR")  # type: ignore[arg-type]  # ray takes a level name too (its default is "info")
     try:
         try:
-            workers = ray.get(reg.lookup().workers.remote())
+            workers: list[dict] = ray.get(reg.lookup().workers.remote())
         except ValueError:
             print("tandem: no deployment is running on this Ray cluster")
             return 1
@@ -41,4 +42,5 @@ def _row(w: dict) -> str:
         health, kv, rate = e.code().name.lower()[:8], "-", "-"
     finally:
         channel.close()
-    return f"{w['worker_id']:14s} {w['role']:10s} {w['node_ip']:15s} {w['address']:22s} {health:8s} {kv:>22s} {rate:>15s}"
+    return (f"{w['worker_id']:14s} {w['role']:10s} {w['node_ip']:15s} {w['address']:22s} {health:8s} "
+            f"{kv:>22s} {rate:>15s}")

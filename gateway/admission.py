@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 
 class Rejected(Exception):
     """A request refused by the gateway: HTTP status, reason code, message."""
 
-    def __init__(self, status: int, reason: str, message: str):
+    def __init__(self, status: int, reason: str, message: str) -> None:
         super().__init__(message)
         self.status, self.reason, self.message = status, reason, message
 
 
 class AdmissionQueue:
-    def __init__(self, max_queue: int, max_running: int, tenant_limit: int, timeout_s: float):
+    def __init__(self, max_queue: int, max_running: int, tenant_limit: int, timeout_s: float) -> None:
         self.max_queue, self.tenant_limit, self.timeout_s = max_queue, tenant_limit, timeout_s
         self._slots = asyncio.Semaphore(max_running)
         self.per_tenant: Counter[str] = Counter()
@@ -30,7 +31,7 @@ class AdmissionQueue:
         return self.waiting + self.running
 
     @asynccontextmanager
-    async def admit(self, tenant: str):
+    async def admit(self, tenant: str) -> AsyncIterator[None]:
         """Hold a running slot for the body of the `async with`.  Raises Rejected: 429
         queue_full or tenant_limit at once, 503 queue_timeout after waiting too long."""
         if self.total >= self.max_queue:

@@ -16,7 +16,7 @@ class GatewayConfig:
     decode_workers: tuple[str, ...] = ()     # host:port of decode (or colocated) workers
     prefill_workers: tuple[str, ...] = ()
     colocated_workers: tuple[str, ...] = ()
-    api_keys: dict = field(default_factory=dict, repr=False)   # key -> tenant; empty: no auth
+    api_keys: dict[str, str] = field(default_factory=dict, repr=False)   # key -> tenant; empty: no auth
     max_queue: int = 256                     # requests admitted or waiting, in all
     max_running: int = 128                   # requests forwarded to workers at once
     tenant_max_concurrency: int = 64         # per tenant, running + waiting

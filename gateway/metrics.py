@@ -11,7 +11,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 class Metrics:
-    def __init__(self):
+    def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("tandem_requests", "Requests by final status", ["status"], registry=r)
         self.rejected = Counter("tandem_rejected", "Requests rejected by the gateway, by reason",

@@ -24,14 +24,14 @@ CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_
 class Worker:
     address: str
     role: str                               # prefill, decode, colocated
-    channel: grpc.aio.Channel = None
+    channel: grpc.aio.Channel | None = None
     health: wpb.HealthReply | None = None
     stats: wpb.StatsReply | None = None
     outstanding: int = 0                    # requests this gateway has on it now
     queued_tokens: int = 0                  # prefill: prompt tokens this gateway sent, unanswered
     failures: int = 0
     open_until: float = 0.0
-    stubs: dict = field(default_factory=dict)
+    stubs: dict[str, wpb_grpc.DecodeServiceStub | wpb_grpc.PrefillServiceStub] = field(default_factory=dict)
 
     def connect(self) -> None:
         self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
@@ -39,7 +39,7 @@ class Worker:
                       "prefill": wpb_grpc.PrefillServiceStub(self.channel)}
 
     @property
-    def stub(self):
+    def stub(self) -> wpb_grpc.DecodeServiceStub | wpb_grpc.PrefillServiceStub:
         return self.stubs["prefill" if self.role == "prefill" else "decode"]
 
     @property
@@ -60,7 +60,7 @@ class Worker:
 
 
 class WorkerPool:
-    def __init__(self, decode: tuple[str, ...], prefill: tuple[str, ...], colocated: tuple[str, ...]):
+    def __init__(self, decode: tuple[str, ...], prefill: tuple[str, ...], colocated: tuple[str, ...]) -> None:
         self.workers = [Worker(a, "decode") for a in decode] + [Worker(a, "prefill") for a in prefill] + \
             [Worker(a, "colocated") for a in colocated]
         self._retired: list[Worker] = []
@@ -80,6 +80,7 @@ class WorkerPool:
             self._retired.append(w)           # no new requests; closed once none is left on it
         for w in [w for w in self._retired if w.outstanding == 0]:
             self._retired.remove(w)
+            assert w.channel is not None   # connected when it joined the pool
             asyncio.get_running_loop().create_task(w.channel.close())
         for address, role in want - have:
             w = Worker(address, role)
@@ -110,13 +111,15 @@ class WorkerPool:
 
     def capacity_tokens(self) -> int:
         """The largest KV capacity (tokens) of a healthy decode-capable worker (0: none known)."""
-        return max((w.health.kv_capacity_tokens for w in self.of("decode", "colocated") if w.healthy), default=0)
+        return max((w.health.kv_capacity_tokens for w in self.of("decode", "colocated")
+                    if w.healthy and w.health is not None), default=0)
 
     def pick_decode(self, need_tokens: int, exclude: set[str]) -> Worker | None:
         """A decode (or colocated) worker with room for `need_tokens` and the least work."""
         prefill_up = any(p.available() for p in self.of("prefill"))
         ok = [w for w in self.of("decode", "colocated") if w.available() and w.address not in exclude
-              and w.health.kv_capacity_tokens >= need_tokens and (w.role == "colocated" or prefill_up)]
+              and w.health is not None and w.health.kv_capacity_tokens >= need_tokens
+              and (w.role == "colocated" or prefill_up)]
         roomy = [w for w in ok if w.stats is None or w.stats.kv_tokens_free >= need_tokens] or ok
         return min(roomy, key=lambda w: w.outstanding + (w.stats.running + w.stats.waiting if w.stats else 0),
                    default=None)

@@ -7,6 +7,7 @@ import argparse
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import uvicorn
 
@@ -17,7 +18,7 @@ from gateway.config import GatewayConfig, api_keys
 class GatewayServer:
     """uvicorn serving the gateway on a thread; `url` once started."""
 
-    def __init__(self, config: GatewayConfig, discover=None):
+    def __init__(self, config: GatewayConfig, discover: Callable[[], dict[str, list[str]]] | None = None) -> None:
         self.config = config
         port = config.port or _free_port(config.host)
         self.app = create_app(config, discover)
