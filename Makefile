@@ -8,7 +8,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: serve test install proto clean-venv
+.PHONY: serve test lint install proto clean-venv
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,8 +22,13 @@ install: $(VENV)/.installed
 serve: install
 	$(PY) -m deploy.cli serve
 
-test: install
+test: install lint
 	$(PY) -m pytest -q tests
+
+# ruff (lint, import order) and mypy (typed defs) over the hand-written packages
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 proto: install
 	$(PY) -m proto.build

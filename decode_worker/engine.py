@@ -182,7 +182,8 @@ class DecodeEngine:
         request's pages belong to the core's token path from here on."""
         res, req = dreq.reservation, dreq.req
         assert res.state == State.COMMITTED, f"{req.request_id}: admitted with transfer {res.state}"
-        lp = None
+        assert res.first_token_id is not None and res.first_logprob is not None
+        lp: dict[int, float] | None = None
         if req.params.logprobs is not None:
             lp = {res.first_token_id: res.first_logprob, **res.first_top}
         with self.lock:

@@ -22,6 +22,12 @@ from engine.sampling import SamplingParams
 Prompt = str | Sequence[int]
 
 
+
+def _is_one_prompt(prompts: Prompt | Sequence[Prompt]) -> bool:
+    """A text, or a sequence of token ids (not a list of prompts)."""
+    return isinstance(prompts, str) or bool(prompts and isinstance(prompts[0], int))
+
+
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str | torch.dtype = "float32",
                  device: str = "cpu", kv_cache_tokens: int = 16384, page_size: int = 16,
@@ -49,9 +55,7 @@ class LLM:
         Returns one output per prompt, in order.  Raises ValueError, adding nothing, when
         any prompt or parameter is invalid.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        batch = list(prompts)  # type: ignore[arg-type]
+        batch: list[Prompt] = [prompts] if _is_one_prompt(prompts) else list(prompts)  # type: ignore[list-item,arg-type]
         params = params or SamplingParams()
         plist = list(params) if isinstance(params, Sequence) else [params] * len(batch)
         if len(plist) != len(batch):

@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from engine.forward_batch import build_batch
 from engine.kv_pool import PagePool
+from engine.models.qwen3_moe import Qwen3MoeModel
+from engine.request import Request
 from engine.sampling import SampleOutput, sample
 from engine.scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model, pool: PagePool, device: str, eos_ids: frozenset[int] = frozenset()):
+    def __init__(self, model: Qwen3MoeModel, pool: PagePool, device: str, eos_ids: frozenset[int] = frozenset()):
         self.model = model
         self.pool = pool
         self.device = device
         self.eos_ids = eos_ids
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, on_layer=None) -> SampleOutput:
+    def run(self, batch: ScheduledBatch, on_layer: Callable[[int], None] | None = None) -> SampleOutput:
         """Forward the batch (writing its K/V into the pool, marking those positions written
         and advancing each request's `num_computed`) and sample a token for every request
         whose prompt is complete.  Rows of requests still prefilling hold -1.
@@ -46,7 +50,7 @@ class ModelRunner:
             out.logprobs[i] = picked.logprobs[j]
         return out
 
-    def _mask_early_stops(self, logits: torch.Tensor, reqs: list) -> None:
+    def _mask_early_stops(self, logits: torch.Tensor, reqs: list[Request]) -> None:
         """Rows of requests under `min_tokens` cannot pick EOS (unless ignored) or a stop token."""
         for row, req in enumerate(reqs):
             if req.under_min_tokens:

@@ -16,13 +16,14 @@ import threading
 import time
 from collections import Counter, OrderedDict, deque
 from time import perf_counter
-from typing import Callable
+from typing import Callable, NoReturn
 
-from engine.kv_pool import PagePool
+from engine.kv_pool import PagePool, PageRef
 from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.frame import (
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
+    Buffer,
     check_secret,
     commit_digest,
     frame_checksum,
@@ -141,13 +142,17 @@ class TransferReceiver:
                                   f"receiver speaks {list(SUPPORTED_VERSIONS)}")
         return max(common)
 
-    def receive(self, h: pb.FrameHeader, payload) -> None:
+    def receive(self, h: pb.FrameHeader, payload: Buffer) -> None:
         """Verify one frame and write it into its reserved page.  Raises TransferRefused
         (having written nothing, and failing the transfer if it was open) on any refusal."""
         self.hooks.before_receive(h)
         with self._lock:
             res = self._checked(h)
-            self._guard(res, lambda: (res.check_geometry(h, len(payload), self.pool), res.check_new(h)))
+
+            def well_formed() -> None:
+                res.check_geometry(h, len(payload), self.pool)
+                res.check_new(h)
+            self._guard(res, well_formed)
         t0 = perf_counter()
         ok = frame_checksum(h, [payload]) == h.checksum
         self.checksum_s += perf_counter() - t0
@@ -158,7 +163,11 @@ class TransferReceiver:
         ref = res.pages[h.page_index]
         with self._lock:
             self._checked(h)
-            self._guard(res, lambda: (res.check_new(h), self._check_page(res, ref)))
+
+            def still_new() -> None:
+                res.check_new(h)
+                self._check_page(res, ref)
+            self._guard(res, still_new)
             res.claim(h)
         try:
             if not self.hooks.skip_write(h):
@@ -195,8 +204,8 @@ class TransferReceiver:
             records = list(res.frames.values())
         t0 = perf_counter()
         bad = [r.header.seq for r in records
-               if frame_checksum(r.header, block_parts(self.pool, r.page, r.header.layer_start,
-                                                       r.header.layer_end, r.header.num_tokens))
+               if frame_checksum(r.header, list[Buffer](block_parts(self.pool, r.page, r.header.layer_start,
+                                                                    r.header.layer_end, r.header.num_tokens)))
                != r.header.checksum]
         self.checksum_s += perf_counter() - t0
         with self._lock:
@@ -204,7 +213,11 @@ class TransferReceiver:
             if bad:
                 self._guard(res, lambda: self._raise(Refusal.RECHECK_FAILED, f"destination pages of frames "
                                                      f"{bad[:8]} do not hash as sent"))
-            self._guard(res, lambda: [self._check_page(res, ref) for ref in res.pages])
+
+            def pages_unchanged() -> None:
+                for ref in res.pages:
+                    self._check_page(res, ref)
+            self._guard(res, pages_unchanged)
             res.state, res.first_token_id, res.first_logprob = State.COMMITTED, c.first_token_id, c.first_logprob
             res.first_top = dict(zip(c.first_top_ids, c.first_top_logprobs))
             self.committed += 1
@@ -234,7 +247,7 @@ class TransferReceiver:
                          f"the reservation of {res.request_id!r}")
         return res
 
-    def _check_page(self, res: Reservation, ref) -> None:
+    def _check_page(self, res: Reservation, ref: PageRef) -> None:
         owner, gen = self.pool.owner(ref.page), self.pool.generation(ref.page)
         if owner != res.request_id or gen != ref.generation:
             self._raise(Refusal.STALE_PAGE, f"page {ref.page} is now ({owner}, generation {gen}), "
@@ -261,17 +274,18 @@ class TransferReceiver:
         try:
             check()
         except TransferRefused as e:
+            assert isinstance(e.reason, Refusal), e    # raised by this side's own checks
             self._refuse(res, e.reason, e.detail)
 
     @staticmethod
-    def _raise(reason: Refusal, detail: str) -> None:
+    def _raise(reason: Refusal, detail: str) -> NoReturn:
         raise TransferRefused(reason, detail)
 
     def _count(self, tid: bytes, reason: Refusal) -> None:
         self.refused[reason.value] += 1
         self.refusal_log.append((tid.hex(), reason.value))
 
-    def _refuse(self, res: Reservation | None, reason: Refusal, detail: str, tid: bytes = b"") -> None:
+    def _refuse(self, res: Reservation | None, reason: Refusal, detail: str, tid: bytes = b"") -> NoReturn:
         self._count(res.transfer_id if res is not None else tid, reason)
         if res is not None and not res.terminal:
             self._fail(res, reason, detail)

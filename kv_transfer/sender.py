@@ -98,11 +98,12 @@ class TransferSender:
             return                   # a hook committed this transfer early
         h = self.header(page_index, l0, l1)
         page, n = self.page_table[page_index], h.num_tokens
-        buf = self.stream.stage(block_nbytes(self.pool, l0, l1, n))
-        if buf is None:
+        staged = self.stream.stage(block_nbytes(self.pool, l0, l1, n))
+        buf: Payload
+        if staged is None:
             buf = read_bytes(self.pool, page, l0, l1, n)
         else:
-            read_block(self.pool, page, l0, l1, n, out=buf)
+            buf = read_block(self.pool, page, l0, l1, n, out=staged)
         t0 = time.perf_counter()
         h.checksum = frame_checksum(h, [payload_view(buf)])
         self.checksum_s += time.perf_counter() - t0

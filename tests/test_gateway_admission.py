@@ -34,7 +34,7 @@ def counters(decode, prefill):
     d, p = stats(decode, "decode"), stats(prefill, "prefill")
     recv = decode.roles[0].receiver
     return (d.requests_finished, d.requests_failed, recv.accepted_bytes, recv.committed, p.requests_finished,
-            p.requests_failed, prefill.engines[0].counts["pushed"])
+            p.requests_failed, prefill.roles[0].counts["pushed"])
 
 
 @pytest.mark.parametrize("over", [1, 5000])

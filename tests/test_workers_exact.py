@@ -3,17 +3,19 @@ paged experts on (K = E/4) and off, for 18 prompts decoded concurrently."""
 
 from __future__ import annotations
 
+import gc
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
-from deploy.colocated import start_colocated_worker
 from decode_worker.server import start_decode_worker
-from engine.sampling import SamplingParams
+from deploy.colocated import start_colocated_worker
+from engine.params import SamplingParams
+from engine.scheduler import Scheduler
+from prefill_worker.server import start_prefill_worker
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
-from prefill_worker.server import start_prefill_worker
 from tests.workers import config, run, wait_idle
 
 CHATS = ["Repeat after me: blue kettle", "What does isinstance do?", "Say hello to Ada.",
@@ -80,6 +82,12 @@ def test_colocated_greedy_equals_the_engine(prompts, reference):
         for want, got in zip(reference, results):
             assert got.error is None and got.token_ids == want.token_ids and got.text == want.text
         wait_idle(worker)
+        # one scheduler over the worker's pool, driven for both roles
+        pool = worker.core.pool
+        gc.collect()
+        schedulers = [o for o in gc.get_objects() if isinstance(o, Scheduler) and o.pool is pool]
+        assert schedulers == [worker.core.scheduler] and len(worker.roles) == 2
+        assert all(role.core is worker.core for role in worker.roles)
     finally:
         worker.stop()
 

@@ -16,10 +16,11 @@ from typing import Iterator
 
 import grpc
 
-from worker.convert import params_to_proto, prefill_request
 from engine.sampling import SamplingParams
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
+from worker.convert import params_to_proto, prefill_request
+from worker.types import ErrorCode
 
 
 def generate(decode: grpc.Channel, prefill: grpc.Channel | None, request_id: str, tenant: str,
@@ -44,7 +45,7 @@ def generate(decode: grpc.Channel, prefill: grpc.Channel | None, request_id: str
         if failure:
             yield wpb.GenerateResponse(error=failure[0])
         else:
-            yield wpb.GenerateResponse(error=wpb.Error(code="DECODE_UNAVAILABLE",
+            yield wpb.GenerateResponse(error=wpb.Error(code=ErrorCode.DECODE_UNAVAILABLE.value,
                                                        message=f"{e.code().name}: {e.details()}"))
     finally:
         call.cancel()
@@ -52,19 +53,20 @@ def generate(decode: grpc.Channel, prefill: grpc.Channel | None, request_id: str
             pending.cancel()
 
 
-def _prefill(channel, request_id, tenant, ids, params, res: wpb.Reservation, timeout_s, call, failure):
+def _prefill(channel: grpc.Channel, request_id: str, tenant: str, ids: list[int], params: SamplingParams,
+             res: wpb.Reservation, timeout_s: float, call: grpc.Future, failure: list[wpb.Error]) -> grpc.Future:
     future = wpb_grpc.PrefillServiceStub(channel).Prefill.future(
         prefill_request(request_id, tenant, ids, params, res), timeout=timeout_s)
     lock = threading.Lock()
 
-    def done(f) -> None:
+    def done(f: grpc.Future) -> None:
         try:
             reply = f.result()
             error = None if reply.ok else reply.error
         except grpc.FutureCancelledError:
             return
         except grpc.RpcError as e:
-            error = wpb.Error(code="PREFILL_UNAVAILABLE", message=f"{e.code().name}: {e.details()}")
+            error = wpb.Error(code=ErrorCode.PREFILL_UNAVAILABLE.value, message=f"{e.code().name}: {e.details()}")
         if error is not None:
             with lock:
                 failure.append(error)
