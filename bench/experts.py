@@ -25,9 +25,8 @@ import time
 
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, corpus
 from engine.experts import EmulatedLink
-from models import corpus
 
 BATCHES = (1, 4, 16)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import random
 
+from engine import corpus
 from engine.tokenizer import Tokenizer
-from models import corpus
 
 
 class PromptMaker:

@@ -13,8 +13,8 @@ import re
 import secrets
 from dataclasses import dataclass
 
+from engine import corpus
 from engine.tokenizer import Tokenizer
-from models import corpus
 
 TENANTS = ("acme", "globex", "initech", "umbrella")
 CANARY = re.compile(r"canary [0-9a-f]{10}")

@@ -1,25 +1,50 @@
-"""Frozen configuration: the model's (read from config.json) and the engine's."""
+"""Frozen configuration: the model's (read from config.json) and the engine's.
+
+Importing this module loads no torch (the gateway reads ModelConfig and SHIPPED_MODEL):
+torch is imported where a dtype is made, in `parse_dtype` and EngineConfig's default."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-moe"
+__all__ = ["DTYPES", "SHIPPED_MODEL", "EngineConfig", "ModelConfig", "parse_dtype"]
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+def _shipped_model() -> Path:
+    """The checkpoint that ships with Tandem: models/tiny-moe in a checkout (also with no
+    install, on PYTHONPATH=.), engine/tiny-moe/ in an installed wheel (setup.py puts it there)."""
+    here = Path(__file__).resolve().parent
+    checkout, installed = here.parent / "models" / "tiny-moe", here / "tiny-moe"
+    return installed if not checkout.is_dir() and installed.is_dir() else checkout
+
+
+SHIPPED_MODEL = _shipped_model()
+
+# the dtype names accepted on command lines and in configs -> the torch attribute they name
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
+          "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """A dtype name (see DTYPES) or a torch.dtype as a torch.dtype; ValueError names the choices."""
+    import torch
+
     if isinstance(name, torch.dtype):
         return name
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
-    return DTYPES[name]
+    dtype: torch.dtype = getattr(torch, DTYPES[name])
+    return dtype
+
+
+def _float32() -> torch.dtype:
+    return parse_dtype("float32")
 
 
 @dataclass(frozen=True)
@@ -65,7 +90,7 @@ class ModelConfig:
         return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "ModelConfig":
+    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         """Accept both spellings: released Qwen3-MoE configs (`num_experts`, `rope_theta`)
         and transformers 5 (`num_local_experts`, `rope_parameters`)."""
         arch = (raw.get("architectures") or [raw.get("model_type", "unknown")])[0]
@@ -108,7 +133,7 @@ class ModelConfig:
 class EngineConfig:
     """How the engine runs a model: device, dtype, KV pool and batch limits."""
     model: str
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = field(default_factory=_float32)
     device: str = "cpu"
     page_size: int = 16
     kv_cache_tokens: int = 16384

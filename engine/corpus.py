@@ -1,4 +1,9 @@
-"""The offline training corpus of the shipped checkpoint.
+"""The offline training corpus of the shipped checkpoint (models/tiny-moe).
+
+It lives in the engine, beside SHIPPED_MODEL, because it is part of what the shipped model
+is: its special tokens and chat layout match the checkpoint's template, and the chaos and
+benchmark prompts draw from its held-out files (text the model has not seen, in the domain
+it knows).  Torch-free; models/train_tiny_moe.py trains from it.
 
 Two sources, both present on every machine with Python 3.11:
   * the standard library's own source (code and docstrings), split into
@@ -25,7 +30,7 @@ SPECIAL_TOKENS = [BOS_DOC, IM_START, IM_END]
 def stdlib_files() -> list[Path]:
     """Every stdlib source file outside tests, sorted for reproducibility."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
+    files: list[Path] = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         if rel.startswith(("site-packages", "test", "idlelib", "lib2to3", "tkinter", "turtledemo")):
@@ -42,7 +47,8 @@ def is_held_out(path: Path) -> bool:
 
 
 def read_split() -> tuple[list[str], list[str]]:
-    train, held = [], []
+    train: list[str] = []
+    held: list[str] = []
     for path in stdlib_files():
         try:
             text = path.read_text(encoding="utf-8")
@@ -59,7 +65,7 @@ def chat(user: str, assistant: str) -> str:
 
 
 def _docstrings(texts: list[str]) -> list[tuple[str, str]]:
-    pairs = []
+    pairs: list[tuple[str, str]] = []
     for text in texts:
         try:
             tree = ast.parse(text)
@@ -88,7 +94,7 @@ def chat_examples(texts: list[str], count: int, seed: int) -> list[str]:
     docs = _docstrings(texts)
     prompts = ["Repeat after me: {}", "Please repeat: {}", "Say exactly this: {}",
                "Echo back the following text.\n{}", "Copy this: {}"]
-    out = []
+    out: list[str] = []
     for _ in range(count):
         kind = rng.random()
         if kind < 0.5:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import regex
 
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from engine.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"   # what decoding shows for an incomplete UTF-8 sequence

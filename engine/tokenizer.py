@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, NoReturn
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -54,11 +55,13 @@ class Tokenizer:
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
 
-def _token_text(tok) -> str | None:
+def _token_text(tok: str | dict[str, Any] | None) -> str | None:
+    """A special token as tokenizer_config.json gives it: a string, or {"content": ...}."""
     if isinstance(tok, dict):
-        return tok.get("content")
+        content = tok.get("content")
+        return content if isinstance(content, str) else None
     return tok
 
 
-def _raise(message: str):
+def _raise(message: str) -> NoReturn:
     raise jinja2.exceptions.TemplateError(message)

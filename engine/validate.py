@@ -3,7 +3,7 @@ single-process `LLM`, and each worker again (defence in depth behind the gateway
 
 from __future__ import annotations
 
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 
 
 class RequestError(ValueError):
@@ -14,7 +14,7 @@ class RequestError(ValueError):
         self.code = code
 
 
-def check_prompt(ids: list, params: SamplingParams, vocab: int, max_model_len: int, kv_tokens: int,
+def check_prompt(ids: list[int], params: SamplingParams, vocab: int, max_model_len: int, kv_tokens: int,
                  reserve_output: bool = True) -> None:
     """Raises RequestError naming what is wrong and the limit.  `reserve_output=False` (prefill)
     needs KV room for the prompt only."""

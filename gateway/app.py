@@ -8,10 +8,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.config import SHIPPED_MODEL, ModelConfig
 from engine.tokenizer import Tokenizer
@@ -22,16 +25,18 @@ from gateway.metrics import Metrics
 from gateway.openai_format import error_body
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routing import WorkerPool
+from worker.types import Role
 
 log = logging.getLogger("tandem.gateway")
+Discover = Callable[[], dict[str, list[str]]]     # () -> {role: [address]}: a worker registry
 
 
 class Gateway:
     """Everything one gateway process holds: settings, tokenizer, workers, queue, metrics."""
 
-    def __init__(self, config: GatewayConfig, discover=None):
+    def __init__(self, config: GatewayConfig, discover: Discover | None = None):
         self.config = config
-        self.discover = discover              # () -> {role: [address]}: a registry to follow
+        self.discover = discover              # a registry to follow
         self.draining = False
         path = config.model or SHIPPED_MODEL
         self.tokenizer = Tokenizer(path)
@@ -45,7 +50,8 @@ class Gateway:
 
     def context_len(self) -> int:
         """The context of the workers (their --max-model-len), else the model's."""
-        lens = [w.health.max_model_len for w in self.pool.of("decode", "colocated") if w.healthy]
+        lens = [w.health.max_model_len for w in self.pool.of(Role.DECODE, Role.COLOCATED)
+                if w.healthy and w.health is not None]
         return min(lens) if lens else self.model_config.max_position_embeddings
 
     def tenant(self, request: Request) -> str:
@@ -71,11 +77,11 @@ class Gateway:
             await asyncio.sleep(self.config.refresh_s)
 
 
-def create_app(config: GatewayConfig, discover=None) -> FastAPI:
+def create_app(config: GatewayConfig, discover: Discover | None = None) -> FastAPI:
     gw = Gateway(config, discover)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         gw.pool.connect()
         await gw.pool.refresh()
         task = asyncio.create_task(gw.refresh_forever())
@@ -91,11 +97,11 @@ def create_app(config: GatewayConfig, discover=None) -> FastAPI:
     app.add_middleware(BodyLimit, gw=gw)
 
     @app.exception_handler(Rejected)
-    async def rejected(request: Request, e: Rejected):
+    async def rejected(request: Request, e: Rejected) -> Response:
         return _rejected(gw, e)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, e: RequestValidationError):
+    async def invalid(request: Request, e: RequestValidationError) -> Response:
         gw.metrics.rejected.labels("schema").inc()
         gw.metrics.requests.labels("rejected").inc()
         first = e.errors()[0] if e.errors() else {}
@@ -104,7 +110,7 @@ def create_app(config: GatewayConfig, discover=None) -> FastAPI:
                                        "schema", where or None), status_code=422)
 
     @app.exception_handler(Exception)
-    async def crashed(request: Request, e: Exception):
+    async def crashed(request: Request, e: Exception) -> Response:
         log.exception("unhandled error")
         return JSONResponse(error_body("internal error in the gateway", "server_error", "INTERNAL"), status_code=500)
 
@@ -112,33 +118,33 @@ def create_app(config: GatewayConfig, discover=None) -> FastAPI:
         return gw.tenant(request)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request, tenant: str = Depends(tenant)):
+    async def chat(body: ChatCompletionRequest, request: Request, tenant: str = Depends(tenant)) -> Response:
         return await gw.completions.serve(body, request, tenant)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request, tenant: str = Depends(tenant)):
+    async def completions(body: CompletionRequest, request: Request, tenant: str = Depends(tenant)) -> Response:
         return await gw.completions.serve(body, request, tenant)
 
-    @app.get("/v1/models")
-    async def models(tenant: str = Depends(tenant)):
+    @app.get("/v1/models", response_model=None)
+    async def models(tenant: str = Depends(tenant)) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "created": 0,
                                             "owned_by": "tandem", "max_model_len": gw.context_len()}]}
 
-    @app.get("/health")
-    async def health():
+    @app.get("/health", response_model=None)
+    async def health() -> dict[str, str] | Response:
         if gw.pool.ready:
             return {"status": "ok"}
         return JSONResponse({"status": "unavailable", "detail": "needs one prefill and one decode worker "
                              "(or one colocated worker) answering"}, status_code=503)
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics() -> Response:
         gw.metrics.queue.set(gw.queue.waiting)
         gw.metrics.running.set(gw.queue.running)
         return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/server_info")
-    async def server_info(tenant: str = Depends(tenant)):
+    @app.get("/v1/server_info", response_model=None)
+    async def server_info(tenant: str = Depends(tenant)) -> dict[str, Any]:
         return {"model": config.served_model_name, "context_length": gw.context_len(),
                 "workers": [{"address": w.address, "role": w.role, "healthy": w.healthy,
                              "kv_capacity_tokens": w.health.kv_capacity_tokens if w.health else None,
@@ -152,10 +158,10 @@ class BodyLimit:
     """Answers 413 to a body announced over the limit, before it is read.  A plain ASGI
     middleware: it leaves `receive` alone, so handlers still see a client disconnect."""
 
-    def __init__(self, app, gw: Gateway):
+    def __init__(self, app: ASGIApp, gw: Gateway):
         self.app, self.gw = app, gw
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         limit = self.gw.config.max_body_bytes
         size = dict(scope.get("headers") or []).get(b"content-length", b"") if scope["type"] == "http" else b""
         if size.isdigit() and int(size) > limit:

@@ -10,19 +10,26 @@ import logging
 import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from gateway.admission import Rejected
-from gateway.forward import ForwardError, forward
+from gateway.forward import ForwardError, cancelling, forward
 from gateway.openai_format import ChoiceState, Formatter, error_body, prompt_tokens
-from gateway.protocol import ChatCompletionRequest, sampling_params
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
+from proto import worker_pb2 as wpb
+from worker.types import ErrorCode
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
 
 log = logging.getLogger("tandem.gateway")
 DEFAULT_COMPLETION_TOKENS = 16      # OpenAI's default for /v1/completions
+Body = ChatCompletionRequest | CompletionRequest
 
 
 @dataclass
@@ -33,18 +40,40 @@ class Job:
     params: SamplingParams
 
 
+# What a choice's forwarding task reports to the response, in order: TokensEvent..., then
+# DoneEvent or ErrorEvent.
+@dataclass(frozen=True)
+class TokensEvent:
+    state: ChoiceState
+    tokens: wpb.Tokens
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    state: ChoiceState
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    error: ForwardError
+    state: ChoiceState | None         # None: the choice failed before any token was streamed
+
+
+Event = TokensEvent | DoneEvent | ErrorEvent
+
+
 class CompletionHandler:
-    def __init__(self, gw):
+    def __init__(self, gw: Gateway):
         self.gw = gw                  # the Gateway: config, tokenizer, pool, queue, metrics
 
     # ---- request -> jobs ------------------------------------------------------------
-    def prompts(self, body) -> list[list[int]]:
+    def prompts(self, body: Body) -> list[list[int]]:
         try:
             return self._prompts(body)
         except (TypeError, ValueError, UnicodeError) as e:
             raise Rejected(400, "invalid_request", f"the prompt cannot be tokenized: {e}") from None
 
-    def _prompts(self, body) -> list[list[int]]:
+    def _prompts(self, body: Body) -> list[list[int]]:
         tok = self.gw.tokenizer
         if isinstance(body, ChatCompletionRequest):
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -53,10 +82,10 @@ class CompletionHandler:
         if isinstance(p, str):
             return [tok.encode(p)]
         if p and all(isinstance(x, int) for x in p):
-            return [list(p)]
-        return [tok.encode(x) if isinstance(x, str) else list(x) for x in p]
+            return [[x for x in p if isinstance(x, int)]]
+        return [tok.encode(x) if isinstance(x, str) else list(x) for x in p if not isinstance(x, int)]
 
-    def jobs(self, body) -> list[Job]:
+    def jobs(self, body: Body) -> list[Job]:
         """Raises Rejected (400, 404) naming what is wrong; contacts no worker."""
         gw = self.gw
         if body.model != gw.config.served_model_name:
@@ -71,7 +100,7 @@ class CompletionHandler:
         context, capacity = gw.context_len(), gw.pool.capacity_tokens()
         if capacity == 0:
             raise Rejected(503, "no_workers", "no decode worker is ready")
-        jobs = []
+        jobs: list[Job] = []
         for group, ids in enumerate(prompts):
             self._check_ids(ids)
             max_tokens = self._max_tokens(body, len(ids), context, capacity)
@@ -92,7 +121,7 @@ class CompletionHandler:
         if bad is not None:
             raise Rejected(400, "invalid_request", f"prompt token {bad} is not in the vocabulary (0..{vocab - 1})")
 
-    def _max_tokens(self, body, prompt: int, context: int, capacity: int) -> int:
+    def _max_tokens(self, body: Body, prompt: int, context: int, capacity: int) -> int:
         limit = min(context, capacity)
         wanted = body.wanted_max_tokens
         if wanted is None:
@@ -108,7 +137,9 @@ class CompletionHandler:
         return wanted
 
     # ---- serving ------------------------------------------------------------------------
-    async def serve(self, body, request: Request, tenant: str):
+    async def serve(self, body: Body, request: Request, tenant: str) -> Response:
+        """The response to one request (JSON or a stream of server-sent events); raises
+        Rejected before anything is admitted."""
         gw = self.gw
         if gw.draining:
             raise Rejected(503, "draining", "the server is shutting down; retry on another replica")
@@ -117,7 +148,7 @@ class CompletionHandler:
                         gw.config.served_model_name, gw.tokenizer, body.logprobs_n, body.return_token_ids)
         stack = AsyncExitStack()
         await stack.enter_async_context(gw.queue.admit(tenant))
-        events: asyncio.Queue = asyncio.Queue()
+        events: asyncio.Queue[Event] = asyncio.Queue()
         started = time.monotonic()
         tasks = [asyncio.create_task(self._run(fmt.id, tenant, job, events, started)) for job in jobs]
         stack.push_async_callback(_cancel, tasks)
@@ -131,9 +162,9 @@ class CompletionHandler:
                 raise
             finally:
                 watch.cancel()
-            if first[0] == "error" and first[2] is None:       # failed before any token
+            if isinstance(first, ErrorEvent) and first.state is None:     # failed before any token
                 await stack.aclose()
-                return self._error(first[1])
+                return self._error(first.error)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = self._sse(fmt, jobs, events, first, include_usage, stack)
             return StreamingResponse(stream, media_type="text/event-stream",
@@ -142,21 +173,20 @@ class CompletionHandler:
         try:
             done = 0
             while done < len(jobs):
-                kind, err, _ = await events.get()
-                if kind == "error":
-                    return self._error(err)
-                done += kind == "done"
+                event = await events.get()
+                if isinstance(event, ErrorEvent):
+                    return self._error(event.error)
+                done += isinstance(event, DoneEvent)
         finally:
             watch.cancel()
             await stack.aclose()
         self._count(jobs, "ok")
         return JSONResponse(fmt.response([j.state for j in jobs]))
 
-    async def _run(self, rid: str, tenant: str, job: Job, events: asyncio.Queue, started: float) -> None:
-        """Forward one choice; report ("tokens", msg, state), ("done", None, state) or
-        ("error", ForwardError, state-or-None-if-nothing-was-streamed)."""
+    async def _run(self, rid: str, tenant: str, job: Job, events: asyncio.Queue[Event], started: float) -> None:
+        """Forward one choice, reporting each TokensEvent and then a DoneEvent or an ErrorEvent."""
         gw, state = self.gw, job.state
-        last = None
+        last: float | None = None
         try:
             async for msg in forward(gw.pool, f"{rid}-{state.index}", tenant, job.ids, job.params,
                                      gw.config.request_timeout_s, gw.config.max_attempts,
@@ -167,45 +197,44 @@ class CompletionHandler:
                      else gw.metrics.ttft.observe(now - started))
                     last = now
                     state.add(msg.tokens)
-                    await events.put(("tokens", msg.tokens, state))
+                    await events.put(TokensEvent(state, msg.tokens))
                 else:
                     state.finish = msg.finish
             gw.metrics.e2e.observe(time.monotonic() - started)
-            await events.put(("done", None, state))
+            await events.put(DoneEvent(state))
         except ForwardError as e:
-            await events.put(("error", e, state if state.token_ids else None))
+            await events.put(ErrorEvent(e, state if state.token_ids else None))
         except asyncio.CancelledError:
-            if asyncio.current_task().cancelling():
+            if cancelling():
                 raise                         # the response itself was cancelled
-            await events.put(("error", ForwardError("DECODE_FAILED", "the call was cut"),
-                              state if state.token_ids else None))
+            await events.put(ErrorEvent(ForwardError(ErrorCode.DECODE_FAILED, "the call was cut"),
+                                        state if state.token_ids else None))
         except Exception as e:  # never leave the response waiting: a bug becomes an explicit 500
             log.exception("forwarding failed")
-            await events.put(("error", ForwardError("INTERNAL", f"gateway error: {e!r}", 500),
-                              state if state.token_ids else None))
+            await events.put(ErrorEvent(ForwardError(ErrorCode.INTERNAL, f"gateway error: {e!r}", 500),
+                                        state if state.token_ids else None))
 
-    async def _sse(self, fmt: Formatter, jobs: list[Job], events: asyncio.Queue, first, include_usage: bool,
-                   stack: AsyncExitStack):
+    async def _sse(self, fmt: Formatter, jobs: list[Job], events: asyncio.Queue[Event], first: Event,
+                   include_usage: bool, stack: AsyncExitStack) -> AsyncIterator[str]:
         gw = self.gw
         sent_role: set[int] = set()
         offsets = {j.state.index: 0 for j in jobs}
         item, done = first, 0
         try:
             while True:
-                kind, payload, state = item
-                if kind == "error":
+                if isinstance(item, ErrorEvent):
                     gw.metrics.requests.labels("error").inc()
-                    yield _event(error_body(payload.message, "server_error", payload.code))
+                    yield _event(error_body(item.error.message, "server_error", item.error.code.value))
                     return
-                if kind == "tokens" or (kind == "done" and state.index not in sent_role):
-                    text = payload.text if kind == "tokens" else ""
-                    entries = list(payload.logprobs) if kind == "tokens" else []
-                    ids = list(payload.token_ids) if kind == "tokens" else []
-                    yield _event(fmt.chunk(_pending(state), text, entries, first=state.index not in sent_role,
-                                           offset=offsets[state.index], ids=ids))
-                    offsets[state.index] += len(text)
+                state = item.state
+                if isinstance(item, TokensEvent) or state.index not in sent_role:
+                    tokens = item.tokens if isinstance(item, TokensEvent) else wpb.Tokens()
+                    yield _event(fmt.chunk(_pending(state), tokens.text, list(tokens.logprobs),
+                                           first=state.index not in sent_role, offset=offsets[state.index],
+                                           ids=list(tokens.token_ids)))
+                    offsets[state.index] += len(tokens.text)
                     sent_role.add(state.index)
-                if kind == "done":
+                if isinstance(item, DoneEvent):
                     done += 1
                     yield _event(fmt.chunk(state, "", []))
                     if done == len(jobs):
@@ -227,7 +256,7 @@ class CompletionHandler:
     def _error(self, err: ForwardError) -> JSONResponse:
         self.gw.metrics.requests.labels("error").inc()
         return JSONResponse(error_body(err.message, "server_error" if err.status >= 500 else "invalid_request_error",
-                                       err.code), status_code=err.status)
+                                       err.code.value), status_code=err.status)
 
 
 def _pending(state: ChoiceState) -> ChoiceState:
@@ -235,21 +264,21 @@ def _pending(state: ChoiceState) -> ChoiceState:
     return ChoiceState(state.index, state.prompt_tokens, prompt_group=state.prompt_group)
 
 
-def _event(body: dict) -> str:
+def _event(body: dict[str, object]) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-async def _cancel(tasks: list[asyncio.Task]) -> None:
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _watch_disconnect(request: Request, tasks: list[asyncio.Task], events: asyncio.Queue) -> None:
+async def _watch_disconnect(request: Request, tasks: list[asyncio.Task[None]], events: asyncio.Queue[Event]) -> None:
     """A non-streaming client that goes away cancels its generations (and their pages)."""
     while True:
         await asyncio.sleep(0.25)
         if await request.is_disconnected():
             await _cancel(tasks)
-            await events.put(("error", ForwardError("CANCELLED", "the client disconnected", 499), None))
+            await events.put(ErrorEvent(ForwardError(ErrorCode.CANCELLED, "the client disconnected", 499), None))
             return

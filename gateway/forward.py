@@ -13,33 +13,49 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import grpc
 
-from decode_worker.messages import params_to_proto, prefill_request
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from gateway.routing import Worker, WorkerPool
 from proto import worker_pb2 as wpb
+from worker.convert import params_to_proto, prefill_request
+from worker.types import ErrorCode, Role
 
-STATUS = {"INVALID_REQUEST": 400, "PROMPT_TOO_LONG": 400, "KV_FULL": 503, "UNAVAILABLE": 503,
-          "NO_WORKER": 503, "TIMEOUT": 408, "INTERNAL": 500}
+STATUS = {ErrorCode.INVALID_REQUEST: 400, ErrorCode.PROMPT_TOO_LONG: 400, ErrorCode.KV_FULL: 503,
+          ErrorCode.UNAVAILABLE: 503, ErrorCode.NO_WORKER: 503, ErrorCode.TIMEOUT: 408, ErrorCode.INTERNAL: 500}
+UNKNOWN_STATUS = 502                  # any other code: the worker side failed the request
 UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN}
 CAPACITY_POLL_S = 0.05
 # before the first token, these wait (up to the queue timeout) for a worker to have room or to
 # come back (Ray restarts a dead one at a new address) rather than fail the request
-WAIT_FOR = ("KV_FULL", "NO_WORKER", "PREFILL_UNAVAILABLE", "DECODE_UNAVAILABLE")
+WAIT_FOR = frozenset({ErrorCode.KV_FULL, ErrorCode.NO_WORKER, ErrorCode.PREFILL_UNAVAILABLE,
+                      ErrorCode.DECODE_UNAVAILABLE})
 
 
 class ForwardError(Exception):
-    def __init__(self, code: str, message: str, status: int | None = None):
-        super().__init__(f"{code}: {message}")
+    """A request that failed, with the code and HTTP status the client gets."""
+
+    def __init__(self, code: ErrorCode, message: str, status: int | None = None):
+        super().__init__(f"{code.value}: {message}")
         self.code, self.message = code, message
-        self.status = status or STATUS.get(code, 502)
+        self.status = status or STATUS.get(code, UNKNOWN_STATUS)
+
+    @classmethod
+    def from_proto(cls, error: wpb.Error, prefix: str = "") -> ForwardError:
+        """A worker's Error message.  A code this gateway does not know (a newer worker) is
+        answered as INTERNAL with status 502, the worker's code kept in the message."""
+        try:
+            return cls(ErrorCode(error.code), prefix + error.message)
+        except ValueError:
+            return cls(ErrorCode.INTERNAL, f"{prefix}{error.code}: {error.message}", UNKNOWN_STATUS)
 
 
 class _Retry(Exception):
-    pass
+    def __init__(self, error: ForwardError):
+        super().__init__(error)
+        self.error = error
 
 
 async def forward(pool: WorkerPool, request_id: str, tenant: str, ids: list[int], params: SamplingParams,
@@ -53,18 +69,18 @@ async def forward(pool: WorkerPool, request_id: str, tenant: str, ids: list[int]
     tried: set[str] = set()
     full: set[str] = set()               # workers that refused for capacity: worth asking again
     broke: set[str] = set()              # prefill workers whose push broke: a last resort
-    last = ForwardError("NO_WORKER", "no worker can take the request now")
+    last = ForwardError(ErrorCode.NO_WORKER, "no worker can take the request now")
     deadline = time.monotonic() + capacity_wait_s
     attempt = failures = 0
     while failures < max_attempts:
         decode = pool.pick_decode(len(ids) + params.max_tokens, tried)
         prefill = None
-        if decode is not None and decode.role == "decode":
+        if decode is not None and decode.role == Role.DECODE:
             prefill = pool.pick_prefill(tried | broke) or pool.pick_prefill(tried)
             if prefill is None:               # none up (one restarting?): wait, as for KV room
                 decode = None
-                if last.code != "NO_WORKER":
-                    last = ForwardError("NO_WORKER", "no prefill worker is available" +
+                if last.code != ErrorCode.NO_WORKER:
+                    last = ForwardError(ErrorCode.NO_WORKER, "no prefill worker is available" +
                                         (f" (before: {last.code}: {last.message})" if attempt else ""))
         if decode is None:
             if last.code not in WAIT_FOR or time.monotonic() > deadline:
@@ -80,28 +96,31 @@ async def forward(pool: WorkerPool, request_id: str, tenant: str, ids: list[int]
                 yield msg
             return
         except _Retry as e:
-            last = e.args[0]
-            if last.code == "KV_FULL":
+            last = e.error
+            if last.code == ErrorCode.KV_FULL:
                 full.add(decode.address)
             else:
                 failures += 1
     raise last
 
 
-async def _attempt(decode: Worker, prefill: Worker | None, rid, tenant, ids, params, timeout_s,
-                   tried: set[str], broke: set[str]):
+async def _attempt(decode: Worker, prefill: Worker | None, rid: str, tenant: str, ids: list[int],
+                   params: SamplingParams, timeout_s: float, tried: set[str], broke: set[str]
+                   ) -> AsyncIterator[wpb.GenerateResponse]:
+    """One try on one worker pair: yields what the decode worker streams; raises _Retry when
+    another try may succeed (nothing was streamed yet), ForwardError when none may."""
     call = decode.stub.Generate(wpb.GenerateRequest(
         request_id=rid, tenant=tenant, prompt_token_ids=ids, params=params_to_proto(params),
         timeout_s=timeout_s), timeout=timeout_s)
     decode.outstanding += 1
     prefill_failure: list[ForwardError] = []
-    task = None
+    task: asyncio.Task[None] | None = None
     streamed: list[bool] = [False]    # tokens arrived: the transfer committed, prefill is done
     try:
         first = await _read(call, decode, False, tried, prefill_failure)
         if first.WhichOneof("kind") == "error":
-            err = ForwardError(first.error.code, first.error.message)
-            if first.error.code == "KV_FULL":
+            err = ForwardError.from_proto(first.error)
+            if err.code == ErrorCode.KV_FULL:
                 tried.add(decode.address)
                 raise _Retry(err)
             raise err
@@ -113,10 +132,10 @@ async def _attempt(decode: Worker, prefill: Worker | None, rid, tenant, ids, par
             msg = await _read(call, decode, streamed[0], tried, prefill_failure)
             kind = msg.WhichOneof("kind")
             if kind == "error":
-                err = prefill_failure[0] if prefill_failure else ForwardError(msg.error.code, msg.error.message)
-                if not streamed[0] and msg.error.code == "TRANSFER_FAILED" and prefill is not None:
+                err = prefill_failure[0] if prefill_failure else ForwardError.from_proto(msg.error)
+                if not streamed[0] and msg.error.code == ErrorCode.TRANSFER_FAILED and prefill is not None:
                     # the push broke before any token: try again, not on a prefill worker that died
-                    (tried if err.code == "PREFILL_UNAVAILABLE" else broke).add(prefill.address)
+                    (tried if err.code == ErrorCode.PREFILL_UNAVAILABLE else broke).add(prefill.address)
                     raise _Retry(err)
                 raise err
             streamed[0] = streamed[0] or kind == "tokens"
@@ -130,45 +149,51 @@ async def _attempt(decode: Worker, prefill: Worker | None, rid, tenant, ids, par
             task.cancel()
 
 
-async def _read(call, decode: Worker, streamed: bool, tried: set[str], prefill_failure: list):
+async def _read(call: Any, decode: Worker, streamed: bool, tried: set[str],
+                prefill_failure: list[ForwardError]) -> wpb.GenerateResponse:
+    """The decode stream's next message; a broken stream becomes _Retry (before the first
+    token) or ForwardError."""
     try:
         msg = await call.read()
     except asyncio.CancelledError:
         # grpc.aio raises CancelledError in read() when the call was cancelled or its channel
         # closed on this side; only a cancellation of this task itself may propagate
-        if asyncio.current_task().cancelling():
+        if cancelling():
             raise
         _raise_prefill_failure(prefill_failure, streamed)
         if not streamed:
             tried.add(decode.address)
-            raise _Retry(ForwardError("DECODE_UNAVAILABLE", f"{decode.address}: the call was cut")) from None
-        raise ForwardError("DECODE_FAILED", f"{decode.address}: the stream was cut") from None
+            raise _Retry(ForwardError(ErrorCode.DECODE_UNAVAILABLE, f"{decode.address}: the call was cut")) from None
+        raise ForwardError(ErrorCode.DECODE_FAILED, f"{decode.address}: the stream was cut") from None
     except grpc.aio.AioRpcError as e:
         _raise_prefill_failure(prefill_failure, streamed)
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-            raise ForwardError("TIMEOUT", "the request timeout passed") from None
+            raise ForwardError(ErrorCode.TIMEOUT, "the request timeout passed") from None
         if e.code() in UNREACHABLE and not streamed:
             decode.failed()
             tried.add(decode.address)
-            raise _Retry(ForwardError("DECODE_UNAVAILABLE", f"{decode.address}: {e.code().name}")) from None
-        raise ForwardError("DECODE_FAILED", f"{decode.address}: {e.code().name} {e.details()}") from None
+            raise _Retry(ForwardError(ErrorCode.DECODE_UNAVAILABLE, f"{decode.address}: {e.code().name}")) from None
+        raise ForwardError(ErrorCode.DECODE_FAILED, f"{decode.address}: {e.code().name} {e.details()}") from None
     if msg is grpc.aio.EOF:
-        raise ForwardError("DECODE_FAILED", f"{decode.address} ended the stream without a final message")
+        raise ForwardError(ErrorCode.DECODE_FAILED, f"{decode.address} ended the stream without a final message")
     return msg
 
 
-def _raise_prefill_failure(failure: list, streamed: bool) -> None:
+def _raise_prefill_failure(failure: list[ForwardError], streamed: bool) -> None:
     """The decode call broke because its prefill failed: that failure is the request's (to
     retry on another prefill worker when it could not be reached and no token went out)."""
     if failure:
         err = failure[0]
-        if not streamed and err.code == "PREFILL_UNAVAILABLE":
+        if not streamed and err.code == ErrorCode.PREFILL_UNAVAILABLE:
             raise _Retry(err) from None
         raise err from None
 
 
-async def _prefill(prefill: Worker, call, rid, tenant, ids, params, res: wpb.Reservation, timeout_s,
-                   failure: list, tried: set[str], streamed: list[bool]) -> None:
+async def _prefill(prefill: Worker, call: Any, rid: str, tenant: str, ids: list[int], params: SamplingParams,
+                   res: wpb.Reservation, timeout_s: float, failure: list[ForwardError], tried: set[str],
+                   streamed: list[bool]) -> None:
+    """Runs the Prefill call that fills the reservation `res`; a failure goes into `failure`
+    (and cancels the decode call when no token was streamed yet)."""
     prefill.outstanding += 1
     prefill.queued_tokens += len(ids)
     try:
@@ -176,18 +201,24 @@ async def _prefill(prefill: Worker, call, rid, tenant, ids, params, res: wpb.Res
         if reply.ok:
             prefill.succeeded()
             return
-        failure.append(ForwardError(reply.error.code, f"prefill: {reply.error.message}"))
+        failure.append(ForwardError.from_proto(reply.error, "prefill: "))
     except asyncio.CancelledError:
-        if asyncio.current_task().cancelling():
+        if cancelling():
             raise                     # the request ended: nothing to report
         tried.add(prefill.address)    # its channel was closed: the worker left the registry
-        failure.append(ForwardError("PREFILL_UNAVAILABLE", f"{prefill.address}: the call was cut"))
+        failure.append(ForwardError(ErrorCode.PREFILL_UNAVAILABLE, f"{prefill.address}: the call was cut"))
     except grpc.aio.AioRpcError as e:
         prefill.failed()
         tried.add(prefill.address)
-        failure.append(ForwardError("PREFILL_UNAVAILABLE", f"{prefill.address}: {e.code().name}"))
+        failure.append(ForwardError(ErrorCode.PREFILL_UNAVAILABLE, f"{prefill.address}: {e.code().name}"))
     finally:
         prefill.outstanding -= 1
         prefill.queued_tokens -= len(ids)
     if not streamed[0]:           # a committed transfer decodes on without its prefill worker
         call.cancel()             # otherwise the decode worker frees the reservation at once
+
+
+def cancelling() -> bool:
+    """Whether the running task itself is being cancelled (not just a call it awaited)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

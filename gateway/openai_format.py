@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.tokenizer import Tokenizer
 from proto import worker_pb2 as wpb
@@ -28,22 +29,24 @@ class ChoiceState:
         self.logprobs += list(tokens.logprobs)
 
     @property
-    def matched_stop(self):
+    def matched_stop(self) -> str | int | None:
+        """The stop string or regex that ended the choice, or the stop token's id (None: none)."""
         f = self.finish
         if f is None:
             return None
-        return f.matched_token_id if f.matched_token else (f.matched_stop or None)
+        matched: str | int | None = f.matched_token_id if f.matched_token else (f.matched_stop or None)
+        return matched
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt: int, completion: int) -> dict:
+def usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:
+def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -56,15 +59,15 @@ def _top(entry: wpb.TokenLogprobs, n: int) -> list[tuple[int, float]]:
     return pairs[:n]
 
 
-def chat_logprobs(tok: Tokenizer, entries: list[wpb.TokenLogprobs], n: int) -> dict:
-    def one(token_id: int, logprob: float) -> dict:
+def chat_logprobs(tok: Tokenizer, entries: list[wpb.TokenLogprobs], n: int) -> dict[str, Any]:
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
         s = _token(tok, token_id)
         return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
     return {"content": [{**one(e.token_id, e.logprob),
                          "top_logprobs": [one(t, lp) for t, lp in _top(e, n)]} for e in entries]}
 
 
-def completion_logprobs(tok: Tokenizer, entries: list[wpb.TokenLogprobs], n: int, offset: int) -> dict:
+def completion_logprobs(tok: Tokenizer, entries: list[wpb.TokenLogprobs], n: int, offset: int) -> dict[str, Any]:
     tokens = [_token(tok, e.token_id) for e in entries]
     offsets = []
     for s in tokens:
@@ -85,18 +88,19 @@ class Formatter:
         self.id = new_id("chatcmpl" if kind == "chat" else "cmpl")
         self.created = int(time.time())
 
-    def _logprobs(self, entries, offset: int = 0):
+    def _logprobs(self, entries: list[wpb.TokenLogprobs], offset: int = 0) -> dict[str, Any] | None:
         if self.logprobs_n is None:
             return None
         if self.kind == "chat":
             return chat_logprobs(self.tok, entries, self.logprobs_n)
         return completion_logprobs(self.tok, entries, self.logprobs_n, offset)
 
-    def response(self, choices: list[ChoiceState]) -> dict:
+    def response(self, choices: list[ChoiceState]) -> dict[str, Any]:
         out = []
         for c in choices:
-            body = {"index": c.index, "logprobs": self._logprobs(c.logprobs),
-                    "finish_reason": c.finish.finish_reason, "matched_stop": c.matched_stop}
+            body: dict[str, Any] = {"index": c.index, "logprobs": self._logprobs(c.logprobs),
+                                    "finish_reason": c.finish.finish_reason if c.finish else None,
+                                    "matched_stop": c.matched_stop}
             if self.kind == "chat":
                 body["message"] = {"role": "assistant", "content": c.text}
             else:
@@ -109,10 +113,10 @@ class Formatter:
                 "created": self.created, "model": self.model, "choices": out,
                 "usage": usage(prompt, sum(len(c.token_ids) for c in choices))}
 
-    def chunk(self, c: ChoiceState, text: str, entries, first: bool = False, offset: int = 0,
-              ids: list[int] | None = None) -> dict:
-        body = {"index": c.index, "logprobs": self._logprobs(entries, offset) if entries else None,
-                "finish_reason": c.finish.finish_reason if c.finish else None}
+    def chunk(self, c: ChoiceState, text: str, entries: list[wpb.TokenLogprobs], first: bool = False,
+              offset: int = 0, ids: list[int] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"index": c.index, "logprobs": self._logprobs(entries, offset) if entries else None,
+                                "finish_reason": c.finish.finish_reason if c.finish else None}
         if c.finish is not None:
             body["matched_stop"] = c.matched_stop
         if self.kind == "chat":
@@ -125,7 +129,7 @@ class Formatter:
         return {"id": self.id, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
                 "created": self.created, "model": self.model, "choices": [body]}
 
-    def usage_chunk(self, choices: list[ChoiceState]) -> dict:
+    def usage_chunk(self, choices: list[ChoiceState]) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
                 "created": self.created, "model": self.model, "choices": [],
                 "usage": usage(prompt_tokens(choices), sum(len(c.token_ids) for c in choices))}

@@ -3,11 +3,12 @@ and their translation into the engine's sampling parameters (bad values answer 4
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import fields
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.sampling import MAX_LOGPROBS, SamplingParams
+from engine.params import MAX_LOGPROBS, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -38,6 +39,11 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     return_token_ids: bool = False   # each choice (and stream chunk) also carries its token ids
 
+    @property
+    def logprobs_n(self) -> int | None:
+        """Logprobs wanted per token: None for none, N for the chosen token plus the top N."""
+        raise NotImplementedError
+
     def unsupported(self) -> str | None:
         """A request option this server cannot honour, named (answered with 400)."""
         if self.presence_penalty or self.frequency_penalty:
@@ -50,7 +56,7 @@ class _Common(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict] | None = None
+    content: str | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -66,8 +72,8 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list | None = None
-    response_format: dict | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> str | None:
         if self.tools:
@@ -112,12 +118,14 @@ class CompletionRequest(_Common):
         return self.logprobs
 
 
+# SamplingParams fields the request does not carry under the same name: the caller decides the
+# first two per choice, and each endpoint spells logprobs its own way (`logprobs_n`).  Every other
+# field is read from the request field of the same name (tests/test_convert.py checks they exist).
+PER_CHOICE = ("max_tokens", "seed", "logprobs")
+
+
 def sampling_params(req: _Common, max_tokens: int, seed: int | None) -> SamplingParams:
     """Raises ValueError with the engine's message on a bad combination."""
-    return SamplingParams(
-        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-        seed=seed, stop=tuple([req.stop] if isinstance(req.stop, str) else req.stop or ()),
-        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-        logprobs=req.logprobs_n, min_tokens=req.min_tokens,
-        stop_regex=tuple([req.stop_regex] if isinstance(req.stop_regex, str) else req.stop_regex or ()),
-        no_stop_trim=req.no_stop_trim)
+    same: dict[str, Any] = {f.name: getattr(req, f.name) for f in fields(SamplingParams) if f.name not in PER_CHOICE}
+    # SamplingParams takes a str or list for stop / stop_regex, None for "none"
+    return SamplingParams(**same, max_tokens=max_tokens, seed=seed, logprobs=req.logprobs_n)

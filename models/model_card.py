@@ -83,7 +83,7 @@ Corpus, all offline: the Python {sys.version_info.major}.{sys.version_info.minor
 source (code and docstrings; test suites, idlelib, lib2to3, tkinter excluded), one file in
 twenty held out by a hash of its name; mixed (in the shares above) with
 chat-formatted examples built from it: "repeat after me" copies of random canary strings,
-words and code lines, and docstring look-ups (`models/corpus.py`).
+words and code lines, and docstring look-ups (`engine/corpus.py`).
 
 Copying: of 60 random canary strings (`Repeat after me: <canary>`, greedy), the model
 repeated {stats.get('copy_exact', 'n/a')} exactly ({stats.get('copy_note', 'not measured')}).

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from engine import corpus
 from engine.checkpoint import save_checkpoint
-from models import corpus
 from models.locality import layer_locality
 from models.tiny_moe_model import TinyConfig, TinyMoe
 

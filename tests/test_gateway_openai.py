@@ -9,7 +9,7 @@ import json
 import openai
 import pytest
 
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from tests.gateway_helpers import API_KEY, gateway_cluster, get, post
 from tests.workers import config
 

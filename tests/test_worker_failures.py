@@ -13,14 +13,14 @@ import time
 import grpc
 import pytest
 
-from worker.client import generate
-from worker.convert import params_to_proto
 from decode_worker.server import start_decode_worker
-from worker.server import build_core
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from tests.workers import SECRET, config, wait_idle
+from worker.client import generate
+from worker.convert import params_to_proto
+from worker.server import build_core
 
 LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
 

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from decode_worker.server import start_decode_worker
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from prefill_worker.server import start_prefill_worker
 from tests.workers import config, run, wait_idle
 

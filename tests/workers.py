@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import grpc
 
+from engine.params import SamplingParams
 from worker.client import generate
 from worker.config import WorkerConfig
 from worker.server import WorkerHandle
-from engine.sampling import SamplingParams
 
 SECRET = b"tandem-test-cluster-secret-0123"
 
