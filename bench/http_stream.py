@@ -1,5 +1,5 @@
-"""A small asyncio HTTP/1.1 client for one streaming OpenAI request (no third-party HTTP
-library): POST a JSON body, read the server-sent events, time every chunk that carries text.
+"""One streaming OpenAI request, timed: POST a JSON body (gateway.http_client), read the
+server-sent events, time every chunk that carries text.
 
 The arrival time of each content chunk is what TTFT and inter-token latency come from."""
 
@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
+
+from gateway.http_client import post_json
 
 
 @dataclass
@@ -64,43 +65,6 @@ async def _exchange(host: str | None, port: int, path: str, body: dict, api_key:
             res.error = f"HTTP {status}: {buf.decode(errors='replace')[:200]}"
     finally:
         writer.close()
-
-
-async def post_json(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str, path: str,
-                    body: dict, api_key: str | None) -> tuple[int, AsyncIterator[bytes]]:
-    """POST `body` as JSON on an open connection (closed by the server after the response).
-    Returns the status and an async iterator over the body's pieces as they arrive."""
-    payload = json.dumps(body).encode()
-    head = [f"POST {path} HTTP/1.1", f"Host: {host}", "Content-Type: application/json",
-            f"Content-Length: {len(payload)}", "Accept: text/event-stream", "Connection: close"]
-    if api_key:
-        head.append(f"Authorization: Bearer {api_key}")
-    writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
-    await writer.drain()
-    status = int((await reader.readline()).split()[1])
-    headers: dict[str, str] = {}
-    while (line := await reader.readline()) not in (b"\r\n", b""):
-        k, _, v = line.decode().partition(":")
-        headers[k.strip().lower()] = v.strip()
-    chunked = headers.get("transfer-encoding", "").lower() == "chunked"
-    return status, (read_chunked(reader) if chunked else read_plain(reader))
-
-
-async def read_chunked(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
-    """The pieces of a chunked HTTP/1.1 body, as they arrive."""
-    while True:
-        size = int((await reader.readline()).strip().split(b";")[0], 16)
-        if size == 0:
-            return
-        data = await reader.readexactly(size)
-        await reader.readline()
-        yield data
-
-
-async def read_plain(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
-    """A body without chunking, read to the end of the connection."""
-    while data := await reader.read(65536):
-        yield data
 
 
 def _event(event: str, res: StreamResult) -> None:

@@ -1,5 +1,6 @@
-"""`python -m chaos run` (also `tandem chaos run`): start a real cluster, attack it scenario by
-scenario, judge every response, print the table (or JSON), exit 1 on any violation."""
+"""`python -m chaos run` (also `tandem chaos run`, through the `tandem.commands` entry point
+`main`): start a real cluster, attack it scenario by scenario, judge every response, print the
+table (or JSON), exit 1 on any violation."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
-from chaos.report import table
-from chaos.scenarios import select, split
+from chaos.report import ScenarioResult, table
+from chaos.scenarios import Scenario, select, split
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command on `argv` (default: sys.argv[1:]); returns the exit status."""
     args = build_parser().parse_args(argv)
     if args.command == "list":
         from chaos.scenarios import SCENARIOS
@@ -56,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def replay_command(args, scenarios, seed: int) -> str:
+def replay_command(args: argparse.Namespace, scenarios: list[Scenario], seed: int) -> str:
     cmd = (f"python -m chaos run --scenarios {','.join(s.name for s in scenarios)} --requests {args.requests} "
            f"--concurrency {args.concurrency} --seed {seed}")
     if (args.prefill_workers, args.decode_workers, args.transfer) != (1, 2, "grpc"):
@@ -65,7 +69,7 @@ def replay_command(args, scenarios, seed: int) -> str:
     return cmd + (" --no-expert-guard" if args.no_expert_guard else "")
 
 
-def run(args, scenarios, seed: int) -> tuple[dict, list]:
+def run(args: argparse.Namespace, scenarios: list[Scenario], seed: int) -> tuple[dict[str, Any], list[ScenarioResult]]:
     """The run's totals (the JSON report) and its per-scenario results."""
     from chaos.cluster import ChaosCluster, ClusterShape
     from chaos.oracle import Reference, judge
@@ -75,7 +79,7 @@ def run(args, scenarios, seed: int) -> tuple[dict, list]:
     from engine.config import SHIPPED_MODEL
     from engine.tokenizer import Tokenizer
     logging.basicConfig(level=logging.WARNING)
-    say = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    say: Callable[[str], None] = (lambda m: print(m, file=sys.stderr)) if args.json else print
     t0 = time.monotonic()
     shape = ClusterShape(prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
                          transfer=args.transfer, verify_experts=not args.no_expert_guard)
@@ -85,7 +89,7 @@ def run(args, scenarios, seed: int) -> tuple[dict, list]:
     say(f"chaos: seed {seed}; starting a cluster of {shape.prefill_workers} prefill and "
         f"{shape.decode_workers} decode workers")
     cluster.start()
-    results = []
+    results: list[ScenarioResult] = []
     try:
         runner = ScenarioRunner(cluster, maker, keys, cluster.settings.name, args.concurrency, seed)
         for sc, n in zip(scenarios, split(args.requests, scenarios)):
@@ -100,7 +104,7 @@ def run(args, scenarios, seed: int) -> tuple[dict, list]:
     return totals(results, seed, time.monotonic() - t0), results
 
 
-def _summary(t: dict) -> str:
+def _summary(t: dict[str, Any]) -> str:
     return (f"\n{t['requests']} requests ({t['completed']} completed, {t['failed_explicitly']} failed "
             f"explicitly, {t['aborted']} aborted, {t['silent']} silent); {t['faults_injected']} faults "
             f"injected, {t['faults_detected']} detected, {t['faults_tolerated']} tolerated; transfer faults "

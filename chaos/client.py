@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-from bench.http_stream import post_json
 from chaos.prompts import Job
+from gateway.http_client import post_json
 
 
 @dataclass

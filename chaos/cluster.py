@@ -1,6 +1,7 @@
 """The cluster a chaos run attacks: a real Tandem deployment on Ray (registry, worker actors
 with injectors, the gateway), plus the handles the run needs to arm faults, read ledgers,
-kill workers and check pools."""
+kill workers and check pools.  The workers are `chaos.actor.ChaosWorkerActor`s, given to
+deploy's launcher as its worker class; the deployment is otherwise `tandem serve`'s."""
 
 from __future__ import annotations
 
@@ -8,12 +9,17 @@ import json
 import logging
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 
+from chaos.actor import ChaosWorkerActor
 from deploy.launcher import Deployment
+from deploy.registry import ActorHandle
 from deploy.settings import ServeSettings
+from worker.types import Role
 
 log = logging.getLogger("tandem.chaos")
 
@@ -30,14 +36,17 @@ class ClusterShape:
 
 
 class ChaosCluster:
-    def __init__(self, shape: ClusterShape, api_keys: dict[str, str], seed: int, say=print):
+    def __init__(self, shape: ClusterShape, api_keys: dict[str, str], seed: int,
+                 say: Callable[[str], object] = print) -> None:
+        """`seed`: the run's; worker i's injectors are seeded with seed + i."""
         self.shape, self.say = shape, say
         self.settings = ServeSettings(
             prefill_workers=shape.prefill_workers, decode_workers=shape.decode_workers, port=0,
             api_keys=api_keys, kv_cache_tokens=shape.kv_cache_tokens, max_model_len=shape.max_model_len,
             paged_experts_num_resident=shape.paged_experts_num_resident, transfer=shape.transfer,
-            verify_experts=shape.verify_experts, chaos_seed=seed, max_restarts=100, log_level="error", drain_timeout_s=5.0)
-        self.deployment = Deployment(self.settings, say=lambda m: None)
+            verify_experts=shape.verify_experts, max_restarts=100, log_level="error", drain_timeout_s=5.0)
+        self.deployment = Deployment(self.settings, say=lambda m: None, worker_class=ChaosWorkerActor,
+                                     worker_args=(seed,))
         self.api_key = next(iter(api_keys))
 
     def start(self, timeout_s: float = 300.0) -> "ChaosCluster":
@@ -51,11 +60,14 @@ class ChaosCluster:
     def stop(self) -> None:
         self.deployment.stop()
 
-    def workers(self, role: str | None = None) -> dict[str, object]:
-        return {w: a for w, a in self.deployment.workers.items() if role is None or w.startswith(role)}
+    def workers(self, role: Role | None = None) -> dict[str, ActorHandle]:
+        """Worker id -> actor, of every worker or of one role's."""
+        return {w: a for w, a in self.deployment.workers.items()
+                if role is None or self.deployment.roles[w] == role}
 
-    def call(self, wid: str, op: str, timeout_s: float = 60.0, **kw):
-        """One chaos request to a worker; retried while Ray restarts it."""
+    def call(self, wid: str, op: str, timeout_s: float = 60.0, **kw: Any) -> Any:
+        """One chaos request to a worker (`ChaosWorkerActor.chaos_call`); retried while Ray
+        restarts it."""
         end = time.monotonic() + timeout_s
         while True:
             try:
@@ -65,7 +77,8 @@ class ChaosCluster:
                     raise
                 time.sleep(0.25)
 
-    def arm(self, role: str, point: str, **kw) -> None:
+    def arm(self, role: Role, point: str, **kw: Any) -> None:
+        """Arm `point` on every worker of `role` (ChaosControl.arm's keywords)."""
         for wid in self.workers(role):
             self.call(wid, "arm", point=point, **kw)
 
@@ -73,7 +86,7 @@ class ChaosCluster:
         for wid in self.workers():
             self.call(wid, "disarm")
 
-    def ledgers(self) -> dict[str, dict]:
+    def ledgers(self) -> dict[str, dict[str, Any]]:
         return {wid: self.call(wid, "ledger") for wid in self.workers()}
 
     def kill(self, wid: str) -> None:
@@ -101,12 +114,13 @@ class ChaosCluster:
             time.sleep(0.25)
         raise TimeoutError(f"the cluster did not recover in {timeout_s}s")
 
-    def server_info(self) -> dict:
+    def server_info(self) -> dict[str, Any]:
         req = urllib.request.Request(self.url + "/v1/server_info",
                                      headers={"Authorization": f"Bearer {self.api_key}"})
         try:
             with urllib.request.urlopen(req, timeout=10) as r:
-                return json.loads(r.read())
+                info: dict[str, Any] = json.loads(r.read())
+                return info
         except OSError:
             return {}
 
@@ -114,7 +128,7 @@ class ChaosCluster:
         """prompt_tokens + max_tokens may not exceed this (the context; KV capacity is larger)."""
         return int(self.server_info()["context_length"])
 
-    def wait_idle(self, timeout_s: float = 90.0) -> dict[str, dict]:
+    def wait_idle(self, timeout_s: float = 90.0) -> dict[str, dict[str, Any]]:
         """Poll every worker's pool until no page is in use (or the time is up); returns the
         last idle checks (integrity, pages used); each check also scans every expert slot."""
         end = time.monotonic() + timeout_s

@@ -1,91 +1,114 @@
 """The chaos run's hand inside one worker process: arms that worker's injectors, reports what
 they injected and what its receiver refused, and checks its pool at idle.
 
-A worker actor holds one `ChaosControl` only when the deployment was started with a
-`chaos_seed`; otherwise no injector exists in the process at all.
+A `ChaosControl` exists only in a worker started for a chaos run (`chaos.cluster`'s worker
+actor, `python -m chaos.worker`); otherwise no injector exists in the process at all.  It
+reaches the worker only through its `WorkerHandle`: `attach` installs the injectors as the
+worker's transfer hooks, and the ledger reads the handle's counters, receiver and engine core.
 """
 
 from __future__ import annotations
 
 import os
 import random
+from typing import Any
 
 from chaos.injectors import RECEIVER_POINTS, ReceiverFaults, corrupt_expert
-from kv_transfer.faults import POINTS as SENDER_POINTS
-from kv_transfer.faults import FaultInjector
+from chaos.sender_faults import POINTS as SENDER_POINTS
+from chaos.sender_faults import FaultInjector
+from kv_transfer.hooks import PLAIN_RECEIVER, PLAIN_SENDER, TransferHooks
+from worker.server import WorkerHandle
+from worker.types import Role
 
 
 class ChaosControl:
-    def __init__(self, role: str, seed: int):
+    """One worker's injectors: the sender's on a prefill (or colocated) worker, the receiver's
+    on a decode (or colocated) worker.  Nothing fires until `arm`."""
+
+    def __init__(self, role: Role, seed: int) -> None:
         self.role = role
         self.rng = random.Random(seed)
-        self.sender = FaultInjector(seed) if role == "prefill" else None
-        self.receiver = ReceiverFaults(seed) if role == "decode" else None
+        self.sender = FaultInjector(seed) if role in (Role.PREFILL, Role.COLOCATED) else None
+        self.receiver = ReceiverFaults(seed) if role in (Role.DECODE, Role.COLOCATED) else None
         self.expert_log: list[tuple[str, str]] = []
-        self.handle = None                      # the running worker, set once it started
+        self._handle: WorkerHandle | None = None
+
+    def attach(self, handle: WorkerHandle) -> None:
+        """Install this control's injectors as `handle`'s transfer hooks (every later transfer
+        passes through them) and keep the handle for the ledger and the idle check."""
+        self._handle = handle
+        handle.install_transfer_hooks(TransferHooks(sender=self.sender or PLAIN_SENDER,
+                                                    receiver=self.receiver or PLAIN_RECEIVER))
 
     @property
-    def faults(self):
-        """What the worker's start function takes as `faults=`."""
-        return self.sender if self.role == "prefill" else self.receiver
+    def handle(self) -> WorkerHandle:
+        if self._handle is None:
+            raise RuntimeError("ChaosControl.attach(handle) was not called: no worker to act on")
+        return self._handle
 
-    def arm(self, point: str, **kw) -> int:
+    def arm(self, point: str, times: int = 1, after: int = 0, probability: float = 1.0,
+            seconds: float = 0.0) -> int:
         """Arm `point` on this worker.  `corrupt_expert` is done at once (`times` slots); returns
-        how many were corrupted.  Raises ValueError for a point this role does not have."""
+        how many were corrupted (0 for the other points).  Raises ValueError for a point this
+        role does not have, or a bad value."""
         if point == "corrupt_expert":
-            return self._corrupt(kw.get("times", 1))
+            return self._corrupt(times)
         if point in SENDER_POINTS and self.sender is not None:
-            self.sender.arm(point, **kw)
+            self.sender.arm(point, times=times, after=after, probability=probability, seconds=seconds)
         elif point in RECEIVER_POINTS and self.receiver is not None:
-            self.receiver.arm(point, **kw)
+            self.receiver.arm(point, times=times, probability=probability, seconds=seconds)
         else:
-            raise ValueError(f"a {self.role} worker has no fault point {point!r}")
+            raise ValueError(f"a {self.role.value} worker has no fault point {point!r}")
         return 0
 
     def _corrupt(self, times: int) -> int:
-        llm, lock = self.handle.llm, self.handle.engines[0].lock
+        h = self.handle
         done = 0
         for _ in range(times):
-            with lock:                          # not in the middle of a step's page-in
-                hit = corrupt_expert(llm, self.rng)
+            with h.lock:                        # not in the middle of a step's page-in
+                hit = corrupt_expert(h.core, self.rng)
             if hit is None:
                 break
             self.expert_log.append(("corrupt_expert", f"layer {hit[0]} slot {hit[1]} expert {hit[2]}"))
             done += 1
         return done
 
+    def _transfer_log(self) -> list[tuple[str, str]]:
+        """(point, victim transfer id hex) of every transfer fault injected here so far."""
+        return [entry for injector in (self.sender, self.receiver) if injector is not None
+                for entry in injector.log]
+
     def injected(self, point: str) -> list[str]:
         """Victim transfer ids of this worker's `point` injections so far (a cheap poll)."""
-        return [tid for p, tid in self.faults.log if p == point] if self.faults else []
+        return [tid for p, tid in self._transfer_log() if p == point]
 
     def disarm(self) -> None:
         for injector in (self.sender, self.receiver):
             if injector is not None:
                 injector.disarm()
 
-    def ledger(self) -> dict:
+    def ledger(self) -> dict[str, Any]:
         """What this worker injected and refused so far, and its counters."""
         h = self.handle
-        engine = h.engines[0]
-        out = {"role": self.role, "pid": os.getpid(), "counts": dict(engine.counts),
-               "injected": list(self.faults.log) + self.expert_log if self.faults else list(self.expert_log),
-               "corrupt_slots": sum(c["corrupt_slots"] for c in h.llm.expert_stats().values())}
-        receiver = getattr(engine, "receiver", None)
-        if receiver is not None:
-            out.update(refusals=list(receiver.refusal_log), failures=list(receiver.failure_log),
-                       accepted_bytes=receiver.accepted_bytes)
+        out: dict[str, Any] = {
+            "role": self.role.value, "pid": os.getpid(), "counts": dict(h.counts()),
+            "injected": self._transfer_log() + self.expert_log,
+            "corrupt_slots": sum(c["corrupt_slots"] for c in h.core.expert_stats().values())}
+        if h.receiver is not None:
+            out.update(refusals=list(h.receiver.refusal_log), failures=list(h.receiver.failure_log),
+                       accepted_bytes=h.receiver.accepted_bytes)
         return out
 
-    def idle_check(self) -> dict:
+    def idle_check(self) -> dict[str, Any]:
         """The pool's accounting (I6): integrity, and whether every page is free."""
         h = self.handle
-        pool = h.llm.pool
-        with h.engines[0].lock:
+        pool = h.core.pool
+        with h.lock:
             try:
                 pool.check_integrity()
                 problem = ""
             except AssertionError as e:
                 problem = str(e) or "check_integrity failed"
-            for e in h.llm.paged_experts().values():      # a flip no step read yet is counted here
-                e.slots.verify(range(e.slots.num_slots))
+            for experts in h.core.paged_experts().values():   # a flip no step read yet is counted here
+                experts.slots.verify(range(experts.slots.num_slots))
             return {"used": pool.num_used, "integrity": problem}

@@ -11,6 +11,7 @@ from typing import ParamSpec, TypeVar
 
 from chaos.client import Outcome
 from chaos.cluster import ChaosCluster
+from worker.types import Role
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -27,7 +28,7 @@ async def kill_prefill(cluster: ChaosCluster, live: list[Outcome], done: asyncio
     loop = asyncio.get_running_loop()
     end = loop.time() + wait_s
     while loop.time() < end and not done.is_set():
-        for wid in cluster.workers("prefill"):
+        for wid in cluster.workers(Role.PREFILL):
             held = await _call(cluster.call, wid, "injected", point="delay")
             if held:
                 await _call(cluster.kill, wid)
@@ -46,7 +47,7 @@ async def kill_decode(cluster: ChaosCluster, live: list[Outcome], done: asyncio.
     while loop.time() < end and not done.is_set():
         streaming = [o for o in live if o.token_ids and not o.ended]
         if len(streaming) >= 2:
-            wid = rng.choice(sorted(cluster.workers("decode")))
+            wid = rng.choice(sorted(cluster.workers(Role.DECODE)))
             await _call(cluster.kill, wid)
             victims = [o.job.index for o in streaming if not o.ended]
             await _call(cluster.wait_recovered)
@@ -60,7 +61,7 @@ async def corrupt_expert(cluster: ChaosCluster, live: list[Outcome], done: async
     """Flip a bit in a resident expert slot of a random decode worker every `every_s`."""
     records: list[dict] = []
     while not done.is_set():
-        wid = rng.choice(sorted(cluster.workers("decode")))
+        wid = rng.choice(sorted(cluster.workers(Role.DECODE)))
         if await _call(cluster.call, wid, "arm", point="corrupt_expert", times=1):
             records.append({"point": "corrupt_expert", "victim": wid, "worker": wid})
         await asyncio.sleep(every_s)

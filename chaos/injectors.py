@@ -1,6 +1,9 @@
 """Fault injectors on the receiving side and in a worker's memory (the sending side's are in
-`kv_transfer/faults.py`).  None of them exists in a worker unless a chaos run starts it with
-`chaos=True`; then the run arms them by name, one scenario at a time.
+`chaos/sender_faults.py`).  None of them exists in a worker unless a chaos run starts one
+(`chaos.cluster`'s worker actors, or `python -m chaos.worker`): `ReceiverFaults` is then
+installed as the worker's `kv_transfer.hooks.ReceiverHooks` through
+`WorkerHandle.install_transfer_hooks`, and the run arms the points by name, one scenario at a
+time.
 
     point           where                        what must catch it
     unwritten_page  decode: a verified frame is   the commit's re-checksum of the destination
@@ -17,36 +20,51 @@ import random
 import threading
 import time
 from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from engine.experts import PagedExperts
 from proto import kv_transfer_pb2 as pb
 
 RECEIVER_POINTS = ("unwritten_page", "stall")
 LOG_SIZE = 1 << 16
 
 
-class ReceiverFaults:
-    """Installed as `TransferReceiver(faults=...)`.  Each armed point fires on a frame with
-    `probability`, at most `times` times, at most once per transfer; `log` records
-    (point, transfer id hex) of every injection."""
+@dataclass
+class Armed:
+    times: int              # injections left
+    probability: float
+    seconds: float
 
-    def __init__(self, seed: int = 0):
+
+class ReceiverFaults:
+    """The receiving side's fault points, as `kv_transfer.hooks.ReceiverHooks` (installed with
+    `TransferReceiver.install_hooks`, or on a worker with `WorkerHandle.install_transfer_hooks`).
+    Unarmed, it changes nothing.  Each armed point fires on a frame with `probability`, at most
+    `times` times, at most once per transfer; `log` records (point, transfer id hex) of every
+    injection."""
+
+    def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
-        self._armed: dict[str, list] = {}          # point -> [times left, probability, seconds]
+        self._armed: dict[str, Armed] = {}
         self._faulted: OrderedDict[bytes, None] = OrderedDict()
         self.fired: Counter[str] = Counter()
         self.log: deque[tuple[str, str]] = deque(maxlen=LOG_SIZE)
 
-    def arm(self, point: str, times: int = 1, probability: float = 1.0, seconds: float = 0.0, **_) -> None:
+    def arm(self, point: str, times: int = 1, probability: float = 1.0, seconds: float = 0.0,
+            after: int = 0) -> None:
+        """Let `point` fire on up to `times` transfers, each frame with `probability` (`after`
+        is the sender's option, ignored here).  Raises ValueError for an unknown point or value."""
         if point not in RECEIVER_POINTS:
             raise ValueError(f"unknown receiver fault {point!r}; known: {', '.join(RECEIVER_POINTS)}")
         if times < 1 or not 0.0 < probability <= 1.0 or seconds < 0:
             raise ValueError(f"fault {point}: times={times} (>= 1), probability={probability} "
                              f"(in (0, 1]), seconds={seconds} (>= 0)")
         with self._lock:
-            self._armed[point] = [times, probability, seconds]
+            self._armed[point] = Armed(times, probability, seconds)
 
     def disarm(self) -> None:
         with self._lock:
@@ -55,17 +73,17 @@ class ReceiverFaults:
     def _fires(self, point: str, h: pb.FrameHeader) -> float | None:
         with self._lock:
             rule = self._armed.get(point)
-            if rule is None or rule[0] <= 0 or h.transfer_id in self._faulted:
+            if rule is None or rule.times <= 0 or h.transfer_id in self._faulted:
                 return None
-            if self._rng.random() >= rule[1]:
+            if self._rng.random() >= rule.probability:
                 return None
-            rule[0] -= 1
+            rule.times -= 1
             self._faulted[h.transfer_id] = None
             while len(self._faulted) > LOG_SIZE:
                 self._faulted.popitem(last=False)
             self.fired[point] += 1
             self.log.append((point, h.transfer_id.hex()))
-            return rule[2]
+            return rule.seconds
 
     def before_receive(self, h: pb.FrameHeader) -> None:
         """Called before the receiver reads a frame: a stall sleeps here."""
@@ -78,7 +96,13 @@ class ReceiverFaults:
         return self._fires("unwritten_page", h) is not None
 
 
-def corrupt_expert(llm, rng: random.Random) -> tuple[int, int, int] | None:
+class HasPagedExperts(Protocol):
+    def paged_experts(self) -> dict[int, PagedExperts]:
+        """MoE layer index -> its paged experts (an `EngineCore`, an `LLM`)."""
+        ...
+
+
+def corrupt_expert(llm: HasPagedExperts, rng: random.Random) -> tuple[int, int, int] | None:
     """Flip one exponent bit of a random resident expert slot of a random paged MoE layer.
     Returns (layer, slot, expert), or None when the model pages no experts (or the chosen
     layer has no intact slot left)."""

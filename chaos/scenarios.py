@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from worker.types import Role
+
 LATE = ("EXPIRED", "AFTER_FAILURE", "UNKNOWN_TRANSFER")
 
 
@@ -20,7 +22,7 @@ class Scenario:
     group: str                       # transfer | pool | process | admission
     about: str
     point: str | None = None         # injector point armed for the scenario
-    role: str | None = None          # prefill (sender faults) or decode (receiver / pool faults)
+    role: Role | None = None         # PREFILL (sender faults) or DECODE (receiver / pool faults)
     expect: tuple[str, ...] = ()     # refusal codes that detect one injection
     share: float = 0.4               # about this share of the scenario's requests is faulted
     per_frame: float = 0.5           # chance per frame while the armed count lasts
@@ -38,34 +40,34 @@ class Scenario:
 
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("flipped_bit", "transfer", "one payload bit flipped after the checksum",
-             "corrupt_payload", "prefill", ("BAD_CHECKSUM",)),
+             "corrupt_payload", Role.PREFILL, ("BAD_CHECKSUM",)),
     Scenario("altered_header", "transfer", "a header field changed after the checksum",
-             "alter_header", "prefill", ("BAD_CHECKSUM",)),
+             "alter_header", Role.PREFILL, ("BAD_CHECKSUM",)),
     Scenario("swapped_pages", "transfer", "payloads exchanged between two concurrent transfers",
-             "swap_pages", "prefill", ("BAD_CHECKSUM", "BAD_GEOMETRY"), share=0.5),
+             "swap_pages", Role.PREFILL, ("BAD_CHECKSUM", "BAD_GEOMETRY"), share=0.5),
     Scenario("foreign_replay", "transfer", "a frame re-aimed at another request's reservation",
-             "replay_foreign", "prefill", ("BAD_TAG",)),
+             "replay_foreign", Role.PREFILL, ("BAD_TAG",)),
     Scenario("stale_replay", "transfer", "a frame of a finished transfer replayed",
-             "replay_stale", "prefill", ("EXPIRED", "AFTER_COMMIT", "UNKNOWN_TRANSFER", "AFTER_FAILURE")),
-    Scenario("duplicate_frame", "transfer", "a frame sent twice", "duplicate", "prefill", ("DUPLICATE",)),
+             "replay_stale", Role.PREFILL, ("EXPIRED", "AFTER_COMMIT", "UNKNOWN_TRANSFER", "AFTER_FAILURE")),
+    Scenario("duplicate_frame", "transfer", "a frame sent twice", "duplicate", Role.PREFILL, ("DUPLICATE",)),
     Scenario("dropped_frame", "transfer", "a frame never sent, then the commit",
-             "drop", "prefill", ("INCOMPLETE",)),
+             "drop", Role.PREFILL, ("INCOMPLETE",)),
     Scenario("placeholder", "transfer", "only the first frames, then commit (the incident chain)",
-             "commit_early", "prefill", ("INCOMPLETE",), per_frame=1.0),   # only first frames qualify
+             "commit_early", Role.PREFILL, ("INCOMPLETE",), per_frame=1.0),   # only first frames qualify
     Scenario("late_write", "transfer", "a frame written after the client left, the decode side "
-             "aborted and its pages went to new requests", "late_write", "prefill", LATE,
+             "aborted and its pages went to new requests", "late_write", Role.PREFILL, LATE,
              seconds=1.5, client="disconnect", share=0.5),
     Scenario("unwritten_page", "pool", "a verified frame marked written without its bytes",
-             "unwritten_page", "decode", ("RECHECK_FAILED",)),
+             "unwritten_page", Role.DECODE, ("RECHECK_FAILED",)),
     Scenario("corrupt_expert", "pool", "a bit of a resident expert slot flipped after start-up",
              driver="corrupt_expert"),
     Scenario("kill_prefill", "process", "the prefill worker killed mid-push (SIGKILL, Ray restarts it)",
-             "delay", "prefill", seconds=30.0, share=0.0, per_frame=1.0, after=2, driver="kill_prefill",
+             "delay", Role.PREFILL, seconds=30.0, share=0.0, per_frame=1.0, after=2, driver="kill_prefill",
              weight=0.6),
     Scenario("kill_decode", "process", "a decode worker killed mid-stream (Ray restarts it)",
              driver="kill_decode", weight=0.6),
     Scenario("stalled_peer", "process", "a receiver that reads nothing for 2 s, then continues",
-             "stall", "decode", seconds=2.0, share=0.15),
+             "stall", Role.DECODE, seconds=2.0, share=0.15),
     Scenario("abort_storm", "process", "clients that disconnect at random points", client="storm"),
     Scenario("over_by_one", "admission", "prompt_tokens + max_tokens one over the limit",
              client="over_by_one", weight=0.4),

@@ -34,7 +34,8 @@ def start_decode_worker(config: WorkerConfig, core: EngineCore | None = None) ->
     add_to_server(DecodeServicer(engine, transfer.endpoint), server)
     loop = WorkerLoop(core, [engine], lock, wake).start()
     server.start()
-    return WorkerHandle(Role.DECODE, address, core, lock, server, loop, [engine], [transfer.stop])
+    return WorkerHandle(Role.DECODE, address, core, lock, server, loop, [engine], [transfer.stop],
+                        receiver=engine.receiver)
 
 
 def transfer_server(config: WorkerConfig, engine: DecodeEngine) -> TransferServer:

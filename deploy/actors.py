@@ -1,43 +1,62 @@
 """The Ray actors of a Tandem deployment: one per worker (prefill, decode or colocated) and
 the gateway.  A worker actor registers its service address in the registry when it starts,
-and again when Ray restarts it after a crash."""
+and again when Ray restarts it after a crash.
+
+`WorkerActor` is a plain class: the launcher wraps it with `ray.remote` when it starts the
+workers.  It is also the extension point for machinery that must live inside a worker
+process (a chaos run's injectors): subclass it, override `started`, add the methods the
+driver calls, and give the subclass to `Deployment(worker_class=..., worker_args=...)`.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING, Any
 
 import ray
+
+from deploy.registry import ActorHandle
+from worker.types import Role
+
+if TYPE_CHECKING:
+    from worker.server import WorkerHandle
 
 log = logging.getLogger("tandem.deploy")
 HEARTBEAT_S = 2.0
 
 
-@ray.remote
 class WorkerActor:
-    def __init__(self, worker_id: str, role: str, config: dict, secret: bytes, registry, host: str | None,
-                 cores: list[int] | None = None, chaos_seed: int | None = None):
+    """One worker process's actor: starts the worker in-process, then registers it.
+
+    Ray constructs it again with the same arguments after a crash (`max_restarts`).  A subclass
+    may take more constructor arguments after these (the launcher's `worker_args`)."""
+
+    def __init__(self, worker_id: str, role: Role, index: int, config: dict[str, Any], secret: bytes,
+                 registry: ActorHandle, host: str | None, cores: list[int] | None = None) -> None:
+        """`index`: the worker's place among the deployment's workers (0, 1, ...; the same after
+        a restart); `config`: WorkerConfig fields except the secret and host."""
+        from deploy.worker import start_worker
         from worker.config import WorkerConfig
-        from worker.types import Role
         if cores:
             _pin(cores)
         ip = ray.util.get_node_ip_address()
         cfg = WorkerConfig(**config, secret=secret, host=host or ip)
-        self.role, self.worker_id, self.registry = role, worker_id, registry
-        self.chaos = None
-        if chaos_seed is not None:                 # a chaos run: this worker's injectors
-            from chaos.control import ChaosControl
-            self.chaos = ChaosControl(role, chaos_seed)
-        from deploy.worker import start_worker
-        self.handle = start_worker(Role(role), cfg)
-        if self.chaos is not None:
-            self.chaos.attach(self.handle)
+        self.role, self.index, self.worker_id, self.registry = role, index, worker_id, registry
+        self.handle: WorkerHandle = start_worker(role, cfg)
+        self.started()
         # what the registry serves; the rest (health, KV, experts) is read live from the worker
-        self.info = {"role": role, "address": self.handle.address, "node_ip": ip,
+        self.info = {"role": role.value, "address": self.handle.address, "node_ip": ip,
                      "node_id": ray.get_runtime_context().get_node_id()}
         ray.get(registry.register.remote(worker_id, self.info))
         self._stopped = threading.Event()
         threading.Thread(target=self._heartbeat, name="registry-heartbeat", daemon=True).start()
+
+    def started(self) -> None:
+        """Called once `self.handle` serves, before the worker registers (so no gateway routes
+        a request to it before this returns).  The default does nothing; a subclass may install
+        transfer hooks here (`self.handle.install_transfer_hooks`).  An exception fails the
+        actor's start."""
 
     def _heartbeat(self) -> None:
         """Re-register every HEARTBEAT_S: a registry that was restarted learns of us again."""
@@ -49,12 +68,6 @@ class WorkerActor:
 
     def address(self) -> str:
         return self.handle.address
-
-    def chaos_call(self, op: str, **kw):
-        """A chaos run's request to this worker (arm, disarm, ledger, idle_check)."""
-        if self.chaos is None:
-            raise RuntimeError("this deployment was not started for a chaos run")
-        return getattr(self.chaos, op)(**kw)
 
     def stop(self) -> None:
         """End every live request with an explicit error, release every page, stop serving."""
@@ -74,14 +87,14 @@ def _pin(cores: list[int]) -> None:
 
 @ray.remote(num_cpus=0)
 class GatewayActor:
-    def __init__(self, config: dict, registry):
+    def __init__(self, config: dict[str, Any], registry: ActorHandle) -> None:
         from gateway.config import GatewayConfig
         from gateway.server import GatewayServer
         self.registry = registry
         found = self._discover()
-        self.server = GatewayServer(GatewayConfig(**config, decode_workers=tuple(found["decode"]),
-                                                  prefill_workers=tuple(found["prefill"]),
-                                                  colocated_workers=tuple(found["colocated"])),
+        self.server = GatewayServer(GatewayConfig(**config, decode_workers=tuple(found[Role.DECODE.value]),
+                                                  prefill_workers=tuple(found[Role.PREFILL.value]),
+                                                  colocated_workers=tuple(found[Role.COLOCATED.value])),
                                     discover=self._discover).start()
 
     def _discover(self) -> dict[str, list[str]]:

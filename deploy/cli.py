@@ -4,6 +4,12 @@
     tandem status [--address auto]             # the workers of a running deployment
     tandem generate [--prompt TEXT] ...        # the single-process engine on a few prompts
     tandem preflight --memory-gib 16 [--json]  # what paged experts cost and buy
+    tandem NAME ...                            # a command another package adds (below)
+
+More commands plug in through the entry point group `tandem.commands` (pyproject.toml): each
+entry `NAME = "module:function"` adds `tandem NAME ...`, where `function(argv: list[str]) -> int`
+gets the arguments after NAME and returns the exit status.  The module is imported only when
+its command runs (chaos adds `tandem chaos`; deploy itself never imports it).
 """
 
 from __future__ import annotations
@@ -12,6 +18,12 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
+from importlib.metadata import EntryPoint, entry_points
+
+from deploy.settings import PLACEMENT_STRATEGIES, ServeSettings
+
+COMMANDS_GROUP = "tandem.commands"
 
 DEMO_PROMPTS = [
     "Repeat after me: tandem-canary-7f3a",
@@ -80,10 +92,28 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--link-gbps", type=float, default=None, help="use this link speed instead of measuring")
     pre.add_argument("--json", action="store_true")
     pre.set_defaults(func=_preflight)
+    add_plugin_parsers(sub)
     return parser
 
 
-def add_serve_parser(sub) -> None:
+def add_plugin_parsers(sub: argparse._SubParsersAction) -> None:
+    """One subcommand per `tandem.commands` entry point not named like a built-in command; its
+    arguments go to the entry point's function unparsed (its own --help included)."""
+    for ep in entry_points(group=COMMANDS_GROUP):
+        if ep.name in sub.choices:
+            continue
+        cmd = sub.add_parser(ep.name, help=f"{ep.name} commands (from {ep.value.split(':')[0]})", add_help=False)
+        cmd.add_argument("rest", nargs=argparse.REMAINDER)
+        cmd.set_defaults(func=lambda args, ep=ep: _run_plugin(ep, args.rest))
+
+
+def _run_plugin(ep: EntryPoint, argv: list[str]) -> int:
+    """Import the command's module now and run it on `argv`."""
+    command: Callable[[list[str]], int] = ep.load()
+    return command(argv)
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     sv = sub.add_parser("serve", help="serve the model: Ray workers and the OpenAI-compatible gateway")
     sv.add_argument("--address", default=None, help="join a Ray cluster (auto, or HOST:PORT); default: start one")
     sv.add_argument("--model", default=None, help="HF checkpoint directory (default: the shipped tiny-moe)")
@@ -105,7 +135,9 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--verify-experts", action="store_true",
                     help="check each resident expert slot against the host copy before use (costs a read)")
     sv.add_argument("--gpus-per-worker", type=float, default=0.0)
-    sv.add_argument("--placement-strategy", default="PACK", choices=["PACK", "SPREAD"])
+    sv.add_argument("--placement-strategy", default="PACK", choices=PLACEMENT_STRATEGIES,
+                    help="Ray's placement of the workers (STRICT_PACK: one node, as --transfer shm needs; "
+                    "STRICT_SPREAD: one worker per node)")
     sv.add_argument("--transfer", default="grpc", choices=["grpc", "shm"],
                     help="how prefill reaches decode (shm: same node only)")
     sv.add_argument("--worker-resources", default=None, help='extra Ray resources per role, JSON: '
@@ -115,15 +147,11 @@ def add_serve_parser(sub) -> None:
                     help="pin each worker to this many CPU cores of its own (round robin)")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sv.set_defaults(func=_serve)
-    ch = sub.add_parser("chaos", help="chaos runs: inject KV-leak faults into a live cluster (python -m chaos)",
-                        add_help=False)
-    ch.add_argument("rest", nargs=argparse.REMAINDER)
-    ch.set_defaults(func=lambda args: _chaos(args.rest))
 
 
-def serve_settings(args: argparse.Namespace):
+def serve_settings(args: argparse.Namespace) -> ServeSettings:
     """The flags as ServeSettings; raises ValueError on a conflict or a missing model."""
-    from deploy.settings import ServeSettings, parse_resources
+    from deploy.settings import parse_resources
     from engine.config import SHIPPED_MODEL
     from gateway.config import api_keys
     if args.colocated and (args.prefill_workers is not None or args.decode_workers is not None):
@@ -150,12 +178,7 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(settings)
 
 
-def _chaos(rest: list[str]) -> int:
-    from chaos.cli import main as chaos_main
-    return chaos_main(rest)
-
-
-def _check_kv(settings) -> None:
+def _check_kv(settings: ServeSettings) -> None:
     """Fail before starting anything when a worker's KV pool cannot hold one full-context request."""
     from engine.config import ModelConfig
     mc = ModelConfig.from_path(settings.model)
@@ -168,7 +191,8 @@ def _check_kv(settings) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        status: int = args.func(args)
+        return status
     except (ValueError, FileNotFoundError, json.JSONDecodeError) as err:
         print(f"tandem: error: {err}", file=sys.stderr)
         return 2

@@ -29,4 +29,5 @@ def start_colocated_worker(config: WorkerConfig, core: EngineCore | None = None)
     add_to_server(DecodeServicer(decode, transfer.endpoint, role=Role.COLOCATED, prefill=prefill), server)
     loop = WorkerLoop(core, [prefill, decode], lock, wake).start()
     server.start()
-    return WorkerHandle(Role.COLOCATED, address, core, lock, server, loop, [prefill, decode], [transfer.stop])
+    return WorkerHandle(Role.COLOCATED, address, core, lock, server, loop, [prefill, decode], [transfer.stop],
+                        receiver=decode.receiver)

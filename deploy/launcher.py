@@ -4,6 +4,10 @@ placement group, and the gateway on the driver's node.
     d = Deployment(settings).start()     # returns once /health answers 200
     print(d.url)
     d.stop()                             # drain, end requests with errors, free pages, shut down
+
+The worker actors are `deploy.actors.WorkerActor`s unless the caller gives a subclass
+(`worker_class`, with `worker_args` appended to its constructor's arguments): the way a chaos
+run puts its injectors into every worker without deploy knowing of them.
 """
 
 from __future__ import annotations
@@ -23,14 +27,20 @@ from deploy import registry as reg
 from deploy.actors import GatewayActor, WorkerActor
 from deploy.settings import ServeSettings
 from kv_transfer.frame import new_cluster_secret
+from worker.types import Role
 
 log = logging.getLogger("tandem.deploy")
 
 
 class Deployment:
-    def __init__(self, settings: ServeSettings, say: Callable[[str], object] = print) -> None:
+    def __init__(self, settings: ServeSettings, say: Callable[[str], object] = print,
+                 worker_class: type[WorkerActor] = WorkerActor, worker_args: tuple[Any, ...] = ()) -> None:
+        """`worker_class`: the class each worker's Ray actor is made of (a WorkerActor subclass
+        whose constructor takes WorkerActor's arguments followed by `worker_args`)."""
         self.s, self.say = settings, say
+        self.worker_class, self.worker_args = worker_class, worker_args
         self.workers: dict[str, reg.ActorHandle] = {}
+        self.roles: dict[str, Role] = {}   # worker id -> its role
         self.gateways: list[reg.ActorHandle] = []
         self.pg: PlacementGroup | None = None
         self.urls: list[str] = []          # one per gateway replica, once started
@@ -44,24 +54,11 @@ class Deployment:
         registry = self.registry = reg.get_or_create()
         roles = s.roles()
         bundles = [self._bundle(role) for role in roles]
-        self.pg = placement_group(bundles, strategy=s.placement_strategy)
-        if not self.pg.wait(timeout_seconds=int(timeout_s)):
+        pg = self.pg = placement_group(bundles, strategy=s.placement_strategy)
+        if not pg.wait(timeout_seconds=int(timeout_s)):
             raise RuntimeError(f"Ray could not place {len(bundles)} workers ({bundles}) with strategy "
                                f"{s.placement_strategy}: not enough resources in the cluster")
-        secret = new_cluster_secret()           # handed to every worker through Ray, never logged
-        host = s.worker_host or ("127.0.0.1" if s.address is None else None)   # None: the node's IP
-        counts: dict[str, int] = {}
-        for i, role in enumerate(roles):
-            wid = f"{role}-{counts.setdefault(role, 0)}"
-            counts[role] += 1
-            # ray.remote(...) turns a class into an ActorClass (with .options); ray's stubs keep the plain class
-            self.workers[wid] = WorkerActor.options(  # type: ignore[attr-defined]
-                name=f"tandem-{wid}", namespace=reg.NAMESPACE, max_restarts=s.max_restarts,
-                num_cpus=bundles[i].get("CPU", 0), num_gpus=bundles[i].get("GPU", 0),
-                resources={k: v for k, v in bundles[i].items() if k not in ("CPU", "GPU")},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-            ).remote(wid, role, s.worker_config(), secret, registry, host, self._cores(i),
-                     None if s.chaos_seed is None else s.chaos_seed + i)
+        self._start_workers(pg, roles, bundles, registry)
         self.say(f"tandem: loading {s.model} on {len(roles)} worker(s): {', '.join(self.workers)}")
         for wid, actor in self.workers.items():
             address: str = ray.get(actor.address.remote(), timeout=timeout_s)
@@ -73,6 +70,25 @@ class Deployment:
         for url in self.urls:
             self._wait_healthy(url, timeout_s)
         return self
+
+    def _start_workers(self, pg: PlacementGroup, roles: list[Role], bundles: list[dict[str, float]],
+                       registry: reg.ActorHandle) -> None:
+        """One actor of `worker_class` per role, in its bundle of `pg`."""
+        s = self.s
+        secret = new_cluster_secret()           # handed to every worker through Ray, never logged
+        host = s.worker_host or ("127.0.0.1" if s.address is None else None)   # None: the node's IP
+        actor_class = ray.remote(self.worker_class)
+        counts: dict[Role, int] = {}
+        for i, role in enumerate(roles):
+            wid = f"{role.value}-{counts.setdefault(role, 0)}"
+            counts[role] += 1
+            self.workers[wid] = actor_class.options(
+                name=f"tandem-{wid}", namespace=reg.NAMESPACE, max_restarts=s.max_restarts,
+                num_cpus=bundles[i].get("CPU", 0), num_gpus=bundles[i].get("GPU", 0),
+                resources={k: v for k, v in bundles[i].items() if k not in ("CPU", "GPU")},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+            ).remote(wid, role, i, s.worker_config(), secret, registry, host, self._cores(i), *self.worker_args)
+            self.roles[wid] = role
 
     @property
     def url(self) -> str:
@@ -102,11 +118,11 @@ class Deployment:
         total = os.cpu_count() or 1
         return sorted({(i * n + k) % total for k in range(n)})
 
-    def _bundle(self, role: str) -> dict[str, float]:
+    def _bundle(self, role: Role) -> dict[str, float]:
         b = {"CPU": 1.0}
         if self.s.gpus_per_worker:
             b["GPU"] = self.s.gpus_per_worker
-        b.update(self.s.worker_resources.get(role, {}))
+        b.update(self.s.worker_resources.get(role.value, {}))
         return b
 
     def _gateway_config(self, replica: int) -> dict:

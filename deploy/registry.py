@@ -8,6 +8,8 @@ from typing import Any
 
 import ray
 
+from worker.types import Role
+
 # A Ray actor handle.  Ray types attribute access on `ActorHandle` as Never, so mypy would take
 # every line after `handle.method.remote()` as unreachable and check none of it: handles are Any.
 ActorHandle = Any
@@ -31,7 +33,7 @@ class Registry:
         return sorted(self._workers.values(), key=lambda w: w["worker_id"])
 
     def addresses(self) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {"prefill": [], "decode": [], "colocated": []}
+        out: dict[str, list[str]] = {role.value: [] for role in Role}
         for w in self._workers.values():
             out[w["role"]].append(w["address"])
         return out

@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import SHIPPED_MODEL
+from worker.types import Role
+
+# Ray's placement group strategies (ray.util.placement_group): PACK and SPREAD are best effort,
+# STRICT_PACK puts every worker on one node (what --transfer shm needs), STRICT_SPREAD one per node
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,6 @@ class ServeSettings:
     max_restarts: int = 3
     drain_timeout_s: float = 30.0
     verify_experts: bool = False            # guard mode: check expert slots before each use
-    chaos_seed: int | None = None           # a chaos run: workers get injectors (seeded from this)
 
     def __post_init__(self) -> None:
         if not (Path(self.model) / "config.json").is_file():
@@ -54,8 +58,12 @@ class ServeSettings:
             raise ValueError(f"--kv-cache-tokens must be >= 1, got {self.kv_cache_tokens}")
         if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
             raise ValueError(f"--mem-fraction must be in (0, 1), got {self.mem_fraction}")
-        if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
-            raise ValueError(f"--placement-strategy {self.placement_strategy}: choose PACK or SPREAD")
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"--placement-strategy {self.placement_strategy}: choose one of "
+                             f"{', '.join(PLACEMENT_STRATEGIES)}")
+        if unknown := set(self.worker_resources) - {r.value for r in Role}:
+            raise ValueError(f"--worker-resources: {', '.join(sorted(unknown))} is not a role "
+                             f"({', '.join(r.value for r in Role)})")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port {self.port} is not a TCP port")
         if self.gpus_per_worker < 0 or (self.device.startswith("cuda") and self.gpus_per_worker == 0):
@@ -67,11 +75,11 @@ class ServeSettings:
     def name(self) -> str:
         return self.served_model_name or Path(self.model).name
 
-    def roles(self) -> list[str]:
+    def roles(self) -> list[Role]:
         """One entry per worker to start."""
         if self.colocated:
-            return ["colocated"] * self.colocated_workers
-        return ["prefill"] * self.prefill_workers + ["decode"] * self.decode_workers
+            return [Role.COLOCATED] * self.colocated_workers
+        return [Role.PREFILL] * self.prefill_workers + [Role.DECODE] * self.decode_workers
 
     def worker_config(self) -> dict:
         """What every worker gets (WorkerConfig fields; the secret travels separately)."""

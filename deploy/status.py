@@ -9,6 +9,7 @@ import ray
 from deploy import registry as reg
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
+from worker.types import Role
 
 
 def status(address: str) -> int:
@@ -31,7 +32,8 @@ def status(address: str) -> int:
 
 def _row(w: dict) -> str:
     channel = grpc.insecure_channel(w["address"])
-    stub = wpb_grpc.PrefillServiceStub(channel) if w["role"] == "prefill" else wpb_grpc.DecodeServiceStub(channel)
+    prefill = w["role"] == Role.PREFILL.value
+    stub = wpb_grpc.PrefillServiceStub(channel) if prefill else wpb_grpc.DecodeServiceStub(channel)
     try:
         s = stub.Stats(wpb.StatsRequest(), timeout=5)
         health = "ok"

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_pool import PagePool
+from kv_transfer.hooks import PLAIN_SENDER, SenderHooks
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import Reservation
 from kv_transfer.sender import TransferSender, TransferTicket
@@ -62,13 +63,13 @@ class Transfer:
 
 def prepare(src: PagePool, dst: PagePool, receiver: TransferReceiver, rid: str, prompt_len: int,
             tenant: str = "acme", extra_pages: int = 1, groups=((0, 2), (2, LAYERS)),
-            secret: bytes = SECRET, faults=None) -> Transfer:
+            secret: bytes = SECRET, hooks: SenderHooks = PLAIN_SENDER) -> Transfer:
     src.allocate(rid, src.pages_for(prompt_len))
     dst.allocate(rid, dst.pages_for(prompt_len) + extra_pages)
     res = receiver.reserve(rid, tenant, prompt_len)
     cap = CaptureStream()
     sender = TransferSender(cap, TransferTicket(res.transfer_id, rid, tenant), secret, src,
-                            src.page_table(rid), prompt_len, faults=faults)
+                            src.page_table(rid), prompt_len, hooks=hooks)
     for l0, l1 in groups:
         sender.send_layers(l0, l1)
     sender.commit(first_token_id=7, first_logprob=-0.25)

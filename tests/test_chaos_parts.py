@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from chaos.injectors import ReceiverFaults, corrupt_expert
-from chaos.runner import _match, new_entries
 from chaos.report import ScenarioResult
+from chaos.runner import _match, new_entries
 from chaos.scenarios import SCENARIOS, select, split
+from chaos.sender_faults import FaultInjector
 from kv_transfer.errors import Refusal, TransferRefused
-from kv_transfer.faults import FaultInjector
+from kv_transfer.hooks import PLAIN_SENDER
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import State
 from kv_transfer.sender import TransferSender, TransferTicket
@@ -26,12 +27,12 @@ from tests.test_paged_experts import small_layer
 PROMPT = 10     # 3 pages of 4
 
 
-def transfer(src, dst, recv, server, rid, faults=None):
+def transfer(src, dst, recv, server, rid, hooks=PLAIN_SENDER):
     src.allocate(rid, src.pages_for(PROMPT))
     dst.allocate(rid, dst.pages_for(PROMPT))
     res = recv.reserve(rid, "acme", PROMPT)
     sender = TransferSender(connect(server.endpoint, res.transfer_id), TransferTicket(res.transfer_id, rid, "acme"),
-                            SECRET, src, src.page_table(rid), PROMPT, faults=faults)
+                            SECRET, src, src.page_table(rid), PROMPT, hooks=hooks)
     try:
         sender.send_layers(0, LAYERS)
         sender.commit(1, -0.5)
@@ -45,7 +46,8 @@ def transfer(src, dst, recv, server, rid, faults=None):
 def pools():
     src, dst = make_pool(32, seed=1), make_pool(32, seed=2)
     faults = ReceiverFaults(seed=3)
-    recv = TransferReceiver(dst, SECRET, faults=faults)
+    recv = TransferReceiver(dst, SECRET)
+    recv.install_hooks(faults)
     server = LocalServer(recv, f"chaos-{id(recv)}")
     yield src, dst, recv, server, faults
     server.stop()

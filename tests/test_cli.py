@@ -26,6 +26,7 @@ def test_generate_refuses_a_prompt_over_the_context(capsys):
     (["serve", "--mem-fraction", "1.5"], "--mem-fraction must be in (0, 1)"),
     (["serve", "--device", "cuda"], "--gpus-per-worker > 0"),
     (["serve", "--worker-resources", "[1]"], "JSON object of role"),
+    (["serve", "--worker-resources", '{"gpu": {"gpu_node": 1}}'], "gpu is not a role"),
 ])
 def test_serve_fails_fast_on_bad_settings(capsys, argv, message):
     assert main(argv) == 2
@@ -38,3 +39,16 @@ def test_serve_refuses_unknown_or_malformed_flags(capsys, argv):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_every_placement_strategy_the_flag_offers_is_accepted():
+    from deploy.cli import build_parser, serve_settings
+    from deploy.settings import PLACEMENT_STRATEGIES
+    for strategy in PLACEMENT_STRATEGIES:
+        assert serve_settings(build_parser().parse_args(["serve", "--placement-strategy", strategy]))
+
+
+def test_a_plugged_in_command_runs_without_deploy_importing_it(capsys):
+    """`tandem chaos` comes from the `tandem.commands` entry point group (chaos.cli:main)."""
+    assert main(["chaos", "list"]) == 0
+    assert "flipped_bit" in capsys.readouterr().out

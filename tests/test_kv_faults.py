@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from chaos.sender_faults import POINTS, FaultInjector
 from kv_transfer.errors import Refusal, TransferRefused
-from kv_transfer.faults import POINTS, FaultInjector
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import State
 from kv_transfer.sender import TransferSender, TransferTicket
@@ -34,7 +34,7 @@ def open_transfer(src, dst, recv, server, rid, faults):
     res = recv.reserve(rid, "acme", PROMPT)
     sender = TransferSender(connect(server.endpoint, res.transfer_id),
                             TransferTicket(res.transfer_id, rid, "acme"), SECRET, src,
-                            src.page_table(rid), PROMPT, faults=faults)
+                            src.page_table(rid), PROMPT, hooks=faults)
     return res, sender
 
 

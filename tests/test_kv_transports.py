@@ -8,14 +8,14 @@ import time
 import pytest
 import torch
 
+from chaos.sender_faults import FaultInjector
 from kv_transfer.errors import Refusal, TransferRefused
-from kv_transfer.faults import FaultInjector
+from kv_transfer.hooks import PLAIN_SENDER
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import State
 from kv_transfer.sender import TransferSender, TransferTicket
-from kv_transfer.transport import TransportConfig, connect
+from kv_transfer.transport import TransportConfig, connect, grpc_stream, shm
 from kv_transfer.transport.grpc_server import GrpcTransferServer
-from kv_transfer.transport import grpc_stream, shm
 from kv_transfer.transport.local import LocalServer
 from kv_transfer.transport.shm_server import ShmTransferServer
 from tests.kv_helpers import LAYERS, SECRET, make_pool, pages_equal
@@ -56,13 +56,13 @@ def served(request, tmp_path):
     assert dst.num_free == dst.num_pages, "pages left reserved after the test"
 
 
-def start(src, dst, recv, rid, prompt_len, endpoint, config, faults=None):
+def start(src, dst, recv, rid, prompt_len, endpoint, config, hooks=PLAIN_SENDER):
     src.allocate(rid, src.pages_for(prompt_len))
     dst.allocate(rid, dst.pages_for(prompt_len) + 2)
     res = recv.reserve(rid, "acme", prompt_len)
     stream = connect(endpoint, res.transfer_id, config)
     sender = TransferSender(stream, TransferTicket(res.transfer_id, rid, "acme"), SECRET, src,
-                            src.page_table(rid), prompt_len, faults=faults)
+                            src.page_table(rid), prompt_len, hooks=hooks)
     return res, sender, stream
 
 

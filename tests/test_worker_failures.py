@@ -98,8 +98,8 @@ def test_a_reservation_that_receives_nothing_times_out(decode, ids):
 
 def test_a_prefill_worker_killed_mid_push(decode, ids):
     env = dict(os.environ, TANDEM_CLUSTER_SECRET=SECRET.hex())
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.worker", "--role", "prefill",
-                             "--chaos-fault", "delay:after=3:seconds=60"],   # after the first layer group
+    proc = subprocess.Popen([sys.executable, "-m", "chaos.worker", "--role", "prefill",
+                             "--fault", "delay:after=3:seconds=60"],   # after the first layer group
                             stdout=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline().split()

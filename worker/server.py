@@ -17,6 +17,7 @@ import torch
 from engine.config import ModelConfig, parse_dtype
 from engine.core import EngineCore
 from kv_transfer.hooks import TransferHooks
+from kv_transfer.receiver import TransferReceiver
 from worker.config import WorkerConfig
 from worker.loop import RoleEngine, WorkerLoop
 from worker.types import Role
@@ -41,6 +42,9 @@ class WorkerHandle:
     loop: WorkerLoop
     roles: list[RoleEngine] = field(default_factory=list)
     closers: list[Callable[[], None]] = field(default_factory=list)
+    # the decode side's transfer receiver (decode and colocated workers; None on a prefill
+    # worker), for reading its refusal and failure logs and counters; its pages stay the core's
+    receiver: TransferReceiver | None = None
     stopped: bool = False
 
     def counts(self) -> Counter[str]:

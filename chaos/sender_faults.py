@@ -1,10 +1,11 @@
-"""Named fault injection points on the sending side of KV transfers (driven by `chaos/`).
+"""Named fault injection points on the sending side of KV transfers: `FaultInjector`, an
+implementation of `kv_transfer.hooks.SenderHooks`.
 
-A sender has `faults=None` unless a chaos run installs a `FaultInjector`; then every
-frame passes through `on_frame`, which may alter, hold, repeat or drop it.  Each armed
-point fires a bounded number of times, optionally with a seeded probability, and
-`fired` counts what was actually injected (the chaos report compares it with the
-receivers' refusal counters).
+A worker's senders use the plain hooks (every frame sent as it is) unless a chaos run
+installs a `FaultInjector` through `WorkerHandle.install_transfer_hooks`; then every frame
+passes through `on_frame`, which may alter, hold, repeat or drop it.  Each armed point fires
+a bounded number of times, optionally with a seeded probability, and `fired` counts what was
+actually injected (the chaos report compares it with the receivers' refusal counters).
 
     point            what the receiver should see
     corrupt_payload  one payload bit flipped after the checksum      BAD_CHECKSUM
@@ -32,12 +33,17 @@ import random
 import threading
 import time
 from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kv_transfer.errors import Refusal, TransferRefused
+from kv_transfer.pages import Payload
+from kv_transfer.sender import SenderStream, TransferTicket
 from proto import kv_transfer_pb2 as pb
+
+Frame = tuple[pb.FrameHeader, Payload]
 
 POINTS = ("corrupt_payload", "alter_header", "swap_pages", "drop", "duplicate", "reorder",
           "replay_stale", "replay_foreign", "commit_early", "delay", "cut", "late_write")
@@ -55,20 +61,25 @@ class Rule:
 
 
 class FaultInjector:
-    def __init__(self, seed: int = 0):
+    """The sending side's fault points (`SenderHooks`): unarmed, every frame goes out as it is.
+    `arm` and `disarm` may be called from any thread while transfers run."""
+
+    def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
         self._rules: dict[str, Rule] = {}
         self._lock = threading.Lock()
-        self._held: dict[bytes, list] = {}           # transfer id -> frames held back
-        self._swap: tuple | None = None               # (ticket, header, payload) waiting for a partner
-        self._first: OrderedDict[bytes, tuple] = OrderedDict()   # live transfer -> its first frame
-        self._earlier: deque = deque(maxlen=8)        # (transfer id, header, payload) of ended transfers
+        self._held: dict[bytes, list[Frame]] = {}     # transfer id -> frames held back
+        self._swap: tuple[TransferTicket, pb.FrameHeader, Payload] | None = None   # waiting for a partner
+        self._first: OrderedDict[bytes, Frame] = OrderedDict()   # live transfer -> its first frame
+        self._earlier: deque[tuple[bytes, pb.FrameHeader, Payload]] = deque(maxlen=8)   # of ended transfers
         self._faulted: OrderedDict[bytes, None] = OrderedDict()  # transfers already faulted once
         self.fired: Counter[str] = Counter()
         self.log: deque[tuple[str, str]] = deque(maxlen=LOG_SIZE)  # (point, victim transfer id hex)
 
     def arm(self, point: str, times: int = 1, after: int = 0, probability: float = 1.0,
             seconds: float = 0.0) -> None:
+        """Let `point` fire on up to `times` transfers, each time with `probability`, once
+        `after` frames have passed it.  Raises ValueError for an unknown point or a bad value."""
         if point not in POINTS:
             raise ValueError(f"unknown fault point {point!r}; known: {', '.join(POINTS)}")
         if times < 1 or after < 0 or not 0.0 < probability <= 1.0 or seconds < 0:
@@ -93,7 +104,7 @@ class FaultInjector:
         self.fired[point] += 1
         return rule
 
-    def on_frame(self, ticket, h: pb.FrameHeader, payload: torch.Tensor, stream) -> bool:
+    def on_frame(self, ticket: TransferTicket, h: pb.FrameHeader, payload: Payload, stream: SenderStream) -> bool:
         """Send the frame through `stream` as the armed faults say.  Returns True when the
         sender must commit now (commit_early).  Raises TransferRefused(TRANSPORT) for `cut`."""
         tid = ticket.transfer_id
@@ -107,7 +118,7 @@ class FaultInjector:
                     self._first.popitem(last=False)
             for point in actions:
                 if point != "swap_pages":              # logged once the swap really happens
-                    victim = earlier[0] if point == "replay_stale" else tid
+                    victim = earlier[0] if point == "replay_stale" and earlier is not None else tid
                     self.log.append((point, victim.hex()))
         for point in ("delay", "late_write"):
             if actions.get(point):
@@ -120,7 +131,7 @@ class FaultInjector:
         if actions.get("alter_header"):
             h = _copy(h)
             h.seq += 1000
-        out = [(h, payload)]
+        out: list[Frame] = [(h, payload)]
         if actions.get("swap_pages") and not self._swap_with(ticket, h, payload, out):
             out = []
         if actions.get("reorder"):
@@ -149,16 +160,16 @@ class FaultInjector:
         (commit_early) commits after the transfer's first frame, never after its last."""
         if tid in self._faulted:
             return {}
-        fired = {p: self._fires(p) for p in POINTS if p in self._rules
-                 and (can_replay or p not in REPLAYS) and (first or p != "commit_early")}
-        fired = {p: r for p, r in fired.items() if r is not None}
+        candidates = [p for p in POINTS if p in self._rules
+                      and (can_replay or p not in REPLAYS) and (first or p != "commit_early")]
+        fired = {p: r for p in candidates if (r := self._fires(p)) is not None}
         if fired:
             self._faulted[tid] = None
             while len(self._faulted) > LOG_SIZE:
                 self._faulted.popitem(last=False)
         return fired
 
-    def _swap_with(self, ticket, h, payload, out: list) -> bool:
+    def _swap_with(self, ticket: TransferTicket, h: pb.FrameHeader, payload: Payload, out: list[Frame]) -> bool:
         """Pair this frame with one held from another transfer and exchange their payloads.
         Returns False when the frame was held instead (waiting for a partner)."""
         with self._lock:
@@ -181,14 +192,14 @@ class FaultInjector:
         out[0] = (h, pp)
         return True
 
-    def ended(self, ticket) -> None:
+    def after_commit(self, ticket: TransferTicket) -> None:
         """The transfer's commit was answered: its first frame becomes replayable (stale)."""
         with self._lock:
             first = self._first.pop(ticket.transfer_id, None)
             if first is not None:
                 self._earlier.append((ticket.transfer_id, *first))
 
-    def flush(self, ticket, stream) -> None:
+    def before_commit(self, ticket: TransferTicket, stream: SenderStream) -> None:
         """Before commit: send frames still held for this transfer, unchanged."""
         with self._lock:
             held = self._held.pop(ticket.transfer_id, [])
@@ -200,21 +211,22 @@ class FaultInjector:
             stream.send(h, p)
 
 
-def _deliver(stream, timeout_s: float = 5.0) -> None:
-    """Make sure a late frame reaches the receiver before the sender may close the stream."""
-    settle = getattr(stream, "settle", None)
+def _deliver(stream: SenderStream, timeout_s: float = 5.0) -> None:
+    """Make sure a late frame reaches the receiver before the sender may close the stream
+    (a transport that batches frames in the background says when they landed: `settle`)."""
+    settle: Callable[[float], object] | None = getattr(stream, "settle", None)
     if settle is not None:
         settle(timeout_s)
     else:
         stream.flush()
 
 
-def _keep(p):
+def _keep(p: Payload) -> Payload:
     """A payload that outlives the stream's staging buffer."""
     return p.clone() if isinstance(p, torch.Tensor) else p
 
 
-def _flipped(p):
+def _flipped(p: Payload) -> Payload:
     """The payload with its first bit flipped (a copy)."""
     if isinstance(p, torch.Tensor):
         p = p.clone()
