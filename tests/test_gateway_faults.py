@@ -177,8 +177,8 @@ def test_a_prefill_worker_killed_mid_push_is_retried_on_another():
     """The first prefill worker dies with frames in flight: the decode reservation is released,
     and the request completes through the other prefill worker."""
     env = dict(os.environ, TANDEM_CLUSTER_SECRET=SECRET.hex())
-    doomed = subprocess.Popen([sys.executable, "-m", "deploy.worker", "--role", "prefill",
-                               "--chaos-fault", "delay:after=7:seconds=60"],    # after the first layer group
+    doomed = subprocess.Popen([sys.executable, "-m", "chaos.worker", "--role", "prefill",
+                               "--fault", "delay:after=7:seconds=60"],    # after the first layer group
                               stdout=subprocess.PIPE, text=True, env=env)
     decode, spare = start_decode_worker(config()), start_prefill_worker(config())
     gw = None
