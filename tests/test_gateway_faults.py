@@ -98,7 +98,7 @@ def test_a_client_that_leaves_a_non_streaming_request_ends_it_at_once(cluster):
     """Before the response starts, only the request's receive channel tells that the client
     left: nothing between the server and the handler may hide it (a wrapping middleware did)."""
     gw, decode, prefill = cluster
-    counts = decode.engines[0].counts
+    counts = decode.roles[0].counts
     finished, failed = counts["finished"], counts["failed"]
     conn = connection(gw.url)
     conn.request("POST", "/v1/completions", body=json.dumps({
@@ -204,12 +204,12 @@ def test_a_prefill_worker_killed_mid_push_is_retried_on_another():
                                                         "max_tokens": 4, "temperature": 0}, timeout_s=120)
         killer.join()
         assert status == 200, body
-        assert decode.engines[0].counts["failed"] == 1          # the first attempt ended, pages freed
-        assert decode.engines[0].counts["finished"] == 1
+        assert decode.roles[0].counts["failed"] == 1          # the first attempt ended, pages freed
+        assert decode.roles[0].counts["finished"] == 1
         end = time.monotonic() + 10                              # the spare's report lands on its loop
-        while spare.engines[0].counts["pushed"] != 1 and time.monotonic() < end:
+        while spare.roles[0].counts["pushed"] != 1 and time.monotonic() < end:
             time.sleep(0.02)
-        assert spare.engines[0].counts["pushed"] == 1
+        assert spare.roles[0].counts["pushed"] == 1
     finally:
         doomed.kill()
         doomed.wait(10)
