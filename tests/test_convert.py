@@ -79,3 +79,13 @@ def test_the_gateway_translates_a_request():
     chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], logprobs=True,
                                  top_logprobs=2, stop=["a", "b"])
     assert sampling_params(chat, 8, None) == SamplingParams(max_tokens=8, logprobs=2, stop=("a", "b"))
+
+
+def test_a_wire_error_code_becomes_an_error_code_and_an_unknown_one_does_not_crash():
+    from gateway.forward import ForwardError
+
+    known = ForwardError.from_proto(wpb.Error(code="PROMPT_TOO_LONG", message="too long"))
+    assert (known.code, known.status, known.message) == (ErrorCode.PROMPT_TOO_LONG, 400, "too long")
+    unknown = ForwardError.from_proto(wpb.Error(code="FROM_A_NEWER_WORKER", message="m"), "prefill: ")
+    assert (unknown.code, unknown.status) == (ErrorCode.INTERNAL, 502)
+    assert unknown.message == "prefill: FROM_A_NEWER_WORKER: m"
