@@ -8,6 +8,7 @@ from dataclasses import fields
 import pytest
 
 from engine.params import SamplingParams
+from gateway.forward import ForwardError
 from gateway.protocol import PER_CHOICE, ChatCompletionRequest, CompletionRequest, _Common, sampling_params
 from proto import worker_pb2 as wpb
 from worker.convert import SPECIAL_FIELDS, params_from_proto, params_to_proto
@@ -82,8 +83,6 @@ def test_the_gateway_translates_a_request():
 
 
 def test_a_wire_error_code_becomes_an_error_code_and_an_unknown_one_does_not_crash():
-    from gateway.forward import ForwardError
-
     known = ForwardError.from_proto(wpb.Error(code="PROMPT_TOO_LONG", message="too long"))
     assert (known.code, known.status, known.message) == (ErrorCode.PROMPT_TOO_LONG, 400, "too long")
     unknown = ForwardError.from_proto(wpb.Error(code="FROM_A_NEWER_WORKER", message="m"), "prefill: ")
