@@ -11,7 +11,7 @@ from __future__ import annotations
 from chaos.prompts import CANARY
 from chaos.report import ScenarioResult
 from engine import LLM
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 
 
 class Reference:

@@ -24,8 +24,8 @@ import torch
 
 from engine.core import EngineCore, LayerHook, TokenEvent
 from engine.kv_pool import PoolExhausted
+from engine.params import SamplingParams
 from engine.request import Request
-from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledBatch
 from kv_transfer.hooks import TransferHooks
 from kv_transfer.receiver import TransferReceiver

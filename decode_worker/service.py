@@ -8,7 +8,7 @@ from typing import Iterator, Protocol
 import grpc
 
 from decode_worker.engine import DecodeEngine, DecodeRequest
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from worker.convert import params_from_proto

@@ -26,14 +26,15 @@ from typing import Callable
 import torch
 
 from engine.attention import select_attention
-from engine.config import SHIPPED_MODEL, EngineConfig, ModelConfig, parse_dtype
+from engine.config import EngineConfig, ModelConfig
 from engine.experts import PagedExperts, check_independence, paged_factory, validate_num_resident
 from engine.kv_pool import PagePool
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.moe import select_moe_kernel
+from engine.params import SamplingParams
 from engine.request import Request
-from engine.sampling import SampleOutput, SamplingParams
+from engine.sampling import SampleOutput
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.stop import StopChecker
 from engine.tokenizer import Tokenizer

@@ -13,11 +13,15 @@ from typing import Sequence
 
 import torch
 
-from engine.config import SHIPPED_MODEL, EngineConfig, parse_dtype
+from engine.config import SHIPPED_MODEL, EngineConfig, ModelConfig, parse_dtype
 from engine.core import EngineCore
 from engine.experts import PagedExperts
+from engine.kv_pool import PagePool
+from engine.models.qwen3_moe import Qwen3MoeModel
+from engine.params import SamplingParams
 from engine.request import Request, RequestOutput
-from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
 
@@ -40,12 +44,44 @@ class LLM:
                               max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens, seed=seed,
                               paged_experts_num_resident=paged_experts_num_resident,
                               paged_experts_prefetch=paged_experts_prefetch)
-        self.core = core = EngineCore(config, attention)
-        # the core's parts, read by tests, benchmarks and tools
-        self.config, self.model_config, self.tokenizer = core.config, core.model_config, core.tokenizer
-        self.model, self.pool, self.runner, self.scheduler = core.model, core.pool, core.runner, core.scheduler
-        self.max_model_len, self.eos_ids = core.max_model_len, core.eos_ids
-        self.attention_backend = core.attention_backend
+        self.core = EngineCore(config, attention)
+
+    # ---- the core's parts, read by tests, benchmarks and tools -----------------
+    @property
+    def config(self) -> EngineConfig:
+        return self.core.config
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.core.model_config
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.core.tokenizer
+
+    @property
+    def model(self) -> Qwen3MoeModel:
+        return self.core.model
+
+    @property
+    def pool(self) -> PagePool:
+        return self.core.pool
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self.core.eos_ids
+
+    @property
+    def attention_backend(self) -> str:
+        return self.core.attention_backend
 
     # ---- public API ------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from engine.stop import StopChecker
 
 

@@ -7,10 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.params import MAX_LOGPROBS, SamplingParams
+from engine.params import SamplingParams
 
-# SamplingParams and MAX_LOGPROBS are re-exported for the modules that still import them from here
-__all__ = ["MAX_LOGPROBS", "SampleOutput", "SamplingParams", "sample"]
+__all__ = ["SampleOutput", "sample"]
 
 
 @dataclass

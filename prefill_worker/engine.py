@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from engine.core import EngineCore, LayerHook, TokenEvent
+from engine.params import SamplingParams
 from engine.request import Request
-from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledBatch
 from kv_transfer.hooks import TransferHooks
 from kv_transfer.sender import TransferTicket

@@ -20,7 +20,8 @@ async def fake_server(requests: list):
     """Streams TOKENS chunks: the first after TTFT_S, then one every GAP_S; a usage chunk; [DONE]."""
     async def handle(reader, writer):
         head = await reader.readuntil(b"\r\n\r\n")
-        length = int(next(l.split(b":")[1] for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")))
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
         body = json.loads(await reader.readexactly(length))
         requests.append(body)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")

@@ -60,13 +60,13 @@ def test_eos_ends_generation_unless_ignored(random_llm):
     prompt = [60, 61]
     base = _free_run(random_llm, prompt)
     eos = base.token_ids[3]
-    saved = random_llm.eos_ids
-    random_llm.eos_ids = frozenset({eos})
+    saved = random_llm.core.eos_ids          # read by each new request's stop checker
+    random_llm.core.eos_ids = frozenset({eos})
     try:
         out = random_llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0))[0]
         ignored = random_llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
     finally:
-        random_llm.eos_ids = saved
+        random_llm.core.eos_ids = saved
     assert out.finish_reason == "stop" and out.token_ids[-1] == eos
     assert len(out.token_ids) == base.token_ids.index(eos) + 1
     assert ignored.token_ids == base.token_ids

@@ -14,7 +14,8 @@ import threading
 import time
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from decode_worker.server import start_decode_worker
 from prefill_worker.server import start_prefill_worker

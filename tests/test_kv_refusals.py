@@ -10,7 +10,7 @@ from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.frame import commit_digest
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import State
-from tests.kv_helpers import (SECRET, copy_commit, copy_header, make_pool, pages_equal, prepare)
+from tests.kv_helpers import SECRET, copy_commit, copy_header, make_pool, pages_equal, prepare
 
 PROMPT = 10            # 3 pages of 4 tokens (4, 4, 2); 2 layer groups -> 6 frames
 

@@ -6,7 +6,8 @@ state matches the receiver's."""
 from __future__ import annotations
 
 import torch
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine.kv_pool import PoolExhausted

@@ -53,8 +53,8 @@ def test_prefill_and_decode_on_different_nodes_and_recovery(cluster):
         assert replica.completions.create(model="tiny-moe", prompt="x", max_tokens=4).usage.completion_tokens
 
         conn = connection(d.url)
-        conn.request("POST", "/v1/completions", body=json.dumps({"model": "tiny-moe", "prompt": "while True:\n",
-                     "max_tokens": 1500, "ignore_eos": True, "stream": True}), headers={"Content-Type": "application/json"})
+        body = {"model": "tiny-moe", "prompt": "while True:\n", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
         assert resp.status == 200 and resp.readline().startswith(b"data: ")
         old = {w["role"]: w["address"] for w in workers()}["decode"]

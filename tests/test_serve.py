@@ -12,8 +12,8 @@ from pathlib import Path
 
 import openai
 
-from tests.gateway_helpers import connection
 from gateway.server import _free_port
+from tests.gateway_helpers import connection
 
 
 def ray_processes() -> list[str]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from engine.validate import RequestError
 from engine.validate import check_prompt as engine_check
 from worker.types import ErrorCode, WorkerError

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import grpc
 
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from worker.convert import params_to_proto, prefill_request
