@@ -3,13 +3,21 @@ single-process `LLM`, and each worker again (defence in depth behind the gateway
 
 from __future__ import annotations
 
+import enum
+
 from engine.params import SamplingParams
 
 
-class RequestError(ValueError):
-    """A refused request: `code` (INVALID_REQUEST, PROMPT_TOO_LONG) and a message with the numbers."""
+class Problem(enum.StrEnum):
+    """What is wrong with a refused prompt (the same words as the worker's error codes)."""
+    INVALID_REQUEST = "INVALID_REQUEST"      # empty, or a token id outside the vocabulary
+    PROMPT_TOO_LONG = "PROMPT_TOO_LONG"      # prompt + max_tokens over the context or the KV capacity
 
-    def __init__(self, code: str, message: str):
+
+class RequestError(ValueError):
+    """A refused request: what is wrong (`code`) and a message with the numbers."""
+
+    def __init__(self, code: Problem, message: str):
         super().__init__(message)
         self.code = code
 
@@ -19,13 +27,13 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab: int, max_model_l
     """Raises RequestError naming what is wrong and the limit.  `reserve_output=False` (prefill)
     needs KV room for the prompt only."""
     if not ids:
-        raise RequestError("INVALID_REQUEST", "empty prompt: at least one token is needed")
+        raise RequestError(Problem.INVALID_REQUEST, "empty prompt: at least one token is needed")
     for i, t in enumerate(ids):
         if not isinstance(t, int) or not 0 <= t < vocab:
-            raise RequestError("INVALID_REQUEST", f"prompt token {i} is {t!r}, not a token id in 0..{vocab - 1}")
+            raise RequestError(Problem.INVALID_REQUEST, f"prompt token {i} is {t!r}, not a token id in 0..{vocab - 1}")
     total = len(ids) + params.max_tokens
     head = f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total}"
     if total > max_model_len:
-        raise RequestError("PROMPT_TOO_LONG", f"{head} exceeds the model context of {max_model_len} tokens")
+        raise RequestError(Problem.PROMPT_TOO_LONG, f"{head} exceeds the model context of {max_model_len} tokens")
     if (total if reserve_output else len(ids)) > kv_tokens:
-        raise RequestError("PROMPT_TOO_LONG", f"{head} exceeds the KV cache capacity of {kv_tokens} tokens")
+        raise RequestError(Problem.PROMPT_TOO_LONG, f"{head} exceeds the KV cache capacity of {kv_tokens} tokens")

@@ -109,7 +109,8 @@ async def _attempt(decode: Worker, prefill: Worker | None, rid: str, tenant: str
                    ) -> AsyncIterator[wpb.GenerateResponse]:
     """One try on one worker pair: yields what the decode worker streams; raises _Retry when
     another try may succeed (nothing was streamed yet), ForwardError when none may."""
-    call = decode.stub.Generate(wpb.GenerateRequest(
+    assert decode.decode_stub is not None
+    call = decode.decode_stub.Generate(wpb.GenerateRequest(
         request_id=rid, tenant=tenant, prompt_token_ids=ids, params=params_to_proto(params),
         timeout_s=timeout_s), timeout=timeout_s)
     decode.outstanding += 1
@@ -197,7 +198,8 @@ async def _prefill(prefill: Worker, call: Any, rid: str, tenant: str, ids: list[
     prefill.outstanding += 1
     prefill.queued_tokens += len(ids)
     try:
-        reply = await prefill.stub.Prefill(prefill_request(rid, tenant, ids, params, res), timeout=timeout_s)
+        assert prefill.prefill_stub is not None
+        reply = await prefill.prefill_stub.Prefill(prefill_request(rid, tenant, ids, params, res), timeout=timeout_s)
         if reply.ok:
             prefill.succeeded()
             return

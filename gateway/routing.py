@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
+from worker.types import Role
 
 log = logging.getLogger("tandem.gateway")
 FAILURES_TO_OPEN = 3
@@ -23,7 +24,7 @@ CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_
 @dataclass
 class Worker:
     address: str
-    role: str                               # prefill, decode, colocated
+    role: Role
     channel: grpc.aio.Channel | None = None
     health: wpb.HealthReply | None = None
     stats: wpb.StatsReply | None = None
@@ -31,16 +32,22 @@ class Worker:
     queued_tokens: int = 0                  # prefill: prompt tokens this gateway sent, unanswered
     failures: int = 0
     open_until: float = 0.0
-    stubs: dict[str, wpb_grpc.DecodeServiceStub | wpb_grpc.PrefillServiceStub] = field(default_factory=dict)
+    decode_stub: wpb_grpc.DecodeServiceStub | None = None     # decode and colocated workers
+    prefill_stub: wpb_grpc.PrefillServiceStub | None = None   # prefill workers
 
     def connect(self) -> None:
         self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
-        self.stubs = {"decode": wpb_grpc.DecodeServiceStub(self.channel),
-                      "prefill": wpb_grpc.PrefillServiceStub(self.channel)}
+        if self.role == Role.PREFILL:
+            self.prefill_stub = wpb_grpc.PrefillServiceStub(self.channel)
+        else:
+            self.decode_stub = wpb_grpc.DecodeServiceStub(self.channel)
 
     @property
     def stub(self) -> wpb_grpc.DecodeServiceStub | wpb_grpc.PrefillServiceStub:
-        return self.stubs["prefill" if self.role == "prefill" else "decode"]
+        """The worker's service (both have Health and Stats)."""
+        stub = self.prefill_stub if self.role == Role.PREFILL else self.decode_stub
+        assert stub is not None, f"worker {self.address} is not connected"
+        return stub
 
     @property
     def healthy(self) -> bool:
@@ -61,8 +68,8 @@ class Worker:
 
 class WorkerPool:
     def __init__(self, decode: tuple[str, ...], prefill: tuple[str, ...], colocated: tuple[str, ...]) -> None:
-        self.workers = [Worker(a, "decode") for a in decode] + [Worker(a, "prefill") for a in prefill] + \
-            [Worker(a, "colocated") for a in colocated]
+        self.workers = [Worker(a, Role.DECODE) for a in decode] + [Worker(a, Role.PREFILL) for a in prefill] + \
+            [Worker(a, Role.COLOCATED) for a in colocated]
         self._retired: list[Worker] = []
 
     def connect(self) -> None:
@@ -73,7 +80,7 @@ class WorkerPool:
     def update(self, found: dict[str, list[str]]) -> None:
         """Follow the registry: add workers that appeared (a restarted worker has a new address),
         drop the ones that are gone."""
-        want = {(a, role) for role, addrs in found.items() for a in addrs}
+        want = {(a, Role(role)) for role, addrs in found.items() for a in addrs}
         have = {(w.address, w.role) for w in self.workers}
         for w in [w for w in self.workers if (w.address, w.role) not in want]:
             self.workers.remove(w)
@@ -87,7 +94,7 @@ class WorkerPool:
             w.connect()
             self.workers.append(w)
 
-    def of(self, *roles: str) -> list[Worker]:
+    def of(self, *roles: Role) -> list[Worker]:
         return [w for w in self.workers if w.role in roles]
 
     async def refresh(self) -> None:
@@ -105,27 +112,27 @@ class WorkerPool:
 
     @property
     def ready(self) -> bool:
-        decode = any(w.healthy for w in self.of("decode"))
-        prefill = any(w.healthy for w in self.of("prefill"))
-        return (decode and prefill) or any(w.healthy for w in self.of("colocated"))
+        decode = any(w.healthy for w in self.of(Role.DECODE))
+        prefill = any(w.healthy for w in self.of(Role.PREFILL))
+        return (decode and prefill) or any(w.healthy for w in self.of(Role.COLOCATED))
 
     def capacity_tokens(self) -> int:
         """The largest KV capacity (tokens) of a healthy decode-capable worker (0: none known)."""
-        return max((w.health.kv_capacity_tokens for w in self.of("decode", "colocated")
+        return max((w.health.kv_capacity_tokens for w in self.of(Role.DECODE, Role.COLOCATED)
                     if w.healthy and w.health is not None), default=0)
 
     def pick_decode(self, need_tokens: int, exclude: set[str]) -> Worker | None:
         """A decode (or colocated) worker with room for `need_tokens` and the least work."""
-        prefill_up = any(p.available() for p in self.of("prefill"))
-        ok = [w for w in self.of("decode", "colocated") if w.available() and w.address not in exclude
+        prefill_up = any(p.available() for p in self.of(Role.PREFILL))
+        ok = [w for w in self.of(Role.DECODE, Role.COLOCATED) if w.available() and w.address not in exclude
               and w.health is not None and w.health.kv_capacity_tokens >= need_tokens
-              and (w.role == "colocated" or prefill_up)]
+              and (w.role == Role.COLOCATED or prefill_up)]
         roomy = [w for w in ok if w.stats is None or w.stats.kv_tokens_free >= need_tokens] or ok
         return min(roomy, key=lambda w: w.outstanding + (w.stats.running + w.stats.waiting if w.stats else 0),
                    default=None)
 
     def pick_prefill(self, exclude: set[str]) -> Worker | None:
-        ok = [w for w in self.of("prefill") if w.available() and w.address not in exclude]
+        ok = [w for w in self.of(Role.PREFILL) if w.available() and w.address not in exclude]
         return min(ok, key=lambda w: w.queued_tokens + (w.stats.waiting_tokens if w.stats else 0), default=None)
 
     async def close(self) -> None:

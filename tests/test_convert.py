@@ -88,3 +88,9 @@ def test_a_wire_error_code_becomes_an_error_code_and_an_unknown_one_does_not_cra
     unknown = ForwardError.from_proto(wpb.Error(code="FROM_A_NEWER_WORKER", message="m"), "prefill: ")
     assert (unknown.code, unknown.status) == (ErrorCode.INTERNAL, 502)
     assert unknown.message == "prefill: FROM_A_NEWER_WORKER: m"
+
+
+def test_every_prompt_problem_of_the_engine_is_a_worker_error_code():
+    from engine.validate import Problem
+    from worker.types import ErrorCode
+    assert {p.value for p in Problem} <= {c.value for c in ErrorCode}

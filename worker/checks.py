@@ -14,4 +14,4 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab: int, max_model_l
     try:
         engine_check(ids, params, vocab, max_model_len, kv_tokens, reserve_output)
     except RequestError as e:
-        raise WorkerError(ErrorCode(e.code), str(e)) from None
+        raise WorkerError(ErrorCode(e.code.value), str(e)) from None

@@ -8,14 +8,14 @@ import enum
 from proto import worker_pb2 as wpb
 
 
-class Role(str, enum.Enum):
+class Role(enum.StrEnum):
     """What a worker process serves (its registry entry and `Health.role` say it as text)."""
     PREFILL = "prefill"
     DECODE = "decode"
     COLOCATED = "colocated"      # prefill and decode in one process, over one KV pool
 
 
-class ErrorCode(str, enum.Enum):
+class ErrorCode(enum.StrEnum):
     """Why a request was refused or ended (`Error.code` on the wire)."""
     INVALID_REQUEST = "INVALID_REQUEST"          # a parameter or prompt token is wrong
     PROMPT_TOO_LONG = "PROMPT_TOO_LONG"          # prompt + max_tokens over the context or KV capacity
