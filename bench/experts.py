@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import time
+from typing import Any
 
 import torch
 
@@ -59,7 +60,7 @@ def decode_rate(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float,
     Returns (aggregate tokens/s, expert counters over the decode steps, decode steps)."""
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     for p in prompts:
-        llm.scheduler.add(llm._make_request(p, params))
+        llm.core.add(llm._make_request(p, params))
     while any(r.prefilling for r in llm.scheduler.running) or llm.scheduler.waiting:
         llm.step()
     before, steps, produced = counters(llm), 0, 0
@@ -73,13 +74,14 @@ def decode_rate(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float,
     return produced / elapsed, {k: after.get(k, 0) - before.get(k, 0) for k in after}, steps
 
 
-def run_mode(mode: str, k: int | None, batch: int, prompts, tokens: int, link: EmulatedLink | None,
-             prefetch: bool = False, repeats: int = 3) -> dict:
+def run_mode(mode: str, k: int | None, batch: int, prompts: list[list[int]], tokens: int,
+             link: EmulatedLink | None, prefetch: bool = False, repeats: int = 3) -> dict[str, Any]:
     prefetch = prefetch and mode == "paged"
     llm = LLM(paged_experts_num_resident=k, paged_experts_prefetch=prefetch, max_num_seqs=64)
     for experts in llm.paged_experts().values():
         experts.cache = mode != "stream_all"
-        experts.slots.copier = link
+        if link is not None:            # paged modes run behind the emulated link
+            experts.slots.copier = link
     decode_rate(llm, prompts[:batch], 4)  # warm-up: caches and allocator, not timed
     trials = sorted((decode_rate(llm, prompts[:batch], tokens) for _ in range(repeats)), key=lambda r: r[0])
     rate, c, steps = trials[len(trials) // 2]  # the median run
@@ -120,7 +122,7 @@ def main() -> None:
     runs += [run_mode("stream_all", quarter, b, prompts, args.tokens, link) for b in BATCHES]
     runs += [run_mode("paged", quarter, b, prompts, args.tokens, link, prefetch=True) for b in (1, 4)]
 
-    def find(mode, k, b):
+    def find(mode: str, k: int | None, b: int) -> dict[str, Any]:
         return next(r for r in runs if r["mode"] == mode and r["batch"] == b and (k is None or r["K"] == k)
                     and not r["prefetch"])
     paged_b1 = find("paged", quarter, 1)

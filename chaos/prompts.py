@@ -12,7 +12,9 @@ import random
 import re
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
+from chaos.scenarios import Scenario
 from engine import corpus
 from engine.tokenizer import Tokenizer
 
@@ -46,7 +48,7 @@ class PromptMaker:
         """API key -> tenant, fresh for this run."""
         return {f"chaos-{t}-{secrets.token_hex(8)}": t for t in TENANTS}
 
-    def job(self, scenario: str, length: int, max_tokens: int, **kw) -> Job:
+    def job(self, scenario: str, length: int, max_tokens: int, **kw: Any) -> Job:
         """A request whose prompt is exactly `length` token ids, canary first."""
         self.n += 1
         canary = f"canary {self.rng.getrandbits(40):010x}"
@@ -59,7 +61,7 @@ class PromptMaker:
         return Job(self.n, scenario, TENANTS[self.n % len(TENANTS)], canary, ids, max_tokens, **kw)
 
 
-def jobs_for(maker: PromptMaker, scenario, n: int, limit: int) -> list[Job]:
+def jobs_for(maker: PromptMaker, scenario: Scenario, n: int, limit: int) -> list[Job]:
     """The scenario's `n` requests; `limit` is the cluster's prompt + max_tokens limit."""
     rng = maker.rng
     out = []
