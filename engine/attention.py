@@ -9,11 +9,18 @@ calls `decode` (one query per request) or `prefill` (padded queries per request)
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 
 from engine.forward_batch import ForwardBatch
 from engine.kernels.paged_attention import paged_attention_ref, paged_decode_attention_ref
+
+# What `plan` returns and `decode` reads back: each backend's own, opaque to the model.
+TorchPlan = tuple[torch.Tensor, torch.Tensor | None, int]  # pages [B, pages], mask [B, 1, 1, L] or None, length
+TritonPlan = tuple[torch.Tensor, torch.Tensor]              # page_table [B, max_pages], seq_lens [B]
+AttentionPlan = TorchPlan | TritonPlan
 
 
 class TorchAttention:
@@ -21,10 +28,10 @@ class TorchAttention:
 
     name = "torch"
 
-    def __init__(self, page_size: int):
+    def __init__(self, page_size: int) -> None:
         self.page_size = page_size
 
-    def plan(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    def plan(self, batch: ForwardBatch) -> AttentionPlan:
         """The pages that hold keys (reserved pages past the longest request are skipped),
         and which key positions each request may see (None: a single request, whose keys
         are cut to its length instead)."""
@@ -36,9 +43,9 @@ class TorchAttention:
         visible = keys[None, :] < batch.seq_lens[:, None]  # [B, L]
         return table, visible[:, None, None], length  # mask: [B, 1, 1, L]
 
-    def decode(self, q: torch.Tensor, kv_layer: torch.Tensor, plan, scale: float) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:
         """q: [B, Hq, D] -> [B, Hq, D]."""
-        table, visible, length = plan
+        table, visible, length = cast(TorchPlan, plan)  # this backend's own plan
         b, pages = table.shape
         _, _, s, hkv, d = kv_layer.shape
         kv = kv_layer[:, table].view(2, b, pages * s, hkv, d)  # [2, B, L, Hkv, D]
@@ -61,16 +68,16 @@ class TritonAttention(TorchAttention):
 
     name = "triton"
 
-    def __init__(self, page_size: int):
+    def __init__(self, page_size: int) -> None:
         super().__init__(page_size)
         from engine.kernels.triton.paged_attention import paged_decode_attention
         self._kernel = paged_decode_attention
 
-    def plan(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def plan(self, batch: ForwardBatch) -> TritonPlan:
         return batch.page_table, batch.seq_lens
 
-    def decode(self, q: torch.Tensor, kv_layer: torch.Tensor, plan, scale: float) -> torch.Tensor:
-        table, seq_lens = plan  # the kernel reads only the pages below each request's length
+    def decode(self, q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:
+        table, seq_lens = cast(TritonPlan, plan)  # the kernel reads only the pages below each request's length
         return self._kernel(q, kv_layer[0], kv_layer[1], table, seq_lens, scale)
 
 

@@ -36,7 +36,10 @@ class ForwardBatch:
 def build_batch(token_ids: list[list[int]], start_positions: list[int], page_tables: list[list[int]],
                 page_size: int, device: torch.device | str) -> ForwardBatch:
     """Build the tensors for requests that each add `token_ids[b]` at `start_positions[b]`."""
-    ids, pos, slots, q_rows = [], [], [], []
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    q_rows: list[list[int]] = []
     for toks, start, table in zip(token_ids, start_positions, page_tables):
         first = len(ids)
         for i, tok in enumerate(toks):
@@ -46,20 +49,21 @@ def build_batch(token_ids: list[list[int]], start_positions: list[int], page_tab
             slots.append(table[p // page_size] * page_size + p % page_size)
         q_rows.append(list(range(first, len(ids))))
     max_pages = max(len(t) for t in page_tables)
-    table = [t + [0] * (max_pages - len(t)) for t in page_tables]
+    tables = [t + [0] * (max_pages - len(t)) for t in page_tables]
     seq_lens = [s + len(t) for s, t in zip(start_positions, token_ids)]
     is_decode = all(len(t) == 1 for t in token_ids)
-    as_long = dict(dtype=torch.int64, device=device)
-    flat = torch.tensor([ids, pos, slots], **as_long)  # one host-to-device transfer for all three
+    # one host-to-device transfer for all three
+    flat = torch.tensor([ids, pos, slots], dtype=torch.int64, device=device)
     batch = ForwardBatch(
         input_ids=flat[0], positions=flat[1], slot_mapping=flat[2],
-        page_table=torch.tensor(table, dtype=torch.int32, device=device),
+        page_table=torch.tensor(tables, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        logits_indices=torch.tensor([r[-1] for r in q_rows], **as_long), is_decode=is_decode,
-        max_seq_len=max(seq_lens))
+        logits_indices=torch.tensor([r[-1] for r in q_rows], dtype=torch.int64, device=device),
+        is_decode=is_decode, max_seq_len=max(seq_lens))
     if not is_decode:
         qmax = max(len(r) for r in q_rows)
-        batch.q_index = torch.tensor([r + [0] * (qmax - len(r)) for r in q_rows], **as_long)
+        batch.q_index = torch.tensor([r + [0] * (qmax - len(r)) for r in q_rows],
+                                     dtype=torch.int64, device=device)
         batch.q_valid = torch.tensor([[True] * len(r) + [False] * (qmax - len(r)) for r in q_rows],
                                      dtype=torch.bool, device=device)
     return batch

@@ -31,7 +31,7 @@ class PageRef:
 
 class PagePool:
     def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu"):
+                 head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
         if num_pages < 1:
             raise ValueError(f"num_pages={num_pages}: the KV pool needs at least one page")
         self.num_pages = num_pages

@@ -19,7 +19,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class Rotary:
     """Rotary position embedding (non-interleaved halves, the HF/Qwen layout)."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int, device: torch.device | str):
+    def __init__(self, head_dim: int, theta: float, max_positions: int, device: torch.device | str) -> None:
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
         pos = torch.arange(max_positions, device=device).float()
         freqs = pos[:, None] * inv[None, :]  # [P, D/2]

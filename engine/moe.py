@@ -9,6 +9,7 @@ Expert weights are stacked per layer:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -92,10 +93,18 @@ def select_moe_kernel(device: torch.device | str) -> bool:
     return True
 
 
+class Experts(Protocol):
+    """One MoE layer's experts, as the model calls them (resident, or paged)."""
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x: [T, H]; ids: [T, k] expert ids.  Returns y: [T, k, H] (unweighted)."""
+        ...
+
+
 class ResidentExperts:
     """All E experts of one layer on the device; the expert id is the slot id."""
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, triton: bool = False):
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, triton: bool = False) -> None:
         self.w13, self.w2 = w13, w2  # [E, 2I, H], [E, H, I]
         self.triton = triton
 

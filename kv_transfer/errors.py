@@ -30,7 +30,7 @@ class Refusal(str, Enum):
 class TransferRefused(Exception):
     """Raised to the sender (or returned by the receiver) with the code and the detail."""
 
-    def __init__(self, reason: Refusal | str, detail: str = ""):
+    def __init__(self, reason: Refusal | str, detail: str = "") -> None:
         self.reason = Refusal(reason) if reason in Refusal._value2member_map_ else reason
         self.detail = detail
         super().__init__(f"{self.code}: {detail}")

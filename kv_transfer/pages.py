@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from engine.kv_pool import PagePool
+
+if TYPE_CHECKING:
+    from kv_transfer.frame import Buffer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -49,7 +53,8 @@ def block_nbytes(pool: PagePool, l0: int, l1: int, n: int) -> int:
 def as_bytes(t: torch.Tensor) -> memoryview:
     """A CPU contiguous tensor's bytes, without a copy."""
     assert t.device.type == "cpu" and t.is_contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    # numpy's stubs give ndarray the buffer protocol (__buffer__) only for Python >= 3.12
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 Payload = torch.Tensor | bytes     # a staged uint8 tensor, or bytes for transports that want them
@@ -77,12 +82,12 @@ def read_block(pool: PagePool, page: int, l0: int, l1: int, n: int,
         src = pool_bytes(pool)[l0:l1, :, page, :n]
         np.copyto(out.numpy().reshape(src.shape), src)
     else:
-        src = pool.kv[l0:l1, :, page, :n]
-        out.view(src.dtype).view(src.shape).copy_(src)
+        block = pool.kv[l0:l1, :, page, :n]
+        out.view(block.dtype).view(block.shape).copy_(block)
     return out
 
 
-def write_payload(pool: PagePool, page: int, l0: int, l1: int, n: int, payload) -> None:
+def write_payload(pool: PagePool, page: int, l0: int, l1: int, n: int, payload: Buffer) -> None:
     """kv[l0:l1, :, page, :n] = the block `payload` carries (the caller checked its size)."""
     if pool.kv.device.type == "cpu":
         dst = pool_bytes(pool)[l0:l1, :, page, :n]
@@ -112,4 +117,5 @@ def block_parts(pool: PagePool, page: int, l0: int, l1: int, n: int) -> list[mem
     if pool.kv.device.type != "cpu":
         return [as_bytes(pool.kv[l0:l1, :, page, :n].cpu())]
     arr = pool_bytes(pool)
-    return [memoryview(arr[layer, j, page, :n]) for layer in range(l0, l1) for j in (0, 1)]
+    # numpy's stubs give ndarray the buffer protocol (__buffer__) only for Python >= 3.12
+    return [memoryview(arr[layer, j, page, :n]) for layer in range(l0, l1) for j in (0, 1)]  # type: ignore[arg-type]

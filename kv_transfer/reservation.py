@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from engine.kv_pool import PageRef
+from engine.kv_pool import PagePool, PageRef
 from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.pages import block_nbytes, block_shape, dtype_name, tokens_in_page
 from proto import kv_transfer_pb2 as pb
@@ -67,7 +67,7 @@ class Reservation:
     def tokens_in_page(self, index: int) -> int:
         return tokens_in_page(self.page_size, self.prompt_len, index)
 
-    def check_geometry(self, h: pb.FrameHeader, payload_len: int, pool) -> None:
+    def check_geometry(self, h: pb.FrameHeader, payload_len: int, pool: PagePool) -> None:
         """Raises TransferRefused(OUT_OF_RANGE | BAD_GEOMETRY) unless the frame fits exactly."""
         if h.page_index >= len(self.pages):
             raise TransferRefused(Refusal.OUT_OF_RANGE, f"page {h.page_index} outside the reservation "

@@ -17,8 +17,8 @@ HERE = Path(__file__).parent
 
 
 def main() -> int:
-    from grpc_tools import protoc  # only needed to regenerate
     import grpc_tools
+    from grpc_tools import protoc  # only needed to regenerate
 
     include = Path(grpc_tools.__file__).parent / "_proto"
     for proto in sorted(HERE.glob("*.proto")):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from engine.experts.check import check_independence
@@ -32,7 +34,8 @@ def validate_num_resident(k: int | None, num_experts: int, top_k: int, dtype: to
                          "(quantised expert formats are not supported yet)")
 
 
-def paged_factory(num_resident: int, device: torch.device | str, triton: bool = False):
+def paged_factory(num_resident: int, device: torch.device | str, triton: bool = False
+                  ) -> Callable[[int, torch.Tensor, torch.Tensor, list[int]], PagedExperts]:
     """A `make_experts` for the loader: each layer gets a host store, K slots on `device`
     (copies on a side CUDA stream on a GPU, direct copies elsewhere) and LRU eviction."""
     dev = torch.device(device)

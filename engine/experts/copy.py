@@ -27,6 +27,20 @@ class Copy(Protocol):
     def wait(self) -> None: ...
 
 
+class CopyEngine(Protocol):
+    """Starts copies into device slots (see the module doc)."""
+
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: torch.cuda.Event | None = None,
+             prefetch: bool = False) -> Copy:
+        """Copy every (dst, src) pair, after the event `after` where the engine orders copies;
+        one `Copy` covers them all."""
+        ...
+
+    def idle(self) -> bool:
+        """Whether the link has time to spare (prefetches are queued only then)."""
+        ...
+
+
 class _Done:
     def wait(self) -> None:
         return None
@@ -35,7 +49,8 @@ class _Done:
 class DirectCopy:
     name = "direct"
 
-    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after=None, prefetch: bool = False) -> Copy:
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: torch.cuda.Event | None = None,
+             prefetch: bool = False) -> Copy:
         """Copy every (dst, src) pair; one `Copy` covers them all."""
         for dst, src in pairs:
             dst.copy_(src)
@@ -46,7 +61,7 @@ class DirectCopy:
 
 
 class _CudaEventCopy:
-    def __init__(self, event):
+    def __init__(self, event: torch.cuda.Event) -> None:
         self.event = event
 
     def wait(self) -> None:
@@ -59,13 +74,15 @@ class CudaStreamCopy:
 
     name = "cuda-stream"
 
-    def __init__(self, device: torch.device):
-        low, high = torch.cuda.Stream.priority_range()
+    def __init__(self, device: torch.device) -> None:
+        # torch's stub declares the static priority_range() as an instance method
+        low, high = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
         self.demand = torch.cuda.Stream(device=device, priority=high)
         self.background = torch.cuda.Stream(device=device, priority=low)
-        self._last: list = []
+        self._last: list[torch.cuda.Event] = []
 
-    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after=None, prefetch: bool = False) -> Copy:
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: torch.cuda.Event | None = None,
+             prefetch: bool = False) -> Copy:
         """`after`: an event recorded after the last compute that read the destinations; the
         copies wait for it so a slot is never overwritten while a queued kernel reads it."""
         stream, other = (self.background, self.demand) if prefetch else (self.demand, self.background)
@@ -90,7 +107,7 @@ class CudaStreamCopy:
 
 
 class _TimedCopy:
-    def __init__(self, finish: float):
+    def __init__(self, finish: float) -> None:
         self.finish = finish
 
     def wait(self) -> None:
@@ -115,14 +132,15 @@ class EmulatedLink:
 
     name = "emulated-link"
 
-    def __init__(self, bytes_per_s: float):
+    def __init__(self, bytes_per_s: float) -> None:
         if bytes_per_s <= 0:
             raise ValueError(f"link bandwidth must be > 0 bytes/s, got {bytes_per_s}")
         self.bytes_per_s = bytes_per_s
         self._free_at = 0.0
         self.busy_s = 0.0
 
-    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after=None, prefetch: bool = False) -> Copy:
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: torch.cuda.Event | None = None,
+             prefetch: bool = False) -> Copy:
         nbytes = 0
         for dst, src in pairs:
             dst.copy_(src)

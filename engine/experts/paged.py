@@ -15,16 +15,18 @@ plan fixed for the whole step, so the result is bit-identical for any K.
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 
 from engine.experts.check import ExpertCheckError
-from engine.experts.slots import ExpertSlots
+from engine.experts.slots import ExpertCounters, ExpertSlots
 from engine.kernels.fused_moe import gathered_all
 from engine.moe import StepPlan, expert_outputs
 
 
 class PagedExperts:
-    def __init__(self, slots: ExpertSlots, cache: bool = True, triton: bool = False):
+    def __init__(self, slots: ExpertSlots, cache: bool = True, triton: bool = False) -> None:
         """`cache=False` forgets every resident expert before each step (plain weight
         offload: every routed expert is copied at every step), for comparison."""
         self.slots = slots
@@ -34,7 +36,7 @@ class PagedExperts:
         self._prefetched: set[int] = set()
 
     @property
-    def counters(self):
+    def counters(self) -> ExpertCounters:
         return self.slots.counters
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -60,7 +62,7 @@ class PagedExperts:
             self.slots.mark_used()  # the next wave's page-ins must not overtake this compute
         return out.view(t, k, -1)
 
-    def _guarded(self, used: list[int], tries: int = 3):
+    def _guarded(self, used: list[int], tries: int = 3) -> Iterator[None]:
         """Run the body once; in verify mode check the slots it read afterwards (a flip before
         or during the compute) and run it again over repaired slots.  Raises ExpertCheckError
         when the slots keep changing (failing memory)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 
@@ -16,6 +17,32 @@ from engine.config import ModelConfig, parse_dtype
 from engine.models import spec_for
 
 PROBE_BYTES = 256 << 20
+
+
+class PreflightReport(TypedDict):
+    """What `preflight` returns (sizes in bytes unless named otherwise)."""
+    model: str
+    dtype: str
+    device: str
+    memory_gib: float
+    num_experts: int
+    top_k: int
+    moe_layers: int
+    bytes_per_expert: int
+    slot_cost_bytes: int
+    slot_cost_kv_tokens: int
+    kv_bytes_per_token: int
+    non_expert_bytes: int
+    host_store_bytes: int
+    max_k_in_budget: int
+    link_bytes_per_s: float
+    link_measured_by: str
+    target_tok_s: float
+    max_miss_rate_for_target: float
+    concurrency: int
+    recommended_k: int
+    single_wave_batch_cap: int
+    kv_cache_tokens_at_recommended_k: int
 
 
 def measure_link(device: str, nbytes: int = PROBE_BYTES, repeats: int = 3) -> tuple[float, str]:
@@ -48,7 +75,7 @@ def measure_link(device: str, nbytes: int = PROBE_BYTES, repeats: int = 3) -> tu
 
 def preflight(model: str | Path, memory_gib: float, dtype: str = "bfloat16", device: str = "cpu",
               target_tok_s: float = 50.0, concurrency: int = 8, link_bytes_per_s: float | None = None,
-              page_size: int = 16) -> dict:
+              page_size: int = 16) -> PreflightReport:
     """Sizes, costs and a recommended K.  Raises ValueError when the budget cannot hold the
     non-expert weights plus top_k slots per layer."""
     cfg = ModelConfig.from_path(model)
@@ -94,9 +121,10 @@ def _size(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
-def render(r: dict) -> str:
+def render(r: PreflightReport) -> str:
     return "\n".join([
-        f"model {r['model']} ({r['dtype']}): {r['num_experts']} experts x {r['moe_layers']} MoE layers, top_k {r['top_k']}",
+        f"model {r['model']} ({r['dtype']}): {r['num_experts']} experts x {r['moe_layers']} MoE layers, "
+        f"top_k {r['top_k']}",
         f"one expert: {_size(r['bytes_per_expert'])}; one slot in every layer: "
         f"{_size(r['slot_cost_bytes'])} = {r['slot_cost_kv_tokens']:,} KV-cache tokens",
         f"non-expert weights on the device: {_size(r['non_expert_bytes'])}; "

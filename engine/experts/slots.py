@@ -16,7 +16,7 @@ from typing import Iterable, Protocol
 
 import torch
 
-from engine.experts.copy import Copy, DirectCopy
+from engine.experts.copy import Copy, CopyEngine, DirectCopy
 
 
 class EvictionPolicy(Protocol):
@@ -27,7 +27,7 @@ class EvictionPolicy(Protocol):
 class LRUPolicy:
     """Least recently used first; slots start in index order (slot 0 oldest)."""
 
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int) -> None:
         self._order: OrderedDict[int, None] = OrderedDict((s, None) for s in range(num_slots))
 
     def touch(self, slot: int) -> None:
@@ -83,7 +83,7 @@ class ExpertStore:
 
 class ExpertSlots:
     def __init__(self, store: ExpertStore, num_slots: int, device: torch.device | str,
-                 copier=None, policy: EvictionPolicy | None = None):
+                 copier: CopyEngine | None = None, policy: EvictionPolicy | None = None) -> None:
         e = store.num_experts
         if not 0 < num_slots <= e:
             raise ValueError(f"num_slots={num_slots} must be in 1..{e}")
@@ -91,14 +91,14 @@ class ExpertSlots:
         self.num_slots = num_slots
         self.w13 = torch.empty((num_slots, *store.w13.shape[1:]), dtype=store.w13.dtype, device=device)
         self.w2 = torch.empty((num_slots, *store.w2.shape[1:]), dtype=store.w2.dtype, device=device)
-        self.copier = copier or DirectCopy()
-        self.policy = policy or LRUPolicy(num_slots)
+        self.copier: CopyEngine = copier or DirectCopy()
+        self.policy: EvictionPolicy = policy or LRUPolicy(num_slots)
         self.slot_of = [-1] * e                 # expert -> slot
         self.expert_in = [-1] * num_slots       # slot -> expert
         # slot_of as a device tensor, kept in step with the list (-1: not resident)
         self.slot_table = torch.full((e,), -1, dtype=torch.int64, device=device)
         self._pending: dict[int, list[Copy]] = {}
-        self._last_use = None  # CUDA: an event after the last compute that read the slots
+        self._last_use: torch.cuda.Event | None = None  # CUDA: an event after the last compute that read the slots
         self.counters = ExpertCounters()
         self.verify_on_use = False   # compare slots with the host store after each use and before eviction
         self.load([(s, s) for s in range(num_slots)])  # warm start: experts 0..K-1, not counted

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+
 def gather_kv(cache: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
     """Contiguous K or V of every request: [B, max_pages * S, Hkv, D]."""
     b, max_pages = page_table.shape

@@ -9,15 +9,17 @@ seam where paged experts plug in).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from engine.attention import AttentionPlan, TorchAttention
 from engine.config import ModelConfig
+from engine.experts.paged import PagedExperts
 from engine.forward_batch import ForwardBatch
-from engine.attention import TorchAttention
 from engine.layers import Rotary, rms_norm
-from engine.moe import ResidentExperts, combine, route
+from engine.moe import Experts, combine, route
 
 
 @dataclass
@@ -28,7 +30,7 @@ class LayerWeights:
     wo: torch.Tensor              # [H, Hq * D]
     qk_norm: torch.Tensor         # [Hq + Hkv, D]: q_norm for the query heads, k_norm for the key heads
     router: torch.Tensor | None = None   # [E, H] (MoE layers)
-    experts: ResidentExperts | None = None
+    experts: Experts | None = None
     dense_w13: torch.Tensor | None = None  # [2I, H] (dense layers)
     dense_w2: torch.Tensor | None = None   # [H, I]
 
@@ -43,7 +45,7 @@ PREFETCH_MIN_WEIGHT = 0.3
 
 class Qwen3MoeModel:
     def __init__(self, cfg: ModelConfig, layers: list[LayerWeights], embed: torch.Tensor,
-                 final_norm: torch.Tensor, lm_head: torch.Tensor, attention: TorchAttention):
+                 final_norm: torch.Tensor, lm_head: torch.Tensor, attention: TorchAttention) -> None:
         self.cfg = cfg
         self.layers = layers
         self.embed = embed            # [V, H]
@@ -57,7 +59,8 @@ class Qwen3MoeModel:
         self._next_moe = dict(zip(moe, moe[1:]))  # MoE layer -> the next MoE layer
         self.prefetch_experts = False  # paged experts: predict the next layer's experts
 
-    def forward(self, batch: ForwardBatch, kv: torch.Tensor, on_layer=None) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv: torch.Tensor,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Run every layer, writing this batch's K/V into `kv` at `batch.slot_mapping`.
         Call under torch.inference_mode() (the model runner does).
 
@@ -84,7 +87,8 @@ class Qwen3MoeModel:
         return F.linear(hidden, self.lm_head).float()
 
     def _attention(self, h: torch.Tensor, layer: LayerWeights, kv: torch.Tensor,
-                   batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor], plan) -> torch.Tensor:
+                   batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor],
+                   plan: AttentionPlan | None) -> torch.Tensor:
         cfg, t = self.cfg, h.shape[0]
         qkv = F.linear(h, layer.wqkv).view(t, -1, cfg.head_dim)  # [T, Hq + 2 Hkv, D]
         qk = rms_norm(qkv[:, :self._qk_heads], layer.qk_norm, cfg.rms_norm_eps)
@@ -93,7 +97,7 @@ class Qwen3MoeModel:
         v = qkv[:, self._qk_heads:]  # [T, Hkv, D]
         # kv: [2, P, S, Hkv, D]; one write for K and V at every token's slot.
         kv.view(2, -1, cfg.num_key_value_heads, cfg.head_dim)[:, batch.slot_mapping] = torch.stack((k, v))
-        if batch.is_decode:
+        if plan is not None:  # planned exactly when the batch is a decode
             out = self.attention.decode(q, kv, plan, self.scale)  # [B, Hq, D]
         else:
             out = self.attention.prefill(q, kv, batch, self.scale)  # [T, Hq, D]
@@ -101,6 +105,7 @@ class Qwen3MoeModel:
 
     def _moe(self, h: torch.Tensor, li: int) -> torch.Tensor:
         layer, cfg = self.layers[li], self.cfg
+        assert layer.router is not None and layer.experts is not None  # a MoE layer
         weights, ids = route(h, layer.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
         return combine(layer.experts(h, ids), weights)
 
@@ -109,6 +114,8 @@ class Qwen3MoeModel:
         it leaves the current layer (normed as `nxt` will norm it, before `nxt`'s attention
         adds to it) and start their copies, which overlap `nxt`'s attention."""
         target = self.layers[nxt]
+        # prefetch_experts is set only when every MoE layer's experts are paged
+        assert target.router is not None and isinstance(target.experts, PagedExperts)
         h = rms_norm(x, target.post_norm, self.cfg.rms_norm_eps)
         weights, predicted = route(h, target.router, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
         # Most confident first (every token's first choice, then every second choice, ...),
@@ -117,5 +124,6 @@ class Qwen3MoeModel:
         target.experts.prefetch(list(dict.fromkeys(e for e, w in ranked if w >= PREFETCH_MIN_WEIGHT)))
 
     def _dense(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        assert layer.dense_w13 is not None and layer.dense_w2 is not None  # a dense layer
         gate, up = F.linear(h, layer.dense_w13).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, layer.dense_w2)

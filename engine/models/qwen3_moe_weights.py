@@ -6,13 +6,13 @@ from typing import Callable
 
 import torch
 
-from engine.config import ModelConfig
 from engine.attention import TorchAttention
-from engine.models.qwen3_moe import LayerWeights, Qwen3MoeModel
+from engine.config import ModelConfig
 from engine.experts.check import fingerprint
-from engine.moe import ResidentExperts
+from engine.models.qwen3_moe import LayerWeights, Qwen3MoeModel
+from engine.moe import Experts, ResidentExperts
 
-ExpertsFactory = Callable[[int, torch.Tensor, torch.Tensor, list[int]], object]
+ExpertsFactory = Callable[[int, torch.Tensor, torch.Tensor, list[int]], Experts]
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

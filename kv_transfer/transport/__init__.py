@@ -10,10 +10,16 @@ a server that feeds a `TransferReceiver` on the receiving side.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kv_transfer.transport.base import TransportConfig
 
+if TYPE_CHECKING:
+    from kv_transfer.sender import SenderStream
 
-def connect(endpoint: str, transfer_id: bytes, config: TransportConfig | None = None, sender: str = ""):
+
+def connect(endpoint: str, transfer_id: bytes, config: TransportConfig | None = None,
+            sender: str = "") -> SenderStream:
     """Open a stream for transfer `transfer_id` to the receiver at `endpoint`.  The capability
     handshake happens here: TransferRefused(BAD_VERSION) when the two sides share no protocol
     version, TransferRefused(TRANSPORT) when the receiver cannot be reached."""

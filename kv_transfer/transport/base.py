@@ -53,7 +53,7 @@ class TransportConfig:
 class StagingBuffer:
     """A reusable CPU buffer for payloads of transports that copy them anyway."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._buf = torch.empty(0, dtype=torch.uint8)
 
     def get(self, nbytes: int) -> torch.Tensor:

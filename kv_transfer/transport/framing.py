@@ -9,6 +9,7 @@ Each frame's `payload_offset` counts from the first byte after the PushMessage.
 from __future__ import annotations
 
 import struct
+from typing import Sequence
 
 from kv_transfer.errors import Refusal, TransferRefused
 from proto import kv_transfer_pb2 as pb
@@ -16,7 +17,7 @@ from proto import kv_transfer_pb2 as pb
 _LEN = struct.Struct("<I")
 
 
-def encode(msg: pb.PushMessage, payloads: list[bytes] = ()) -> bytes:
+def encode(msg: pb.PushMessage, payloads: Sequence[bytes] = ()) -> bytes:
     """The wire bytes of `msg` with `payloads` after it (frame i's offset/length set here)."""
     frames = frames_of(msg)
     off = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from concurrent import futures
+from typing import Iterator
 
 import grpc
 
@@ -32,16 +33,16 @@ def server_options(config: TransportConfig) -> list[tuple[str, int]]:
 
 
 class _Servicer(pb_grpc.KvTransferServicer):
-    def __init__(self, receiver: TransferReceiver):
+    def __init__(self, receiver: TransferReceiver) -> None:
         self.receiver = receiver
 
-    def Handshake(self, request: pb.Hello, context) -> pb.HelloReply:
+    def Handshake(self, request: pb.Hello, context: grpc.ServicerContext) -> pb.HelloReply:
         try:
             return pb.HelloReply(version=self.receiver.hello(list(request.versions)))
         except TransferRefused as e:
             return pb.HelloReply(version=0, reason=e.detail)
 
-    def Push(self, request_iterator, context) -> pb.PushReply:
+    def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushReply:
         seen: set[bytes] = set()
         accepted = 0
         side = False
@@ -85,7 +86,7 @@ class GrpcTransferServer:
 
     def __init__(self, receiver: TransferReceiver, host: str = "127.0.0.1", port: int = 0,
                  config: TransportConfig | None = None, max_workers: int = 16,
-                 advertise_host: str | None = None):
+                 advertise_host: str | None = None) -> None:
         self.config = config or TransportConfig()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                              thread_name_prefix="kv-recv"),

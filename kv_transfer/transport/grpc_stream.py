@@ -9,10 +9,13 @@ every other stream has ended and reported its frames accepted.
 from __future__ import annotations
 
 import queue
-import time
 import threading
+import time
+from enum import Enum
+from typing import Final, Iterator
 
 import grpc
+
 from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.pages import Payload, payload_view
 from kv_transfer.transport import framing
@@ -20,9 +23,15 @@ from kv_transfer.transport.base import TransportConfig
 from proto import kv_transfer_pb2 as pb
 from proto import kv_transfer_pb2_grpc as pb_grpc
 
-_END = object()
+
+class _End(Enum):
+    """The sentinel that ends a lane's request iterator (an enum member, so types can name it)."""
+    END = "end"
+
+
+_END: Final = _End.END
 PUSH = "/tandem.kv.KvTransfer/Push"
-_CHANNELS: dict[tuple, grpc.Channel] = {}
+_CHANNELS: dict[tuple[str, int, TransportConfig], grpc.Channel] = {}
 _CHANNELS_LOCK = threading.Lock()
 
 
@@ -65,7 +74,8 @@ def _refused(reply: pb.PushReply) -> TransferRefused:
 class _Lane:
     """One client stream: a bounded queue of messages feeding `Push`."""
 
-    def __init__(self, target: str, transfer_id: bytes, config: TransportConfig, index: int, sender: str):
+    def __init__(self, target: str, transfer_id: bytes, config: TransportConfig, index: int,
+                 sender: str) -> None:
         channel = _channel(target, config, index)
         stub = pb_grpc.KvTransferStub(channel)
         if index == 0:
@@ -76,7 +86,7 @@ class _Lane:
                 raise TransferRefused(Refusal.TRANSPORT, f"{target}: {e.code().name} {e.details()}") from e
             if reply.version == 0:
                 raise TransferRefused(Refusal.BAD_VERSION, reply.reason)
-        self._q: queue.Queue = queue.Queue(maxsize=config.queue_messages)
+        self._q: queue.Queue[bytes | _End] = queue.Queue(maxsize=config.queue_messages)
         hello = pb.Hello(versions=list(config.versions), sender=sender, streams=config.streams,
                          stream_index=index, transfer_id=transfer_id)
         push = channel.stream_unary(PUSH, request_serializer=None,        # already framed bytes
@@ -87,12 +97,12 @@ class _Lane:
         self.payloads: list[bytes] = []
         self.pending_bytes = 0
 
-    def _messages(self, hello: bytes):
+    def _messages(self, hello: bytes) -> Iterator[bytes]:
         yield hello
         while (msg := self._q.get()) is not _END:
             yield msg
 
-    def put(self, msg) -> None:
+    def put(self, msg: bytes | _End) -> None:
         """Enqueue, waiting for room (backpressure); raises if the server already answered."""
         while True:
             if self.future.done():
@@ -126,9 +136,10 @@ class _Lane:
 
 
 class GrpcStream:
-    def __init__(self, target: str, transfer_id: bytes, config: TransportConfig, sender: str = ""):
+    def __init__(self, target: str, transfer_id: bytes, config: TransportConfig, sender: str = "") -> None:
         self.config = config
-        self._lanes = [_Lane(target, transfer_id, config, i, sender) for i in range(config.streams)]  # lane 0 shakes hands
+        # lane 0 shakes hands
+        self._lanes = [_Lane(target, transfer_id, config, i, sender) for i in range(config.streams)]
         self._next = 0
         self.closed = False
 

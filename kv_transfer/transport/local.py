@@ -20,7 +20,7 @@ _LOCK = threading.Lock()
 class LocalServer:
     """Makes a receiver reachable as local://NAME inside this process."""
 
-    def __init__(self, receiver: TransferReceiver, name: str):
+    def __init__(self, receiver: TransferReceiver, name: str) -> None:
         self.receiver, self.name = receiver, name
         with _LOCK:
             if name in _ENDPOINTS:
@@ -37,11 +37,13 @@ class LocalServer:
 
 
 class LocalStream:
-    def __init__(self, name: str, transfer_id: bytes, sender: str = "", versions=SUPPORTED_VERSIONS):
+    def __init__(self, name: str, transfer_id: bytes, sender: str = "",
+                 versions: tuple[int, ...] = SUPPORTED_VERSIONS) -> None:
         with _LOCK:
-            self._receiver = _ENDPOINTS.get(name)
-        if self._receiver is None:
+            receiver = _ENDPOINTS.get(name)
+        if receiver is None:
             raise TransferRefused(Refusal.TRANSPORT, f"no local transfer endpoint {name!r}")
+        self._receiver = receiver
         self._receiver.hello(list(versions))          # raises BAD_VERSION when none is shared
         self._staging = StagingBuffer()
         self._open: set[bytes] = {transfer_id}

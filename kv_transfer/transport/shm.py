@@ -16,6 +16,7 @@ import socket
 import threading
 from collections import deque
 from multiprocessing import shared_memory
+from typing import Callable, TypeVar
 
 import torch
 
@@ -25,12 +26,14 @@ from kv_transfer.transport.base import TransportConfig
 from kv_transfer.transport.wire import recv_msg, send_msg
 from proto import kv_transfer_pb2 as pb
 
+T = TypeVar("T")
+
 
 class _Channel:
     """One connection and its shared segment, reused by transfer after transfer (mapping a
     fresh segment costs a page fault per 4 KiB on both sides)."""
 
-    def __init__(self, path: str, config: TransportConfig, sender: str):
+    def __init__(self, path: str, config: TransportConfig, sender: str) -> None:
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(config.deadline_s)
@@ -40,7 +43,7 @@ class _Channel:
             self.sock.close()
             raise TransferRefused(Refusal.TRANSPORT, f"shm://{path}: {e}") from e
         self.shm = shared_memory.SharedMemory(create=True, size=config.shm_bytes)
-        self.ring = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
+        self.ring: torch.Tensor | None = torch.frombuffer(self.shm.buf, dtype=torch.uint8)  # None once closed
         self.inflight: deque[tuple[int, int]] = deque()    # (offset, nbytes), oldest first
         self.key = (path, config.shm_bytes, tuple(config.versions))   # who may reuse this channel
         self.closed = False
@@ -75,7 +78,8 @@ class _Channel:
             pass                       # a payload view is still alive; the mapping goes with it
 
 
-_IDLE: dict[tuple, list[_Channel]] = {}       # (path, ring bytes, versions) -> idle channels
+# (path, ring bytes, versions) -> idle channels
+_IDLE: dict[tuple[str, int, tuple[int, ...]], list[_Channel]] = {}
 _IDLE_LOCK = threading.Lock()
 
 
@@ -107,7 +111,7 @@ def close_channels() -> None:
 class ShmStream:
     BATCH = 8            # frames per control message (and per acknowledgement)
 
-    def __init__(self, path: str, transfer_id: bytes, config: TransportConfig, sender: str = ""):
+    def __init__(self, path: str, transfer_id: bytes, config: TransportConfig, sender: str = "") -> None:
         self._ch = _take_channel(path, config, sender)
         self._batch: list[pb.Frame] = []
         self._acks: deque[int] = deque()        # frames per batch sent and not yet acknowledged
@@ -117,6 +121,7 @@ class ShmStream:
 
     def stage(self, nbytes: int) -> torch.Tensor:
         ring = self._ch.ring
+        assert ring is not None, "the stream's channel is closed"
         if nbytes > ring.numel():
             raise ValueError(f"frame of {nbytes} bytes exceeds the shared segment of {ring.numel()}")
         while (off := self._fit(nbytes)) is None:
@@ -126,6 +131,7 @@ class ShmStream:
 
     def _fit(self, n: int) -> int | None:
         ch = self._ch
+        assert ch.ring is not None, "the stream's channel is closed"
         size = ch.ring.numel()
         if not ch.inflight:
             return 0
@@ -142,6 +148,7 @@ class ShmStream:
         if self.closed:
             raise TransferRefused(Refusal.TRANSPORT, "stream is closed")
         ch = self._ch
+        assert ch.ring is not None, "the stream's channel is closed"
         if isinstance(payload, bytes):
             payload = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         n = payload.numel() * payload.element_size()
@@ -192,7 +199,7 @@ class ShmStream:
         _give_back(self._ch)            # a clean channel serves the next transfer
         return reply
 
-    def _io(self, op):
+    def _io(self, op: Callable[[], T]) -> T:
         try:
             return op()
         except OSError as e:

@@ -18,7 +18,7 @@ from proto import kv_transfer_pb2 as pb
 class ShmTransferServer:
     """Serves `receiver` at shm://PATH (a Unix socket; one thread per connected sender)."""
 
-    def __init__(self, receiver: TransferReceiver, path: str):
+    def __init__(self, receiver: TransferReceiver, path: str) -> None:
         self.receiver, self.path = receiver, path
         if os.path.exists(path):
             os.unlink(path)

@@ -5,17 +5,23 @@ from __future__ import annotations
 
 import socket
 import struct
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from google.protobuf.message import Message
+
+M = TypeVar("M", bound="Message")
 
 _LEN = struct.Struct("<I")
 MAX_CONTROL_MESSAGE = 1 << 20
 
 
-def send_msg(sock: socket.socket, msg) -> None:
+def send_msg(sock: socket.socket, msg: Message) -> None:
     body = msg.SerializeToString()
     sock.sendall(_LEN.pack(len(body)) + body)
 
 
-def recv_msg(sock: socket.socket, cls):
+def recv_msg(sock: socket.socket, cls: type[M]) -> M | None:
     """The next message, or None when the peer closed the connection cleanly."""
     head = _recv_exact(sock, _LEN.size)
     if head is None:

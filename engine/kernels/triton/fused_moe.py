@@ -21,15 +21,18 @@ _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
 BLOCK_M = 16
 
 
+# Kernel parameters are annotated with their in-kernel types, tl.tensor (pointers and runtime
+# scalars) or tl.constexpr, never `int`/`float`/`bool`: Triton reads those as forced i32/fp32/u1
+# argument types (no 64-bit strides, no specialisation of integers equal to 1).
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, act_ptr, ids_ptr, bslot_ptr,
-    stride_xt, stride_xh,                       # x:   [T, H]
-    stride_ws, stride_wn, stride_wh,            # w13: [S, 2I, H]
-    stride_am, stride_an,                       # act: [num_blocks * BLOCK_M, I]
-    num_pairs, K, H, I,
+    x_ptr: tl.tensor, w_ptr: tl.tensor, act_ptr: tl.tensor, ids_ptr: tl.tensor, bslot_ptr: tl.tensor,
+    stride_xt: tl.tensor, stride_xh: tl.tensor,                           # x:   [T, H]
+    stride_ws: tl.tensor, stride_wn: tl.tensor, stride_wh: tl.tensor,     # w13: [S, 2I, H]
+    stride_am: tl.tensor, stride_an: tl.tensor,                           # act: [num_blocks * BLOCK_M, I]
+    num_pairs: tl.tensor, K: tl.tensor, H: tl.tensor, INTER: tl.tensor,   # INTER: I in the shapes
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-):
+) -> None:
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     slot = tl.load(bslot_ptr + pid_m).to(tl.int64)
@@ -40,12 +43,12 @@ def _gate_up_kernel(
     m_mask = pair < num_pairs
     tok = tl.where(m_mask, pair // K, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                 # [BN] column of act
-    n_mask = offs_n < I
+    n_mask = offs_n < INTER
     offs_k = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + tok[:, None] * stride_xt                        # [BM, 1]
     w_base = w_ptr + slot * stride_ws
     g_rows = w_base + offs_n[None, :] * stride_wn                    # [1, BN] gate rows
-    u_rows = w_base + (offs_n[None, :] + I) * stride_wn              # [1, BN] up rows
+    u_rows = w_base + (offs_n[None, :] + INTER) * stride_wn          # [1, BN] up rows
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -67,13 +70,13 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, w_ptr, out_ptr, ids_ptr, bslot_ptr,
-    stride_am, stride_an,                       # act: [num_blocks * BLOCK_M, I]
-    stride_ws, stride_wn, stride_wi,            # w2:  [S, H, I]
-    stride_om, stride_oh,                       # out: [T*k, H]
-    num_pairs, H, I,
+    act_ptr: tl.tensor, w_ptr: tl.tensor, out_ptr: tl.tensor, ids_ptr: tl.tensor, bslot_ptr: tl.tensor,
+    stride_am: tl.tensor, stride_an: tl.tensor,                           # act: [num_blocks * BLOCK_M, I]
+    stride_ws: tl.tensor, stride_wn: tl.tensor, stride_wi: tl.tensor,     # w2:  [S, H, I]
+    stride_om: tl.tensor, stride_oh: tl.tensor,                           # out: [T*k, H]
+    num_pairs: tl.tensor, H: tl.tensor, INTER: tl.tensor,                 # INTER: I in the shapes
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-):
+) -> None:
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     slot = tl.load(bslot_ptr + pid_m).to(tl.int64)
@@ -88,9 +91,9 @@ def _down_kernel(
     a_rows = act_ptr + offs_m[:, None].to(tl.int64) * stride_am      # [BM, 1]
     w_rows = w_ptr + slot * stride_ws + offs_n[None, :] * stride_wn  # [1, BN]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, I, BLOCK_K):
+    for k0 in range(0, INTER, BLOCK_K):
         kk = k0 + offs_k
-        k_mask = kk < I
+        k_mask = kk < INTER
         a = tl.load(a_rows + kk[None, :] * stride_an, mask=k_mask[None, :], other=0.0)  # [BM, BK]
         w = tl.load(w_rows + kk[:, None] * stride_wi,
                     mask=k_mask[:, None] & n_mask[None, :], other=0.0)                 # [BK, BN]

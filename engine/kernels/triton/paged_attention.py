@@ -16,18 +16,22 @@ import triton.language as tl
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+# Kernel parameters are annotated with their in-kernel types, tl.tensor (pointers and runtime
+# scalars) or tl.constexpr, never `int`/`float`/`bool`: Triton reads those as forced i32/fp32/u1
+# argument types (no 64-bit strides, no specialisation of integers equal to 1).
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, pt_ptr, sl_ptr, o_ptr,
-    stride_qb, stride_qh,                       # q:  [B, Hq, D], last dim contiguous
-    stride_kp, stride_ks, stride_kh,            # k:  [P, S, Hkv, D]
-    stride_vp, stride_vs, stride_vh,            # v:  [P, S, Hkv, D]
-    stride_ptb,                                 # pt: [B, max_pages] int32
-    stride_ob, stride_oh,                       # o:  [B, Hq, D]
-    max_pages, qk_scale,                        # qk_scale = scale * log2(e)
+    q_ptr: tl.tensor, k_ptr: tl.tensor, v_ptr: tl.tensor, pt_ptr: tl.tensor, sl_ptr: tl.tensor,
+    o_ptr: tl.tensor,
+    stride_qb: tl.tensor, stride_qh: tl.tensor,                          # q:  [B, Hq, D], last dim contiguous
+    stride_kp: tl.tensor, stride_ks: tl.tensor, stride_kh: tl.tensor,    # k:  [P, S, Hkv, D]
+    stride_vp: tl.tensor, stride_vs: tl.tensor, stride_vh: tl.tensor,    # v:  [P, S, Hkv, D]
+    stride_ptb: tl.tensor,                                               # pt: [B, max_pages] int32
+    stride_ob: tl.tensor, stride_oh: tl.tensor,                          # o:  [B, Hq, D]
+    max_pages: tl.tensor, qk_scale: tl.tensor,                           # qk_scale = scale * log2(e)
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-):
+) -> None:
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_g = tl.arange(0, GROUP_PAD)            # [G_PAD] query head within the group
