@@ -28,10 +28,6 @@ class ForwardBatch:
     q_index: torch.Tensor | None = None   # [B, Qmax] int64 (prefill only)
     q_valid: torch.Tensor | None = None   # [B, Qmax] bool (prefill only)
 
-    @property
-    def num_requests(self) -> int:
-        return self.seq_lens.shape[0]
-
 
 def build_batch(token_ids: list[list[int]], start_positions: list[int], page_tables: list[list[int]],
                 page_size: int, device: torch.device | str) -> ForwardBatch:
