@@ -85,7 +85,7 @@ def test_colocated_greedy_equals_the_engine(prompts, reference):
         # one scheduler over the worker's pool, driven for both roles
         pool = worker.core.pool
         gc.collect()
-        schedulers = [o for o in gc.get_objects() if isinstance(o, Scheduler) and o.pool is pool]
+        schedulers = [o for o in gc.get_objects() if type(o) is Scheduler and o.pool is pool]
         assert schedulers == [worker.core.scheduler] and len(worker.roles) == 2
         assert all(role.core is worker.core for role in worker.roles)
     finally:
