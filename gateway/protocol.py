@@ -3,6 +3,7 @@ and their translation into the engine's sampling parameters (bad values answer 4
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import fields
 from typing import Any, Literal
 
@@ -40,9 +41,10 @@ class _Common(BaseModel):
     return_token_ids: bool = False   # each choice (and stream chunk) also carries its token ids
 
     @property
+    @abstractmethod
     def logprobs_n(self) -> int | None:
-        """Logprobs wanted per token: None for none, N for the chosen token plus the top N."""
-        raise NotImplementedError
+        """Logprobs wanted per token: None for none, N for the chosen token plus the top N
+        (each endpoint spells it its own way)."""
 
     def unsupported(self) -> str | None:
         """A request option this server cannot honour, named (answered with 400)."""
