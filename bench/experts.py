@@ -60,7 +60,7 @@ def decode_rate(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float,
     Returns (aggregate tokens/s, expert counters over the decode steps, decode steps)."""
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     for p in prompts:
-        llm.core.add(llm._make_request(p, params))
+        llm.add_request(p, params)
     while any(r.prefilling for r in llm.scheduler.running) or llm.scheduler.waiting:
         llm.step()
     before, steps, produced = counters(llm), 0, 0

@@ -65,7 +65,7 @@ class ChaosControl:
         h = self.handle
         done = 0
         for _ in range(times):
-            with h.lock:                        # not in the middle of a step's page-in
+            with h.lock:        # a running step may read the flipped slot: the guard checks after each compute
                 hit = corrupt_expert(h.core, self.rng)
             if hit is None:
                 break

@@ -31,7 +31,7 @@ from kv_transfer.hooks import TransferHooks
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import Reservation, State
 from proto import worker_pb2 as wpb
-from worker.checks import check_prompt
+from worker.checks import check_request_id, new_request
 from worker.convert import finish_to_proto, logprobs_to_proto
 from worker.types import ErrorCode, WorkerError
 
@@ -97,9 +97,10 @@ class DecodeEngine:
             raise WorkerError(ErrorCode.UNAVAILABLE, "the worker is shutting down")
         if timeout_s is not None and timeout_s <= 0:
             raise WorkerError(ErrorCode.INVALID_REQUEST, f"timeout_s={timeout_s} must be > 0")
+        check_request_id(request_id)
         if params.seed is None:
             params = replace(params, seed=secrets.randbits(63))   # prefill gets it with the reservation
-        check_prompt(ids, params, core.model_config.vocab_size, core.max_model_len, self.pool.capacity_tokens)
+        req = new_request(core, request_id, ids, params, generator=decode_generator(params))
         with self.lock:
             if request_id in self.requests or self.pool.has(request_id):
                 raise WorkerError(ErrorCode.INVALID_REQUEST, f"request id {request_id!r} is already in use")
@@ -110,10 +111,8 @@ class DecodeEngine:
             try:
                 res = self.receiver.reserve(request_id, tenant, len(ids), timeout_s)
             except ValueError as e:
-                self.pool.free(request_id)            # nothing stays reserved
+                core.free(request_id)                 # nothing stays reserved
                 raise WorkerError(ErrorCode.INVALID_REQUEST, str(e)) from None
-            req = Request(request_id=request_id, prompt_token_ids=list(ids), params=params,
-                          generator=decode_generator(params), stopper=core.stop_checker(params))
             dreq = self.requests[request_id] = DecodeRequest(req, tenant, res)
             dreq.reserved_pages = len(self.pool.page_table(request_id))
             self.counts["reserved"] += 1
@@ -219,7 +218,7 @@ class DecodeEngine:
         with self.lock:
             self.receiver.release(dreq.reservation.transfer_id)
             if not self.core.abort(req):
-                self.pool.free(req.request_id)       # reserved, not admitted yet
+                self.core.free(req.request_id)       # reserved, not admitted yet
             dreq.done = True
             del self.requests[req.request_id]
         self.counts["failed"] += 1

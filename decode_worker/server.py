@@ -9,7 +9,6 @@ from typing import Protocol
 
 from decode_worker.engine import DecodeEngine
 from decode_worker.service import DecodeServicer, add_to_server
-from engine.core import EngineCore
 from worker.config import WorkerConfig
 from worker.loop import WorkerLoop
 from worker.server import WorkerHandle, build_core, grpc_server
@@ -25,8 +24,8 @@ class TransferServer(Protocol):
     def stop(self) -> None: ...
 
 
-def start_decode_worker(config: WorkerConfig, core: EngineCore | None = None) -> WorkerHandle:
-    core = core or build_core(config)
+def start_decode_worker(config: WorkerConfig) -> WorkerHandle:
+    core = build_core(config)
     lock, wake = threading.RLock(), threading.Event()
     engine = DecodeEngine(core, config.secret, config.transfer_timeout_s, lock, wake)
     transfer = transfer_server(config, engine)

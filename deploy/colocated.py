@@ -10,7 +10,6 @@ import uuid
 
 from decode_worker.engine import DecodeEngine
 from decode_worker.service import DecodeServicer, add_to_server
-from engine.core import EngineCore
 from kv_transfer.transport.local import LocalServer
 from prefill_worker.engine import PrefillEngine
 from worker.config import WorkerConfig
@@ -19,8 +18,8 @@ from worker.server import WorkerHandle, build_core, grpc_server
 from worker.types import Role
 
 
-def start_colocated_worker(config: WorkerConfig, core: EngineCore | None = None) -> WorkerHandle:
-    core = core or build_core(config)
+def start_colocated_worker(config: WorkerConfig) -> WorkerHandle:
+    core = build_core(config, interleave=True)     # a prefill step, then a decode step
     lock, wake = threading.RLock(), threading.Event()
     decode = DecodeEngine(core, config.secret, config.transfer_timeout_s, lock, wake)
     prefill = PrefillEngine(core, config.secret, lock, wake, config.layer_group, owner_suffix="#prefill")

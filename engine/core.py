@@ -57,10 +57,11 @@ class TokenEvent:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, attention: str | None = None):
-        """Load the checkpoint `config.model` and size the KV pool.  Raises ValueError naming
-        the setting to change, CheckpointError naming the tensor, ExpertCheckError when the
-        start-up check of paged experts fails."""
+    def __init__(self, config: EngineConfig, attention: str | None = None, interleave: bool = False):
+        """Load the checkpoint `config.model` and size the KV pool.  `interleave`: the scheduler
+        follows each prefill step with a decode step (a worker that prefills and decodes).
+        Raises ValueError naming the setting to change, CheckpointError naming the tensor,
+        ExpertCheckError when the start-up check of paged experts fails."""
         device, k = config.device, config.paged_experts_num_resident
         path = Path(config.model)
         if torch.device(device).type == "cuda" and torch.device(device).index is not None:
@@ -81,7 +82,7 @@ class EngineCore:
             self.model.prefetch_experts = torch.device(device).type == "cuda" if prefetch is None else prefetch
         self.pool = PagePool(config.num_pages, config.page_size, mc.num_hidden_layers,
                              mc.num_key_value_heads, mc.head_dim, config.dtype, device)
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_prefill_tokens)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_prefill_tokens, interleave)
         limit = mc.max_position_embeddings
         self.max_model_len = min(config.max_model_len, limit) if config.max_model_len else limit
         eos = set(mc.eos_token_ids)

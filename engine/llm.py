@@ -1,5 +1,5 @@
-"""`LLM`: the single-process engine (colocated use, tests, and the reference output), a thin
-layer over the `EngineCore` the workers drive.
+"""`LLM`: the single-process engine (offline use, tests, and the reference output the workers'
+results are compared with), a thin layer over the `EngineCore` the workers drive.
 
     from engine import LLM, SamplingParams
     llm = LLM()                                   # the shipped checkpoint, fp32, CPU
@@ -24,7 +24,6 @@ from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
-
 
 
 def _is_one_prompt(prompts: Prompt | Sequence[Prompt]) -> bool:
@@ -139,6 +138,13 @@ class LLM:
     def expert_stats(self) -> dict[int, dict]:
         """Per paged MoE layer: hits, misses, hit_rate, bytes_paged, waves, steps, prefetch counters."""
         return self.core.expert_stats()
+
+    def add_request(self, prompt: Prompt, params: SamplingParams) -> Request:
+        """Queue one request without running it (drive it with `step()`).  Raises ValueError,
+        queuing nothing, when the prompt or a parameter is invalid."""
+        req = self._make_request(prompt, params)
+        self.core.add(req)
+        return req
 
     # ---- internals ---------------------------------------------------------------
     def _make_request(self, prompt: Prompt, params: SamplingParams) -> Request:

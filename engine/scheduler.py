@@ -2,9 +2,15 @@
 
 Each step is either a prefill step (admit waiting requests, compute their prompts,
 chunked when long) or a decode step (one token for every running request).  A
-request's pages are reserved for prompt + max_tokens when it is admitted, so no
-request is ever evicted mid-stream; requests join and leave the running batch at
-every step.
+request's pages are reserved for prompt + max_tokens when it is admitted (a hand-off
+request, prefilled for another worker: its prompt only), so no request is ever evicted
+mid-stream; requests join and leave the running batch at every step.
+
+Hand-off requests and the rest have `max_num_seqs` slots each: a worker that prefills for
+others and decodes its own (colocated) never lets one kind hold the other's places.  With
+`interleave`, a prefill step is followed by a decode step whenever there is decoding to do,
+so arriving prompts cannot starve the running streams (a colocated worker); without it
+prefill always goes first (the single-process engine, a prefill worker, a decode worker).
 """
 
 from __future__ import annotations
@@ -32,10 +38,12 @@ class Scheduler:
     """The one scheduler of a pool.  A hand-off request (prefill for another worker) reserves
     pages for its prompt only; every other request for prompt + max_tokens."""
 
-    def __init__(self, pool: PagePool, max_num_seqs: int, max_prefill_tokens: int):
+    def __init__(self, pool: PagePool, max_num_seqs: int, max_prefill_tokens: int, interleave: bool = False):
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
+        self.interleave = interleave
+        self._last_was_prefill = False
         self.waiting: deque[Request] = deque()
         self.ready: deque[Request] = deque()     # prefilled elsewhere, pages held: decode only
         self.running: list[Request] = []
@@ -53,16 +61,27 @@ class Scheduler:
         return bool(self.waiting or self.running or self.ready)
 
     def schedule(self) -> ScheduledBatch | None:
-        """Pick this step's batch: unfinished prefills and new admissions first, else decode."""
-        prefill = self._schedule_prefill()
-        if prefill is not None:
-            return prefill
-        while self.ready and len(self.running) < self.max_num_seqs:
+        """Pick this step's batch: unfinished prefills and new admissions first, else decode
+        (with `interleave`, decode first right after a prefill step)."""
+        batch = None
+        if self.interleave and self._last_was_prefill:
+            batch = self._schedule_decode()
+        batch = batch or self._schedule_prefill() or self._schedule_decode()
+        self._last_was_prefill = batch is not None and batch.is_prefill
+        return batch
+
+    def _slots(self, handoff: bool) -> int:
+        """Running requests of one kind (hand-off or not): each kind has max_num_seqs places."""
+        return sum(r.handoff == handoff for r in self.running)
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        while self.ready and self._slots(False) < self.max_num_seqs:
             req = self.ready.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
-        if self.running:
-            return ScheduledBatch(list(self.running), [1] * len(self.running), is_prefill=False)
+        decoding = [r for r in self.running if not r.prefilling]
+        if decoding:
+            return ScheduledBatch(decoding, [1] * len(decoding), is_prefill=False)
         return None
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
@@ -74,7 +93,7 @@ class Scheduler:
                 reqs.append(req)
                 counts.append(n)
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and self._slots(self.waiting[0].handoff) < self.max_num_seqs:
             req = self.waiting[0]
             need = self.pool.pages_for(req.reserved_tokens)
             if need > self.pool.num_free:

@@ -25,7 +25,7 @@ from gateway.metrics import Metrics
 from gateway.openai_format import error_body
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routing import WorkerPool
-from worker.types import Role
+from worker.types import ErrorCode, Role
 
 log = logging.getLogger("tandem.gateway")
 Discover = Callable[[], dict[str, list[str]]]     # () -> {role: [address]}: a worker registry
@@ -112,7 +112,8 @@ def create_app(config: GatewayConfig, discover: Discover | None = None) -> FastA
     @app.exception_handler(Exception)
     async def crashed(request: Request, e: Exception) -> Response:
         log.exception("unhandled error")
-        return JSONResponse(error_body("internal error in the gateway", "server_error", "INTERNAL"), status_code=500)
+        body = error_body("internal error in the gateway", "server_error", ErrorCode.INTERNAL)
+        return JSONResponse(body, status_code=500)
 
     def tenant(request: Request) -> str:
         return gw.tenant(request)

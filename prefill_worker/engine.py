@@ -29,7 +29,7 @@ from kv_transfer.hooks import TransferHooks
 from kv_transfer.sender import TransferTicket
 from kv_transfer.transport import TransportConfig
 from prefill_worker.pusher import Pusher, PushPlan
-from worker.checks import check_prompt
+from worker.checks import check_request_id, new_request
 from worker.types import ErrorCode, WorkerError
 
 
@@ -87,13 +87,11 @@ class PrefillEngine:
         core = self.core
         if self.closing:
             raise WorkerError(ErrorCode.UNAVAILABLE, "the worker is shutting down")
-        check_prompt(ids, params, core.model_config.vocab_size, core.max_model_len,
-                     self.pool.capacity_tokens, reserve_output=False)
+        check_request_id(request_id)
         if params.seed is None:
             raise WorkerError(ErrorCode.INVALID_REQUEST, "prefill needs the seed the decode worker's reservation gave")
         owner = request_id + self.owner_suffix
-        req = Request(request_id=owner, prompt_token_ids=list(ids), params=params, handoff=True,
-                      generator=torch.Generator().manual_seed(params.seed))
+        req = new_request(core, owner, ids, params, handoff=True)   # its generator: the seed's
         job = PrefillJob(req, request_id, tenant, endpoint, transfer_id)
         with self.lock:
             if owner in self.jobs:
@@ -167,8 +165,9 @@ class PrefillEngine:
             if job is None or job.req is not req:
                 continue
             if job.pusher is not None:
-                with self.lock:
-                    self.core.scheduler.detach(req)     # pages kept until the push has ended
+                with self.lock:                     # pages kept until the push has ended
+                    if req in self.core.scheduler.running:
+                        self.core.scheduler.detach(req)
                 job.pusher.cancel(werr.message)
             else:
                 self._finish(job, werr)

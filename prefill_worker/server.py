@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 
-from engine.core import EngineCore
 from prefill_worker.engine import PrefillEngine
 from prefill_worker.service import PrefillServicer, add_to_server
 from worker.config import WorkerConfig
@@ -13,8 +12,8 @@ from worker.server import WorkerHandle, build_core, grpc_server
 from worker.types import Role
 
 
-def start_prefill_worker(config: WorkerConfig, core: EngineCore | None = None) -> WorkerHandle:
-    core = core or build_core(config)
+def start_prefill_worker(config: WorkerConfig) -> WorkerHandle:
+    core = build_core(config)
     lock, wake = threading.RLock(), threading.Event()
     engine = PrefillEngine(core, config.secret, lock, wake, config.layer_group)
     server, address = grpc_server(config)

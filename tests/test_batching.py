@@ -17,8 +17,7 @@ def test_requests_join_and_leave_the_running_batch(random_ckpt):
     llm = LLM(random_ckpt, max_num_seqs=2)
     lengths = [3, 9, 2, 5]
     for i, n in enumerate(lengths):
-        llm.core.add(llm._make_request([10 + i, 20, 30], SamplingParams(max_tokens=n, temperature=0,
-                                                                             ignore_eos=True)))
+        llm.add_request([10 + i, 20, 30], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     running_sets, finished = [], []
     while llm.scheduler.has_work():
         finished += [o.request_id for o in llm.step()]

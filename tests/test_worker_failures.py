@@ -17,7 +17,7 @@ from decode_worker.server import start_decode_worker
 from engine.params import SamplingParams
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
-from tests.workers import SECRET, config, wait_idle
+from tests.workers import SECRET, config, run, wait_idle
 from worker.client import generate
 from worker.convert import params_to_proto
 from worker.server import build_core
@@ -63,6 +63,23 @@ def test_an_oversized_prompt_is_refused_before_any_page(decode, ids):
     bad_timeout = list(stub.Generate(wpb.GenerateRequest(request_id="neg", tenant="acme", prompt_token_ids=ids,
                                                          params=params_to_proto(SamplingParams()), timeout_s=-1)))
     assert bad_timeout[0].error.code == "INVALID_REQUEST" and decode.core.pool.num_free == free
+
+
+def test_a_request_id_that_could_name_another_requests_pages_is_refused(decode, ids):
+    free = decode.core.pool.num_free
+    msgs = list(open_stream(decode, "x#prefill", ids, SamplingParams(max_tokens=4))[1])
+    assert len(msgs) == 1 and msgs[0].error.code == "INVALID_REQUEST" and "'#'" in msgs[0].error.message
+    assert decode.core.pool.num_free == free
+
+
+def test_a_request_that_ends_on_its_first_token(decode, prefill, ids, shipped_llm):
+    """The first token arrives with the transfer's commit: max_tokens=1 ends the request on it."""
+    one = SamplingParams(max_tokens=1, temperature=0)
+    got = run(grpc.insecure_channel(decode.address), grpc.insecure_channel(prefill.address), "one", ids, one)
+    want = shipped_llm.generate([ids], one)[0]
+    assert got.error is None and got.token_ids == want.token_ids and got.finish.finish_reason == "length"
+    assert got.finish.completion_tokens == 1
+    wait_idle(decode, prefill)
 
 
 def test_cancelling_the_stream_mid_decode_frees_the_pages(decode, prefill, ids):

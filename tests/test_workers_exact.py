@@ -4,19 +4,24 @@ paged experts on (K = E/4) and off, for 18 prompts decoded concurrently."""
 from __future__ import annotations
 
 import gc
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
+from decode_worker.engine import DecodeEngine
 from decode_worker.server import start_decode_worker
 from deploy.colocated import start_colocated_worker
 from engine.params import SamplingParams
 from engine.scheduler import Scheduler
+from kv_transfer.reservation import State
 from prefill_worker.server import start_prefill_worker
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
-from tests.workers import config, run, wait_idle
+from tests.workers import Result, config, run, wait_idle
+from worker.client import generate
 
 CHATS = ["Repeat after me: blue kettle", "What does isinstance do?", "Say hello to Ada.",
          "Please repeat: paged experts keep the hot experts resident", "Name a Python keyword.",
@@ -104,3 +109,46 @@ def test_seeded_sampling_continues_the_engines_stream(shipped_llm, prompts):
             assert run(ch, None, f"s{i}", prompts[i], params).token_ids == w.token_ids
     finally:
         worker.stop()
+
+
+def test_a_colocated_worker_full_of_decodes_still_prefills(prompts, reference):
+    """One scheduler, two kinds of request: while max_num_seqs requests decode, the next prompt
+    is prefilled and its transfer committed at once (each kind has its own places), not held
+    back until a running stream ends; it then decodes when a place frees."""
+    worker = start_colocated_worker(config(max_num_seqs=2))
+    decode = next(r for r in worker.roles if isinstance(r, DecodeEngine))
+    ch = grpc.insecure_channel(worker.address)
+    long = SamplingParams(max_tokens=1500, temperature=0, ignore_eos=True)
+    started = [threading.Event(), threading.Event()]
+    streams = [generate(ch, None, f"long{i}", "acme", prompts[i], long) for i in range(2)]
+    results: list[Result] = []
+
+    def read(i: int) -> None:
+        for msg in streams[i]:
+            if msg.WhichOneof("kind") == "tokens":
+                started[i].set()
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(2)]
+    short = threading.Thread(target=lambda: results.append(run(ch, None, "short", prompts[2], PARAMS)))
+    try:
+        for t in readers:
+            t.start()
+        assert all(e.wait(60) for e in started)       # both decode places are taken
+        short.start()
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            dreq = decode.requests.get("short")
+            if dreq is not None and dreq.reservation.state == State.COMMITTED:
+                break
+            time.sleep(0.005)
+        assert all(t.is_alive() for t in readers), "the prompt waited for a running stream to end"
+        assert decode.requests["short"].reservation.state == State.COMMITTED
+    finally:
+        stub = wpb_grpc.DecodeServiceStub(ch)
+        for i in range(2):                            # the long streams end: a place frees
+            stub.Abort(wpb.AbortRequest(request_id=f"long{i}"))
+        for t in readers:
+            t.join(30)
+        short.join(60)
+        wait_idle(worker)
+        worker.stop()
+    assert results and results[0].error is None and results[0].token_ids == reference[2].token_ids

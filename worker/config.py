@@ -48,7 +48,7 @@ class WorkerConfig:
         """The engine's config for this worker (`kv_cache_tokens` overrides the configured size)."""
         return EngineConfig(model=str(self.model or SHIPPED_MODEL), dtype=parse_dtype(self.dtype),
                             device=self.device, page_size=self.page_size,
-                            kv_cache_tokens=kv_cache_tokens or self.kv_cache_tokens,
+                            kv_cache_tokens=self.kv_cache_tokens if kv_cache_tokens is None else kv_cache_tokens,
                             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
                             max_prefill_tokens=self.max_prefill_tokens, seed=self.seed,
                             paged_experts_num_resident=self.paged_experts_num_resident)

@@ -51,7 +51,9 @@ class RoleEngine(Protocol):
         ...
 
     def fail(self, batch: ScheduledBatch, error: BaseException) -> None:
-        """The step over `batch` raised: end this role's requests of it with an explicit error."""
+        """The step over `batch` raised (anywhere from before_run to after_run): end this role's
+        requests of it that are still live with an explicit error, whatever the token path did
+        to them already."""
         ...
 
     def shutdown(self) -> None:
@@ -97,23 +99,25 @@ class WorkerLoop:
             batch = self.core.schedule()
         if batch is None:
             return did
-        hooks = [h for h in (role.before_run(batch) for role in self.roles) if h is not None]
         try:
+            hooks = [h for h in (role.before_run(batch) for role in self.roles) if h is not None]
             output = self.core.run(batch, _chain(hooks))
-        except BaseException as e:
+            with self.lock:
+                events = self.core.update(batch, output)
+            for role in self.roles:
+                role.after_run(events)
+        except BaseException as e:      # every request of the batch still live ends explicitly
             for role in self.roles:
                 role.fail(batch, e)
             raise
-        with self.lock:
-            events = self.core.update(batch, output)
-        for role in self.roles:
-            role.after_run(events)
         return True
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Stop after the current step.  Returns whether the thread ended within `timeout_s`."""
         self._stop.set()
         self.wake.set()
         self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
 
 def _chain(hooks: list[LayerHook]) -> LayerHook | None:

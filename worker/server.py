@@ -4,6 +4,7 @@ serves, the gRPC server, and the handle that stops them.  The roles assemble the
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections import Counter
@@ -22,7 +23,9 @@ from worker.config import WorkerConfig
 from worker.loop import RoleEngine, WorkerLoop
 from worker.types import Role
 
+log = logging.getLogger("tandem.worker")
 RPC_THREADS = 512
+LOOP_STOP_S = 120.0     # the longest a step may take to finish when the worker stops
 SERVICE_OPTIONS = [
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 20_000),
@@ -67,19 +70,23 @@ class WorkerHandle:
         self.stopped = True
         for role in self.roles:         # new Generate/Prefill calls are refused from here on
             role.closing = True
-        self.loop.stop()                # from here on, only this thread changes page ownership
-        for role in self.roles:
-            role.shutdown()
+        if self.loop.stop(LOOP_STOP_S):   # from here on, only this thread changes page ownership
+            for role in self.roles:
+                role.shutdown()
+        else:                             # a step still runs: freeing pages it may write breaks I5
+            log.error("the worker loop did not stop within %.0f s; its requests' pages stay "
+                      "allocated and their streams end with the server", LOOP_STOP_S)
         self.server.stop(grace_s).wait()
         for close in self.closers:
             close()
 
 
-def build_core(config: WorkerConfig) -> EngineCore:
-    """Load the engine.  Raises ValueError naming the setting to change when the KV pool cannot
-    hold one request of the full context (ExpertCheckError from a failed independence check)."""
+def build_core(config: WorkerConfig, interleave: bool = False) -> EngineCore:
+    """Load the engine (`interleave`: a worker that prefills and decodes alternates the two).
+    Raises ValueError naming the setting to change when the KV pool cannot hold one request of
+    the full context (ExpertCheckError from a failed independence check)."""
     tokens = kv_tokens_for_fraction(config) if config.mem_fraction is not None else None
-    core = EngineCore(config.engine_config(tokens))
+    core = EngineCore(config.engine_config(tokens), interleave=interleave)
     if config.verify_experts:
         core.verify_experts()
     if core.pool.capacity_tokens < core.max_model_len:
