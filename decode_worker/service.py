@@ -90,7 +90,8 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         e = self.engine
         r = e.receiver
         waiting = sum(1 for d in list(e.requests.values()) if not d.reservation.terminal)
-        return stats(e.core, self.role, running=len(e.core.scheduler.running), waiting=waiting,
+        decoding = sum(not r.handoff for r in list(e.core.scheduler.running))   # not a colocated prefill
+        return stats(e.core, self.role, running=decoding, waiting=waiting,
                      accepted=r.accepted_frames, refused=dict(r.refused),
                      finished=e.counts["finished"], failed=e.counts["failed"])
 
