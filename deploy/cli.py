@@ -1,7 +1,7 @@
 """The `tandem` command.
 
     tandem serve [flags]                       # the whole server on Ray: workers and gateway
-    tandem status [--address auto]             # the workers of a running deployment
+    tandem status [--address auto] [--json]    # the workers of a running deployment
     tandem generate [--prompt TEXT] ...        # the single-process engine on a few prompts
     tandem preflight --memory-gib 16 [--json]  # what paged experts cost and buy
     tandem NAME ...                            # a command another package adds (below)
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from importlib.metadata import EntryPoint, entry_points
 from deploy.settings import PLACEMENT_STRATEGIES, ServeSettings
 
 COMMANDS_GROUP = "tandem.commands"
+API_KEYS_ENV = "TANDEM_API_KEYS"     # KEY[:TENANT],KEY[:TENANT],... (not shown by `ps`, unlike --api-key)
 
 DEMO_PROMPTS = [
     "Repeat after me: tandem-canary-7f3a",
@@ -81,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     st = sub.add_parser("status", help="the workers of a running deployment")
     st.add_argument("--address", default="auto", help="the Ray cluster (default: auto)")
-    st.set_defaults(func=lambda a: __import__("deploy.status", fromlist=["status"]).status(a.address))
+    st.add_argument("--json", action="store_true", help="every worker as JSON (for scripts)")
+    st.set_defaults(func=lambda a: __import__("deploy.status", fromlist=["status"]).status(a.address, a.json))
     pre = sub.add_parser("preflight", help="what paged experts cost and buy on a device")
     pre.add_argument("--model", default=None, help="HF checkpoint directory (default: the shipped tiny-moe)")
     pre.add_argument("--memory-gib", type=float, required=True, help="device memory budget for the model")
@@ -115,7 +118,10 @@ def _run_plugin(ep: EntryPoint, argv: list[str]) -> int:
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     sv = sub.add_parser("serve", help="serve the model: Ray workers and the OpenAI-compatible gateway")
-    sv.add_argument("--address", default=None, help="join a Ray cluster (auto, or HOST:PORT); default: start one")
+    sv.add_argument("--address", default=None, help="join a Ray cluster (auto, or HOST:PORT); default: start one "
+                    "on 127.0.0.1. Needs RAY_AUTH_MODE=token in this environment (Ray token authentication)")
+    sv.add_argument("--allow-insecure-ray", action="store_true",
+                    help="join a Ray cluster without RAY_AUTH_MODE=token here (anyone reaching it runs code on it)")
     sv.add_argument("--model", default=None, help="HF checkpoint directory (default: the shipped tiny-moe)")
     sv.add_argument("--served-model-name", default=None, help="the model name clients use (default: the directory's)")
     sv.add_argument("--prefill-workers", type=int, default=None)
@@ -124,7 +130,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--colocated-workers", type=int, default=1)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--api-key", action="append", default=[], help="KEY or KEY:TENANT (repeatable)")
+    sv.add_argument("--api-key", action="append", default=[],
+                    help="KEY or KEY:TENANT (repeatable; `ps` shows it: prefer TANDEM_API_KEYS or --api-keys-file)")
     sv.add_argument("--api-keys-file", default=None, help="JSON {key: tenant} or lines `KEY TENANT`")
     sv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     sv.add_argument("--device", default="cpu")
@@ -151,13 +158,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 def serve_settings(args: argparse.Namespace) -> ServeSettings:
     """The flags as ServeSettings; raises ValueError on a conflict or a missing model."""
-    from deploy.settings import parse_resources
+    from deploy.settings import check_ray_auth, parse_resources
     from engine.config import SHIPPED_MODEL
     from gateway.config import api_keys
     if args.colocated and (args.prefill_workers is not None or args.decode_workers is not None):
         raise ValueError("--colocated workers do both prefill and decode: drop --prefill-workers/--decode-workers "
                          "(use --colocated-workers N)")
-    keys = api_keys(args.api_keys_file, args.api_key)
+    keys = api_keys(args.api_keys_file, args.api_key, os.environ.get(API_KEYS_ENV))
+    if warning := check_ray_auth(args.address, os.environ.get("RAY_AUTH_MODE"), args.allow_insecure_ray):
+        print(warning, file=sys.stderr)
     return ServeSettings(
         address=args.address, model=args.model or str(SHIPPED_MODEL), served_model_name=args.served_model_name,
         prefill_workers=1 if args.prefill_workers is None else args.prefill_workers,

@@ -94,6 +94,30 @@ class ServeSettings:
         return cfg
 
 
+def check_ray_auth(address: str | None, ray_auth_mode: str | None, allow_insecure: bool) -> str | None:
+    """Refuse a Ray cluster that may run without token authentication: anyone who reaches its
+    ports (GCS, raylets, dashboard) runs code on it and reads the cluster secret the workers get.
+
+    A Ray driver cannot ask a cluster whether it enforces tokens (a driver in token mode connects
+    to a cluster without it as well), so the check is on this process's environment:
+    `ray_auth_mode` is RAY_AUTH_MODE here.  Joining a cluster (`address`) passes only with
+    "token"; the operator starts every node with it too (deploy/cluster/*.yaml do).  A local
+    cluster (`address` None) passes unless RAY_AUTH_MODE says otherwise: Ray then turns token
+    authentication on itself, and its ports listen on every interface.  `allow_insecure`
+    (--allow-insecure-ray) turns the refusal into the returned warning; None: nothing to say.
+    Raises ValueError saying why and what to change."""
+    mode = (ray_auth_mode or "").strip().lower()
+    if mode == "token" or (address is None and not mode):
+        return None
+    where = f"--address {address}" if address else "the local Ray cluster"
+    why = (f"{where}: Ray token authentication is not known to be on (RAY_AUTH_MODE is {ray_auth_mode or 'unset'} "
+           f"in this environment); a Ray cluster without it runs code for anyone who reaches its ports")
+    if allow_insecure:
+        return f"tandem: warning: {why}; going on because of --allow-insecure-ray"
+    raise ValueError(f"{why}. Start every node with RAY_AUTH_MODE=token and the token (RAY_AUTH_TOKEN or "
+                     f"RAY_AUTH_TOKEN_PATH), run tandem serve with the same, or pass --allow-insecure-ray")
+
+
 def parse_resources(text: str | None) -> dict[str, dict[str, float]]:
     """--worker-resources '{"decode": {"gpu_node": 1}}'."""
     if not text:

@@ -1,7 +1,21 @@
 """`tandem status`: every worker of a running deployment, its node, health, KV usage and
-expert hit rate (read from the registry, then from each worker's own `Stats`)."""
+expert hit rate (read from the registry, then from each worker's own `Stats`), as a table or,
+with `--json`, as one JSON object for operators and scripts:
+
+    {"workers": [{"worker_id": "decode-0", "role": "decode", "node_ip": "10.0.0.7",
+                  "node_id": "...", "address": "10.0.0.7:50052", "transfer_endpoint": null,
+                  "health": "ok", "kv_tokens_used": 0, "kv_tokens_capacity": 16384,
+                  "expert_hit_rate": 0.93}, ...]}
+
+`transfer_endpoint` is null unless the registry knows it; `health` is "ok" or the gRPC status
+name of a worker that did not answer (then the numbers are null).
+"""
 
 from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 import ray
@@ -11,8 +25,11 @@ from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from worker.types import Role
 
+WorkerReport = dict[str, Any]
+ReadStats = Callable[[dict], dict[str, Any]]     # a registry entry -> its live fields
 
-def status(address: str) -> int:
+
+def status(address: str, as_json: bool = False) -> int:
     ray.init(address=address, namespace=reg.NAMESPACE, log_to_driver=False,
              logging_level="ERROR")  # type: ignore[arg-type]  # ray takes a level name too (its default is "info")
     try:
@@ -21,28 +38,47 @@ def status(address: str) -> int:
         except ValueError:
             print("tandem: no deployment is running on this Ray cluster")
             return 1
-        print(f"{'worker':14s} {'role':10s} {'node':15s} {'address':22s} {'health':8s} {'KV used/capacity':>22s} "
-              f"{'expert hit rate':>15s}")
-        for w in workers:
-            print(_row(w))
+        reports = [worker_report(w, read_stats) for w in workers]
+        print(format_json(reports) if as_json else format_text(reports))
         return 0
     finally:
         ray.shutdown()
 
 
-def _row(w: dict) -> str:
+def worker_report(w: dict, stats: ReadStats) -> WorkerReport:
+    """One worker's registry entry joined with what `stats` reads from the worker itself."""
+    return {"worker_id": w["worker_id"], "role": w["role"], "node_ip": w.get("node_ip"),
+            "node_id": w.get("node_id"), "address": w["address"],
+            "transfer_endpoint": w.get("transfer_endpoint"), **stats(w)}
+
+
+def read_stats(w: dict) -> dict[str, Any]:
+    """The worker's health, KV tokens used/capacity and expert hit rate, from its `Stats` RPC."""
     channel = grpc.insecure_channel(w["address"])
     prefill = w["role"] == Role.PREFILL.value
     stub = wpb_grpc.PrefillServiceStub(channel) if prefill else wpb_grpc.DecodeServiceStub(channel)
     try:
         s = stub.Stats(wpb.StatsRequest(), timeout=5)
-        health = "ok"
-        kv = f"{s.kv_tokens_used}/{s.kv_tokens_capacity}"
         hits, misses = sum(e.hits for e in s.experts), sum(e.misses for e in s.experts)
-        rate = f"{hits / (hits + misses):.3f}" if hits + misses else "-"
+        return {"health": "ok", "kv_tokens_used": s.kv_tokens_used, "kv_tokens_capacity": s.kv_tokens_capacity,
+                "expert_hit_rate": hits / (hits + misses) if hits + misses else None}
     except grpc.RpcError as e:
-        health, kv, rate = e.code().name.lower()[:8], "-", "-"
+        return {"health": e.code().name.lower(), "kv_tokens_used": None, "kv_tokens_capacity": None,
+                "expert_hit_rate": None}
     finally:
         channel.close()
-    return (f"{w['worker_id']:14s} {w['role']:10s} {w['node_ip']:15s} {w['address']:22s} {health:8s} "
-            f"{kv:>22s} {rate:>15s}")
+
+
+def format_json(reports: list[WorkerReport]) -> str:
+    return json.dumps({"workers": reports}, indent=2)
+
+
+def format_text(reports: list[WorkerReport]) -> str:
+    lines = [f"{'worker':14s} {'role':10s} {'node':15s} {'address':22s} {'health':8s} {'KV used/capacity':>22s} "
+             f"{'expert hit rate':>15s}"]
+    for r in reports:
+        kv = f"{r['kv_tokens_used']}/{r['kv_tokens_capacity']}" if r["kv_tokens_capacity"] is not None else "-"
+        rate = f"{r['expert_hit_rate']:.3f}" if r["expert_hit_rate"] is not None else "-"
+        lines.append(f"{r['worker_id']:14s} {r['role']:10s} {r['node_ip'] or '-':15s} {r['address']:22s} "
+                     f"{r['health'][:8]:8s} {kv:>22s} {rate:>15s}")
+    return "\n".join(lines)

@@ -20,7 +20,7 @@ from engine.config import SHIPPED_MODEL, ModelConfig
 from engine.tokenizer import Tokenizer
 from gateway.admission import AdmissionQueue, Rejected
 from gateway.completions import CompletionHandler
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, KeyTable
 from gateway.metrics import Metrics
 from gateway.openai_format import error_body
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -47,6 +47,7 @@ class Gateway:
                                     config.queue_timeout_s)
         self.metrics = Metrics()
         self.completions = CompletionHandler(self)
+        self.keys = KeyTable(config.api_keys)
 
     def context_len(self) -> int:
         """The context of the workers (their --max-model-len), else the model's."""
@@ -55,14 +56,14 @@ class Gateway:
         return min(lens) if lens else self.model_config.max_position_embeddings
 
     def tenant(self, request: Request) -> str:
-        keys = self.config.api_keys
-        if not keys:
+        if not self.keys:
             return "default"
         auth = request.headers.get("authorization", "")
         key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        if key not in keys:
+        tenant = self.keys.tenant(key)
+        if tenant is None:
             raise Rejected(401, "invalid_api_key", "missing or unknown API key (send Authorization: Bearer KEY)")
-        return keys[key]
+        return tenant
 
     async def refresh_forever(self) -> None:
         while True:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,13 +41,18 @@ class GatewayConfig:
         for name in ("queue_timeout_s", "request_timeout_s", "refresh_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        if not all(k and t for k, t in self.api_keys.items()):
+            raise ValueError("an empty API key or tenant would turn authentication off: refused")
 
 
 def load_api_keys(path: str | Path) -> dict[str, str]:
-    """A keys file: JSON {"key": "tenant", ...}, or lines `KEY TENANT` (# comments)."""
+    """A keys file: JSON {"key": "tenant", ...}, or lines `KEY TENANT` (# comments).  Raises
+    ValueError naming the file and line of a bad entry, never its text (it holds a key)."""
     text = Path(path).read_text()
     if text.lstrip().startswith("{"):
         keys = json.loads(text)
+        if not isinstance(keys, dict):
+            raise ValueError(f"{path}: expected a JSON object of key -> tenant")
     else:
         keys = {}
         for n, line in enumerate(text.splitlines(), 1):
@@ -53,18 +61,56 @@ def load_api_keys(path: str | Path) -> dict[str, str]:
                 continue
             parts = line.split()
             if len(parts) != 2:
-                raise ValueError(f"{path}:{n}: expected `KEY TENANT`, got {line!r}")
+                raise ValueError(f"{path}: line {n}: expected `KEY TENANT` (2 fields), found {len(parts)}")
             keys[parts[0]] = parts[1]
     if not all(isinstance(k, str) and isinstance(v, str) and k and v for k, v in keys.items()):
         raise ValueError(f"{path}: keys and tenants must be non-empty strings")
     return keys
 
 
-def api_keys(path: str | Path | None, flags: list[str]) -> dict[str, str]:
-    """Key -> tenant from a keys file (if any) and `--api-key KEY[:TENANT]` flags (tenant
-    "default" when none is given); a flag overrides the file for the same key."""
+def parse_key_spec(spec: str, source: str) -> tuple[str, str]:
+    """`KEY` or `KEY:TENANT` -> (key, tenant) (tenant "default" when none is given).  An empty
+    key (`""`, `:admin`) is refused: it would match a request that sends no key."""
+    key, _, tenant = spec.strip().partition(":")
+    if not key:
+        raise ValueError(f"{source}: an empty API key is refused (give KEY or KEY:TENANT)")
+    return key, tenant or "default"
+
+
+def api_keys(path: str | Path | None, flags: list[str], env: str | None = None) -> dict[str, str]:
+    """Key -> tenant from a keys file (if any), then `env` (the value of TANDEM_API_KEYS:
+    comma-separated KEY[:TENANT]), then `--api-key KEY[:TENANT]` flags; a later source overrides
+    an earlier one for the same key.  Raises ValueError on an empty key."""
     keys = load_api_keys(path) if path else {}
-    for k in flags:
-        key, _, tenant = k.partition(":")
-        keys[key] = tenant or "default"
+    if env is not None:
+        for i, spec in enumerate(env.split(","), 1):
+            if spec.strip():
+                key, tenant = parse_key_spec(spec, f"TANDEM_API_KEYS entry {i}")
+                keys[key] = tenant
+    for i, spec in enumerate(flags, 1):
+        key, tenant = parse_key_spec(spec, f"--api-key #{i}")
+        keys[key] = tenant
     return keys
+
+
+class KeyTable:
+    """Looks up a presented API key in constant time: every configured key is compared (as a
+    SHA-256 digest, so lengths do not show either) with `hmac.compare_digest`, none skipped."""
+
+    def __init__(self, keys: Mapping[str, str]) -> None:
+        self._entries = [(_digest(k), t) for k, t in keys.items()]
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    def tenant(self, key: str) -> str | None:
+        """The key's tenant, or None for an unknown (or empty) key."""
+        presented, found = _digest(key), None
+        for digest, tenant in self._entries:
+            if hmac.compare_digest(digest, presented):
+                found = tenant
+        return found if key else None
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
