@@ -30,7 +30,15 @@ import time
 import torch
 
 from bench.report import emit
-from bench.transfer_shape import LAYER_GROUP, PROMPT_TOKENS, SHAPE, make_pool, payload_bytes, pool_digest
+from bench.transfer_shape import (
+    LAYER_GROUP,
+    PROMPT_TOKENS,
+    SHAPE,
+    bench_prompt_digest,
+    make_pool,
+    payload_bytes,
+    pool_digest,
+)
 from engine.kv_pool import PagePool
 from kv_transfer.frame import new_cluster_secret
 from kv_transfer.receiver import TransferReceiver
@@ -72,7 +80,7 @@ def push(src: PagePool, secret: bytes, endpoint: str, tid: bytes, rid: str,
     """One whole transfer; returns (seconds, sender checksum seconds)."""
     t0 = time.perf_counter()
     stream = connect(endpoint, tid, config)
-    sender = TransferSender(stream, TransferTicket(tid, rid, "bench"), secret, src,
+    sender = TransferSender(stream, TransferTicket(tid, rid, "bench", bench_prompt_digest()), secret, src,
                             src.page_table("s"), PROMPT_TOKENS)
     for l0 in range(0, SHAPE["layers"], LAYER_GROUP):
         sender.send_layers(l0, l0 + LAYER_GROUP)
@@ -120,7 +128,7 @@ def run_local(src: PagePool, secret: bytes, want: int, config: TransportConfig, 
     for i in range(repeats):
         rid = f"r{i}"
         dst.allocate(rid, dst.pages_for(PROMPT_TOKENS))
-        res = recv.reserve(rid, "bench", PROMPT_TOKENS)
+        res = recv.reserve(rid, "bench", PROMPT_TOKENS, bench_prompt_digest())
         times.append(push(src, secret, server.endpoint, res.transfer_id, rid, config)[0])
         assert pool_digest(dst, dst.page_table(rid), PROMPT_TOKENS) == want, "local: bytes differ"
         recv.release(res.transfer_id)

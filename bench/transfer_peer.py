@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from bench.transfer_shape import SHAPE, make_pool, pool_digest
+from bench.transfer_shape import SHAPE, bench_prompt_digest, make_pool, pool_digest
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import Reservation
 from kv_transfer.transport.base import TransportConfig
@@ -68,7 +68,8 @@ def main() -> None:
         cmd = json.loads(line)
         if cmd["cmd"] == "reserve":
             pool.allocate(cmd["rid"], pool.pages_for(cmd["prompt_len"]))
-            res[cmd["rid"]] = recv.reserve(cmd["rid"], "bench", cmd["prompt_len"])
+            res[cmd["rid"]] = recv.reserve(cmd["rid"], "bench", cmd["prompt_len"],
+                                           bench_prompt_digest(cmd["prompt_len"]))
             out = {"transfer_id": res[cmd["rid"]].transfer_id.hex()}
         elif cmd["cmd"] == "digest":
             r = res[cmd["rid"]]

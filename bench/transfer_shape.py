@@ -13,6 +13,7 @@ import torch
 import xxhash
 
 from engine.kv_pool import PagePool
+from kv_transfer.frame import prompt_digest
 from kv_transfer.pages import block_parts
 
 
@@ -28,6 +29,11 @@ SHAPE = KVShape(layers=32, kv_heads=8, head_dim=128, page_size=16, dtype="bfloat
 PROMPT_TOKENS = 512
 LAYER_GROUP = 4
 NUM_PAGES = 33
+
+
+def bench_prompt_digest(prompt_len: int = PROMPT_TOKENS) -> bytes:
+    """The prompt digest both ends of the benchmark use (the prompt 0, 1, ..., prompt_len - 1)."""
+    return prompt_digest(range(prompt_len))
 
 
 def make_pool(seed: int) -> PagePool:

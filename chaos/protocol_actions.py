@@ -11,8 +11,8 @@ Actions (the pool owner's, the senders' and an adversary's):
 
     admit r        allocate r's pages (when enough are free) and reserve its transfer
     frame r.fK     send r's frame K: a first send, a duplicate, or a stale replay
-    forge r.fK->s  r's frame K aimed at s's transfer (transfer id, request, tenant: s's;
-                   ownership tag and payload: r's; checksum recomputed)
+    forge r.fK->s  r's frame K aimed at s's transfer (transfer id, request, tenant, prompt
+                   digest: s's; ownership tag and payload: r's; checksum recomputed)
     end CALL       let a frame parked inside its page copy finish
     commit r       send r's commit (waits while writes into r's pages are running)
     close r        r's stream ends
@@ -30,7 +30,7 @@ import torch
 
 from chaos.protocol_threads import DONE, PARKED, Board, Call, TracedCondition
 from engine.kv_pool import PagePool
-from kv_transfer.frame import frame_checksum
+from kv_transfer.frame import frame_checksum, prompt_digest
 from kv_transfer.pages import Payload, pool_bytes, read_bytes
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import Reservation
@@ -212,9 +212,13 @@ class World:
     def _admit(self, a: Action) -> None:
         q = self.requests[a.request]
         self.pool.allocate(q.rid, self.bounds.pages_per_request)
-        q.res = self.recv.reserve(q.rid, TENANT, self.bounds.prompt_len)
+        q.res = self.recv.reserve(q.rid, TENANT, self.bounds.prompt_len, self._digest(q))
         q.frames, q.commit = self._send_all(q)
         q.phase = "open"
+
+    def _digest(self, q: Request) -> bytes:
+        """The prompt digest of q's prompt (token ids q.index, q.index, ...: one per request)."""
+        return prompt_digest([q.index] * self.bounds.prompt_len)
 
     def _send_all(self, q: Request) -> tuple[list[Frame], pb.Commit]:
         """The frames and commit a sender builds from a prefill pool holding q's identity bytes."""
@@ -223,8 +227,8 @@ class World:
         for i, page in enumerate(pages):
             pool_bytes(src)[:, :, page] = self.bounds.identity(q.index, i)
         stream = _Capture()
-        sender = TransferSender(stream, TransferTicket(q.reservation.transfer_id, q.rid, TENANT), SECRET,
-                                src, pages, self.bounds.prompt_len)
+        ticket = TransferTicket(q.reservation.transfer_id, q.rid, TENANT, self._digest(q))
+        sender = TransferSender(stream, ticket, SECRET, src, pages, self.bounds.prompt_len)
         for layer in range(self.bounds.layers):
             sender.send_layers(layer, layer + 1)
         sender.commit(first_token_id=1, first_logprob=0.0)
@@ -240,6 +244,7 @@ class World:
         h = pb.FrameHeader()
         h.CopyFrom(f.header)
         h.transfer_id, h.request_id, h.tenant = target.reservation.transfer_id, target.rid, target.reservation.tenant
+        h.prompt_digest = target.reservation.prompt_digest    # public: only the tag needs the secret
         h.checksum = frame_checksum(h, [f.payload])
         self._deliver(a, h, f.payload, f.identity)
 

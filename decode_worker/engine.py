@@ -27,6 +27,7 @@ from engine.kv_pool import PoolExhausted
 from engine.params import SamplingParams
 from engine.request import Request
 from engine.scheduler import ScheduledBatch
+from kv_transfer.frame import prompt_digest
 from kv_transfer.hooks import TransferHooks
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import Reservation, State
@@ -101,6 +102,7 @@ class DecodeEngine:
         if params.seed is None:
             params = replace(params, seed=secrets.randbits(63))   # prefill gets it with the reservation
         req = new_request(core, request_id, ids, params, generator=decode_generator(params))
+        digest = prompt_digest(ids)              # ids checked by new_request; hashed outside the lock
         with self.lock:
             if request_id in self.requests or self.pool.has(request_id):
                 raise WorkerError(ErrorCode.INVALID_REQUEST, f"request id {request_id!r} is already in use")
@@ -109,7 +111,7 @@ class DecodeEngine:
             except PoolExhausted as e:
                 raise WorkerError(ErrorCode.KV_FULL, str(e)) from None
             try:
-                res = self.receiver.reserve(request_id, tenant, len(ids), timeout_s)
+                res = self.receiver.reserve(request_id, tenant, len(ids), digest, timeout_s)
             except ValueError as e:
                 core.free(request_id)                 # nothing stays reserved
                 raise WorkerError(ErrorCode.INVALID_REQUEST, str(e)) from None

@@ -11,6 +11,7 @@ class Refusal(str, Enum):
     UNKNOWN_TRANSFER = "UNKNOWN_TRANSFER"    # no reservation with this transfer id
     EXPIRED = "EXPIRED"                      # the reservation timed out or was released
     BAD_TAG = "BAD_TAG"                      # ownership tag / tenant / request do not match
+    PROMPT_MISMATCH = "PROMPT_MISMATCH"      # a valid tag over another prompt's token ids
     OUT_OF_RANGE = "OUT_OF_RANGE"            # page index or layer range outside the reservation
     BAD_GEOMETRY = "BAD_GEOMETRY"            # token positions, dtype, shape or payload size wrong
     DUPLICATE = "DUPLICATE"                  # this (page, layers) or seq was already received

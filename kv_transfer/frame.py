@@ -5,8 +5,13 @@ A frame carries one page of one request for a range of layers:
     payload = kv[layer_start:layer_end, :, page, :num_tokens]    # [Lr, 2, n, Hkv, D]
 
     checksum = xxh3_64(header_bytes(header) + payload)            # every field but checksum
-    tag      = HMAC-SHA256(secret, tenant | request_id | transfer_id)[:16]
+    tag      = HMAC-SHA256(secret, tenant | request_id | transfer_id | prompt_digest)[:16]
     digest   = xxh3_64(checksum_0 | checksum_1 | ... )            # in seq order, at commit
+    prompt_digest = SHA-256(u64 count | u32 id_0 | u32 id_1 | ...)  # little-endian, see below
+
+The prompt digest binds a transfer to the tokens of the prompt it carries (I9): the decode
+side records the digest of the prompt it reserved for, the prefill side states the digest of
+the ids it computed, in every frame header and in the commit, and the tag is keyed over it.
 
 The canonical header encoding is fixed here (length-prefixed fields in a fixed order),
 not left to a protobuf serializer, so both sides hash the same bytes on any version.
@@ -18,6 +23,7 @@ import hashlib
 import hmac
 import secrets
 import struct
+from collections.abc import Sequence
 
 import xxhash
 
@@ -27,6 +33,7 @@ PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 TRANSFER_ID_BYTES = 16
 TAG_BYTES = 16
+PROMPT_DIGEST_BYTES = 32
 SECRET_MIN_BYTES = 16
 
 Buffer = bytes | bytearray | memoryview
@@ -52,9 +59,21 @@ def _field(b: bytes) -> bytes:
     return struct.pack("<I", len(b)) + b
 
 
-def ownership_tag(secret: bytes, tenant: str, request_id: str, transfer_id: bytes) -> bytes:
-    """The keyed MAC that binds a frame to (tenant, request, transfer)."""
-    msg = _field(tenant.encode()) + _field(request_id.encode()) + _field(transfer_id)
+def prompt_digest(ids: Sequence[int]) -> bytes:
+    """SHA-256 over the prompt's token ids: the count as a little-endian uint64, then each id
+    as a little-endian uint32 (32 bytes).  Raises ValueError for an id outside [0, 2**32)."""
+    try:
+        packed = struct.pack(f"<Q{len(ids)}I", len(ids), *ids)
+    except struct.error as e:
+        raise ValueError(f"prompt token ids must lie in [0, 2**32): {e}") from None
+    return hashlib.sha256(packed).digest()
+
+
+def ownership_tag(secret: bytes, tenant: str, request_id: str, transfer_id: bytes,
+                  prompt_digest: bytes) -> bytes:
+    """The keyed MAC that binds a frame to (tenant, request, transfer, prompt tokens)."""
+    msg = (_field(tenant.encode()) + _field(request_id.encode()) + _field(transfer_id)
+           + _field(prompt_digest))
     return hmac.new(secret, msg, hashlib.sha256).digest()[:TAG_BYTES]
 
 
@@ -66,6 +85,7 @@ def header_bytes(h: pb.FrameHeader) -> bytes:
         struct.pack("<6I", h.seq, h.layer_start, h.layer_end, h.page_index, h.first_token,
                     h.num_tokens),
         _field(h.dtype.encode()), struct.pack(f"<I{len(h.shape)}I", len(h.shape), *h.shape),
+        _field(h.prompt_digest),
     ))
 
 

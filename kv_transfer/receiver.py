@@ -21,6 +21,7 @@ from typing import Callable, NoReturn
 from engine.kv_pool import PagePool, PageRef
 from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.frame import (
+    PROMPT_DIGEST_BYTES,
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
     Buffer,
@@ -71,11 +72,13 @@ class TransferReceiver:
         self.hooks = hooks
 
     # ---- the pool owner's side ---------------------------------------------------
-    def reserve(self, request_id: str, tenant: str, prompt_len: int,
+    def reserve(self, request_id: str, tenant: str, prompt_len: int, prompt_digest: bytes,
                 timeout_s: float | None = None) -> Reservation:
         """Open a transfer into the first ceil(prompt_len / page_size) pages the pool already
-        gave `request_id`.  `timeout_s` (default: the receiver's) ends it when no frame arrives
-        for that long.  Returns the reservation (its `transfer_id` goes to the sender)."""
+        gave `request_id`, bound to the prompt whose token ids hash to `prompt_digest`
+        (kv_transfer.frame.prompt_digest).  `timeout_s` (default: the receiver's) ends it when
+        no frame arrives for that long.  Returns the reservation (its `transfer_id` goes to the
+        sender)."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if timeout_s <= 0:
             raise ValueError(f"transfer timeout_s={timeout_s} must be > 0")
@@ -87,10 +90,12 @@ class TransferReceiver:
         if prompt_len < 1 or n > len(refs):
             raise ValueError(f"request {request_id}: a prompt of {prompt_len} tokens needs {n} "
                              f"pages, it holds {len(refs)}")
+        if len(prompt_digest) != PROMPT_DIGEST_BYTES:
+            raise ValueError(f"prompt digest of {len(prompt_digest)} bytes, expected {PROMPT_DIGEST_BYTES}")
         tid = new_transfer_id()
-        res = Reservation(tid, request_id, tenant, ownership_tag(self._secret, tenant, request_id, tid),
-                          prompt_len, refs[:n], self.pool.kv.shape[0], self.pool.page_size,
-                          self._clock() + timeout_s, timeout_s)
+        tag = ownership_tag(self._secret, tenant, request_id, tid, prompt_digest)
+        res = Reservation(tid, request_id, tenant, tag, prompt_len, bytes(prompt_digest), refs[:n],
+                          self.pool.kv.shape[0], self.pool.page_size, self._clock() + timeout_s, timeout_s)
         with self._lock:
             self._live[tid] = res
         return res
@@ -243,9 +248,24 @@ class TransferReceiver:
         if res.state == State.FAILED:
             self._refuse(None, Refusal.AFTER_FAILURE, f"transfer of {res.request_id} failed: {res.reason}", tid)
         if not (tags_equal(tag, res.tag) and tenant == res.tenant and request_id == res.request_id):
+            if self._other_prompt(res, msg):
+                self._refuse(res, Refusal.PROMPT_MISMATCH, f"{request_id!r}: KV computed for another prompt "
+                             f"than the one reserved (digest "
+                             f"{msg.prompt_digest.hex()[:16]}, reserved {res.prompt_digest.hex()[:16]})")
             self._refuse(res, Refusal.BAD_TAG, f"frame for ({tenant!r}, {request_id!r}) does not match "
                          f"the reservation of {res.request_id!r}")
+        if msg.prompt_digest != res.prompt_digest:
+            self._refuse(res, Refusal.PROMPT_MISMATCH, f"{request_id!r}: the frame states prompt digest "
+                         f"{msg.prompt_digest.hex()[:16]}, reserved {res.prompt_digest.hex()[:16]}")
         return res
+
+    def _other_prompt(self, res: Reservation, msg: pb.FrameHeader | pb.Commit) -> bool:
+        """Whether `msg`'s tag is valid for this transfer, but over another prompt's digest (a
+        sender that knows the secret computed another prompt; only run when the tag failed)."""
+        if msg.prompt_digest == res.prompt_digest or msg.tenant != res.tenant or msg.request_id != res.request_id:
+            return False
+        return tags_equal(msg.ownership_tag, ownership_tag(self._secret, res.tenant, res.request_id,
+                                                           res.transfer_id, msg.prompt_digest))
 
     def _check_page(self, res: Reservation, ref: PageRef) -> None:
         owner, gen = self.pool.owner(ref.page), self.pool.generation(ref.page)

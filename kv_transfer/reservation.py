@@ -39,6 +39,7 @@ class Reservation:
     tenant: str
     tag: bytes
     prompt_len: int
+    prompt_digest: bytes      # kv_transfer.frame.prompt_digest of the prompt reserved for
     pages: list[PageRef]      # logical prompt page i -> the physical page reserved for it
     num_layers: int
     page_size: int

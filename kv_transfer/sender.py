@@ -35,10 +35,13 @@ from proto import kv_transfer_pb2 as pb
 
 @dataclass(frozen=True)
 class TransferTicket:
-    """What the decode side's reservation tells prefill: where to write, and as whom."""
+    """What the decode side's reservation tells prefill: where to write, and as whom; and the
+    digest of the prompt ids prefill computed (kv_transfer.frame.prompt_digest), which every
+    frame and the commit state and the tag binds."""
     transfer_id: bytes
     request_id: str
     tenant: str
+    prompt_digest: bytes
 
 
 class SenderStream(Protocol):
@@ -70,7 +73,8 @@ class TransferSender:
         self.stream, self.ticket, self.pool = stream, ticket, pool
         self.page_table, self.prompt_len = page_table, prompt_len
         t0 = time.perf_counter()
-        self.tag = ownership_tag(secret, ticket.tenant, ticket.request_id, ticket.transfer_id)
+        self.tag = ownership_tag(secret, ticket.tenant, ticket.request_id, ticket.transfer_id,
+                                 ticket.prompt_digest)
         self.checksum_s = time.perf_counter() - t0   # checksums and tag (benchmark figure)
         self.checksums: list[int] = []
         self.hooks = hooks
@@ -83,7 +87,8 @@ class TransferSender:
             request_id=self.ticket.request_id, tenant=self.ticket.tenant, ownership_tag=self.tag,
             seq=len(self.checksums), layer_start=l0, layer_end=l1, page_index=page_index,
             first_token=page_index * self.pool.page_size, num_tokens=n,
-            dtype=dtype_name(self.pool.kv.dtype), shape=block_shape(self.pool, l0, l1, n))
+            dtype=dtype_name(self.pool.kv.dtype), shape=block_shape(self.pool, l0, l1, n),
+            prompt_digest=self.ticket.prompt_digest)
 
     def send_layers(self, l0: int, l1: int) -> None:
         """Send every prompt page's layers [l0, l1), one frame per page, and put them on the
@@ -117,6 +122,7 @@ class TransferSender:
                       ownership_tag=self.tag, frame_count=len(self.checksums),
                       tokens_covered=self.prompt_len, digest=commit_digest(self.checksums),
                       first_token_id=first_token_id, first_logprob=first_logprob,
+                      prompt_digest=self.ticket.prompt_digest,
                       first_top_ids=list(first_top or ()), first_top_logprobs=list((first_top or {}).values()))
         self.hooks.before_commit(self.ticket, self.stream)
         try:

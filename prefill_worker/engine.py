@@ -25,6 +25,7 @@ from engine.core import EngineCore, LayerHook, TokenEvent
 from engine.params import SamplingParams
 from engine.request import Request
 from engine.scheduler import ScheduledBatch
+from kv_transfer.frame import prompt_digest
 from kv_transfer.hooks import TransferHooks
 from kv_transfer.sender import TransferTicket
 from kv_transfer.transport import TransportConfig
@@ -187,7 +188,7 @@ class PrefillEngine:
     # ---- internals -----------------------------------------------------------------
     def _start_push(self, job: PrefillJob) -> None:
         req = job.req
-        ticket = TransferTicket(job.transfer_id, job.request_id, job.tenant)
+        ticket = TransferTicket(job.transfer_id, job.request_id, job.tenant, prompt_digest(req.prompt_token_ids))
         if req.params.logprobs is None:      # the first token's logprob travels in the commit
             req.params = replace(req.params, logprobs=0)
         plan = PushPlan(ticket, job.endpoint, self.secret, self.pool, self.pool.page_table(req.request_id),

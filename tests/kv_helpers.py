@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_pool import PagePool
+from kv_transfer.frame import prompt_digest
 from kv_transfer.hooks import PLAIN_SENDER, SenderHooks
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import Reservation
@@ -15,6 +16,17 @@ from proto import kv_transfer_pb2 as pb
 
 SECRET = bytes(range(32))
 LAYERS, PAGE, HEADS, DIM = 3, 4, 2, 8
+
+
+def prompt_ids(rid: str, prompt_len: int) -> list[int]:
+    """The token ids of `rid`'s prompt in these tests (distinct per request id)."""
+    base = sum(rid.encode()) * 131
+    return [(base + i) % 50_000 for i in range(prompt_len)]
+
+
+def digest_of(rid: str, prompt_len: int) -> bytes:
+    """prompt_digest of `rid`'s test prompt: what a reservation and a ticket for it carry."""
+    return prompt_digest(prompt_ids(rid, prompt_len))
 
 
 def make_pool(num_pages: int = 16, seed: int = 0) -> PagePool:
@@ -63,12 +75,16 @@ class Transfer:
 
 def prepare(src: PagePool, dst: PagePool, receiver: TransferReceiver, rid: str, prompt_len: int,
             tenant: str = "acme", extra_pages: int = 1, groups=((0, 2), (2, LAYERS)),
-            secret: bytes = SECRET, hooks: SenderHooks = PLAIN_SENDER) -> Transfer:
+            secret: bytes = SECRET, hooks: SenderHooks = PLAIN_SENDER,
+            sent_digest: bytes | None = None) -> Transfer:
+    """`sent_digest`: the prompt digest the sender states (default: that of rid's prompt, the
+    one reserved)."""
     src.allocate(rid, src.pages_for(prompt_len))
     dst.allocate(rid, dst.pages_for(prompt_len) + extra_pages)
-    res = receiver.reserve(rid, tenant, prompt_len)
+    res = receiver.reserve(rid, tenant, prompt_len, digest_of(rid, prompt_len))
+    sent = digest_of(rid, prompt_len) if sent_digest is None else sent_digest
     cap = CaptureStream()
-    sender = TransferSender(cap, TransferTicket(res.transfer_id, rid, tenant), secret, src,
+    sender = TransferSender(cap, TransferTicket(res.transfer_id, rid, tenant, sent), secret, src,
                             src.page_table(rid), prompt_len, hooks=hooks)
     for l0, l1 in groups:
         sender.send_layers(l0, l1)

@@ -21,7 +21,7 @@ from kv_transfer.reservation import State
 from kv_transfer.sender import TransferSender, TransferTicket
 from kv_transfer.transport import connect
 from kv_transfer.transport.local import LocalServer
-from tests.kv_helpers import LAYERS, SECRET, make_pool, pages_equal
+from tests.kv_helpers import LAYERS, SECRET, digest_of, make_pool, pages_equal
 from tests.test_paged_experts import small_layer
 
 PROMPT = 10     # 3 pages of 4
@@ -30,8 +30,9 @@ PROMPT = 10     # 3 pages of 4
 def transfer(src, dst, recv, server, rid, hooks=PLAIN_SENDER):
     src.allocate(rid, src.pages_for(PROMPT))
     dst.allocate(rid, dst.pages_for(PROMPT))
-    res = recv.reserve(rid, "acme", PROMPT)
-    sender = TransferSender(connect(server.endpoint, res.transfer_id), TransferTicket(res.transfer_id, rid, "acme"),
+    res = recv.reserve(rid, "acme", PROMPT, digest_of(rid, PROMPT))
+    ticket = TransferTicket(res.transfer_id, rid, "acme", res.prompt_digest)
+    sender = TransferSender(connect(server.endpoint, res.transfer_id), ticket,
                             SECRET, src, src.page_table(rid), PROMPT, hooks=hooks)
     try:
         sender.send_layers(0, LAYERS)

@@ -12,7 +12,7 @@ from kv_transfer.reservation import State
 from kv_transfer.sender import TransferSender, TransferTicket
 from kv_transfer.transport import connect
 from kv_transfer.transport.local import LocalServer
-from tests.kv_helpers import LAYERS, SECRET, make_pool, pages_equal
+from tests.kv_helpers import LAYERS, SECRET, digest_of, make_pool, pages_equal
 
 PROMPT = 18     # 5 pages
 
@@ -31,9 +31,9 @@ def cluster():
 def open_transfer(src, dst, recv, server, rid, faults):
     src.allocate(rid, src.pages_for(PROMPT))
     dst.allocate(rid, dst.pages_for(PROMPT) + 1)
-    res = recv.reserve(rid, "acme", PROMPT)
+    res = recv.reserve(rid, "acme", PROMPT, digest_of(rid, PROMPT))
     sender = TransferSender(connect(server.endpoint, res.transfer_id),
-                            TransferTicket(res.transfer_id, rid, "acme"), SECRET, src,
+                            TransferTicket(res.transfer_id, rid, "acme", res.prompt_digest), SECRET, src,
                             src.page_table(rid), PROMPT, hooks=faults)
     return res, sender
 

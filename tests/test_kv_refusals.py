@@ -3,14 +3,17 @@ one byte of the receiving pool changed."""
 
 from __future__ import annotations
 
+import hashlib
+import struct
+
 import pytest
 import torch
 
 from kv_transfer.errors import Refusal, TransferRefused
-from kv_transfer.frame import commit_digest
+from kv_transfer.frame import commit_digest, ownership_tag, prompt_digest
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import State
-from tests.kv_helpers import SECRET, copy_commit, copy_header, make_pool, pages_equal, prepare
+from tests.kv_helpers import SECRET, copy_commit, copy_header, digest_of, make_pool, pages_equal, prepare
 
 PROMPT = 10            # 3 pages of 4 tokens (4, 4, 2); 2 layer groups -> 6 frames
 
@@ -80,6 +83,7 @@ def test_frames_in_any_order_are_fine(rig):
     (dict(dtype="float16"), Refusal.BAD_GEOMETRY),
     (dict(shape=[2, 2, 4, 2, 4]), Refusal.BAD_GEOMETRY),
     (dict(seq=99), Refusal.BAD_CHECKSUM),                # a field the geometry does not fix
+    (dict(prompt_digest=b"\x02" * 32), Refusal.PROMPT_MISMATCH),   # the tag's digest is the reserved one
     (dict(checksum=12345), Refusal.BAD_CHECKSUM),
 ])
 def test_a_bad_header_is_refused_and_fails_the_transfer(rig, change, reason):
@@ -119,7 +123,7 @@ def test_an_overlapping_layer_range_is_a_duplicate(rig):
     dst2 = make_pool(seed=3)
     other = prepare(src, dst2, TransferReceiver(dst2, SECRET), "x", PROMPT, groups=((1, 3),))
     h = copy_header(other.frames[0][0], transfer_id=t.res.transfer_id, ownership_tag=t.res.tag,
-                    request_id="req-1", seq=50)
+                    request_id="req-1", prompt_digest=t.res.prompt_digest, seq=50)
     from kv_transfer.frame import frame_checksum
     h.checksum = frame_checksum(h, [other.frames[0][1]])
     refused(recv, dst, Refusal.DUPLICATE, lambda: recv.receive(h, other.frames[0][1]))
@@ -190,6 +194,7 @@ def test_the_placeholder_transfer_is_refused(rig):
     (dict(digest=1), Refusal.BAD_DIGEST),
     (dict(ownership_tag=b"\x00" * 16), Refusal.BAD_TAG),
     (dict(protocol_version=9), Refusal.BAD_VERSION),
+    (dict(prompt_digest=b"\x02" * 32), Refusal.PROMPT_MISMATCH),
 ])
 def test_a_bad_commit_is_refused(rig, change, reason):
     _, dst, recv, t, _, _ = rig
@@ -236,14 +241,65 @@ def test_a_foreign_key_cannot_forge_a_tag():
     dst.free("r")
 
 
+def test_the_kv_of_another_prompt_of_the_same_length_is_refused_and_writes_nothing():
+    """Issue 15: a sender with the right secret, tenant, request id and transfer id, but the
+    KV of another prompt of the same length (a Prefill call that names the victim's
+    reservation with the attacker's prompt) is refused on its first frame and its commit."""
+    src, dst = make_pool(seed=1), make_pool(seed=2)
+    failed: list = []
+    recv = TransferReceiver(dst, SECRET, on_failed=failed.append)
+    other = prompt_digest([7] * PROMPT)
+    assert other != digest_of("victim", PROMPT)
+    t = prepare(src, dst, recv, "victim", PROMPT, sent_digest=other)
+    assert t.frames[0][0].prompt_digest == other and t.commit.prompt_digest == other
+    before = [dst.kv[:, :, pg].clone() for pg in dst.page_table("victim")]
+    e = refused(recv, dst, Refusal.PROMPT_MISMATCH, lambda: recv.receive(*t.frames[0]))
+    assert "another prompt" in e.detail
+    assert t.res.state == State.FAILED and t.res.reason == Refusal.PROMPT_MISMATCH and failed == [t.res]
+    refused(recv, dst, Refusal.AFTER_FAILURE, lambda: recv.receive(*t.frames[1]))
+    refused(recv, dst, Refusal.AFTER_FAILURE, lambda: recv.commit(t.commit))
+    assert all(torch.equal(dst.kv[:, :, pg], b) for pg, b in zip(dst.page_table("victim"), before))
+    assert not any(dst.is_written(pg) for pg in dst.page_table("victim"))
+    assert recv.accepted_frames == 0 and recv.committed == 0
+    recv.release(t.res.transfer_id)
+    dst.free("victim")
+
+
+def test_a_commit_for_another_prompt_is_refused():
+    """Only the commit names another prompt (its tag keyed over that prompt's digest)."""
+    src, dst = make_pool(seed=1), make_pool(seed=2)
+    recv = TransferReceiver(dst, SECRET)
+    t = prepare(src, dst, recv, "victim", PROMPT)
+    other = prompt_digest([7] * PROMPT)
+    for f in t.frames:
+        recv.receive(*f)
+    c = copy_commit(t.commit, prompt_digest=other,
+                    ownership_tag=ownership_tag(SECRET, "acme", "victim", t.res.transfer_id, other))
+    refused(recv, dst, Refusal.PROMPT_MISMATCH, lambda: recv.commit(c))
+    assert t.res.state == State.FAILED and recv.committed == 0
+    recv.release(t.res.transfer_id)
+    dst.free("victim")
+
+
+def test_prompt_digest_encoding():
+    """SHA-256 over the count (u64 little-endian) and the ids (u32 little-endian)."""
+    assert prompt_digest([1, 2]) == hashlib.sha256(struct.pack("<QII", 2, 1, 2)).digest()
+    assert prompt_digest([1, 2]) != prompt_digest([2, 1]) != prompt_digest([1, 2, 0])
+    assert len(prompt_digest([])) == 32
+    with pytest.raises(ValueError, match="must lie in"):
+        prompt_digest([-1])
+
+
 def test_reserve_checks_its_arguments():
     dst = make_pool()
     recv = TransferReceiver(dst, SECRET)
     dst.allocate("r", 2)
     with pytest.raises(ValueError, match="needs 3 pages, it holds 2"):
-        recv.reserve("r", "t", 9)
+        recv.reserve("r", "t", 9, digest_of("r", 9))
+    with pytest.raises(ValueError, match="prompt digest of 3 bytes"):
+        recv.reserve("r", "t", 8, b"abc")
     with pytest.raises(ValueError, match="holds no pages"):
-        recv.reserve("nobody", "t", 9)
+        recv.reserve("nobody", "t", 9, digest_of("nobody", 9))
     with pytest.raises(ValueError, match="at least 16 bytes"):
         TransferReceiver(dst, b"short")
     with pytest.raises(ValueError, match="timeout_s"):

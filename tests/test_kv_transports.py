@@ -18,7 +18,7 @@ from kv_transfer.transport import TransportConfig, connect, grpc_stream, shm
 from kv_transfer.transport.grpc_server import GrpcTransferServer
 from kv_transfer.transport.local import LocalServer
 from kv_transfer.transport.shm_server import ShmTransferServer
-from tests.kv_helpers import LAYERS, SECRET, make_pool, pages_equal
+from tests.kv_helpers import LAYERS, SECRET, digest_of, make_pool, pages_equal
 
 KINDS = {
     "local": TransportConfig(),
@@ -59,9 +59,9 @@ def served(request, tmp_path):
 def start(src, dst, recv, rid, prompt_len, endpoint, config, hooks=PLAIN_SENDER):
     src.allocate(rid, src.pages_for(prompt_len))
     dst.allocate(rid, dst.pages_for(prompt_len) + 2)
-    res = recv.reserve(rid, "acme", prompt_len)
+    res = recv.reserve(rid, "acme", prompt_len, digest_of(rid, prompt_len))
     stream = connect(endpoint, res.transfer_id, config)
-    sender = TransferSender(stream, TransferTicket(res.transfer_id, rid, "acme"), SECRET, src,
+    sender = TransferSender(stream, TransferTicket(res.transfer_id, rid, "acme", res.prompt_digest), SECRET, src,
                             src.page_table(rid), prompt_len, hooks=hooks)
     return res, sender, stream
 
