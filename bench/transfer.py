@@ -79,7 +79,7 @@ def push(src: PagePool, secret: bytes, endpoint: str, tid: bytes, rid: str,
          config: TransportConfig) -> tuple[float, float]:
     """One whole transfer; returns (seconds, sender checksum seconds)."""
     t0 = time.perf_counter()
-    stream = connect(endpoint, tid, config)
+    stream = connect(endpoint, tid, config, secret=secret)
     sender = TransferSender(stream, TransferTicket(tid, rid, "bench", bench_prompt_digest()), secret, src,
                             src.page_table("s"), PROMPT_TOKENS)
     for l0 in range(0, SHAPE["layers"], LAYER_GROUP):

@@ -58,7 +58,7 @@ def main() -> None:
         server = ShmTransferServer(recv, sys.argv[4])
     elif kind == "grpc":
         from kv_transfer.transport.grpc_server import GrpcTransferServer
-        server = GrpcTransferServer(recv, config=config)
+        server = GrpcTransferServer(recv, config=config, secret=secret)
     else:
         server = None
     print(json.dumps({"endpoint": server.endpoint if server else None, "shape": SHAPE}), flush=True)

@@ -9,6 +9,7 @@ from typing import Protocol
 
 from decode_worker.engine import DecodeEngine
 from decode_worker.service import DecodeServicer, add_to_server
+from kv_transfer.auth import Verifier
 from worker.config import WorkerConfig
 from worker.loop import WorkerLoop
 from worker.server import WorkerHandle, build_core, grpc_server
@@ -28,21 +29,24 @@ def start_decode_worker(config: WorkerConfig) -> WorkerHandle:
     core = build_core(config)
     lock, wake = threading.RLock(), threading.Event()
     engine = DecodeEngine(core, config.secret, config.transfer_timeout_s, lock, wake)
-    transfer = transfer_server(config, engine)
-    server, address = grpc_server(config)
-    add_to_server(DecodeServicer(engine, transfer.endpoint), server)
+    auth = Verifier(config.secret)      # one per worker: its RPC and its transfer server
+    transfer = transfer_server(config, engine, auth)
+    server, address = grpc_server(config, auth)
+    add_to_server(DecodeServicer(engine, transfer.endpoint, auth=auth), server)
     loop = WorkerLoop(core, [engine], lock, wake).start()
     server.start()
     return WorkerHandle(Role.DECODE, address, core, lock, server, loop, [engine], [transfer.stop],
-                        receiver=engine.receiver)
+                        receiver=engine.receiver, auth=auth)
 
 
-def transfer_server(config: WorkerConfig, engine: DecodeEngine) -> TransferServer:
-    """The server prefill workers push this worker's KV pages to (config.transfer)."""
+def transfer_server(config: WorkerConfig, engine: DecodeEngine, auth: Verifier) -> TransferServer:
+    """The server prefill workers push this worker's KV pages to (config.transfer).  The
+    gRPC one checks every call's credentials with `auth`; the shared-memory one is reached
+    over a Unix socket on the same node and does not (yet)."""
     if config.transfer == "shm":
         from kv_transfer.transport.shm_server import ShmTransferServer
         path = tempfile.mktemp(prefix="tandem-kv-", suffix=".sock")
         return ShmTransferServer(engine.receiver, path)
     from kv_transfer.transport.grpc_server import GrpcTransferServer
     return GrpcTransferServer(engine.receiver, config.host, config.transfer_port,
-                              advertise_host=config.public_host)
+                              advertise_host=config.public_host, auth=auth)

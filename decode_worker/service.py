@@ -9,6 +9,7 @@ import grpc
 
 from decode_worker.engine import DecodeEngine, DecodeRequest
 from engine.params import SamplingParams
+from kv_transfer.auth import Verifier
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from worker.convert import params_from_proto
@@ -33,9 +34,10 @@ class LocalPrefill(Protocol):
 
 class DecodeServicer(wpb_grpc.DecodeServiceServicer):
     def __init__(self, engine: DecodeEngine, transfer_endpoint: str, role: Role = Role.DECODE,
-                 prefill: LocalPrefill | None = None):
+                 prefill: LocalPrefill | None = None, auth: Verifier | None = None):
         self.engine, self.endpoint, self.role = engine, transfer_endpoint, role
         self.prefill = prefill
+        self.auth = auth                  # its refusals are counted in Stats
 
     def Generate(self, request: wpb.GenerateRequest, context: grpc.ServicerContext
                  ) -> Iterator[wpb.GenerateResponse]:
@@ -93,7 +95,8 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         decoding = sum(not r.handoff for r in list(e.core.scheduler.running))   # not a colocated prefill
         return stats(e.core, self.role, running=decoding, waiting=waiting,
                      accepted=r.accepted_frames, refused=dict(r.refused),
-                     finished=e.counts["finished"], failed=e.counts["failed"])
+                     finished=e.counts["finished"], failed=e.counts["failed"],
+                     unauthenticated=self.auth.refused if self.auth else 0)
 
 
 def add_to_server(servicer: DecodeServicer, server: grpc.Server) -> None:

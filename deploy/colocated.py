@@ -10,6 +10,7 @@ import uuid
 
 from decode_worker.engine import DecodeEngine
 from decode_worker.service import DecodeServicer, add_to_server
+from kv_transfer.auth import Verifier
 from kv_transfer.transport.local import LocalServer
 from prefill_worker.engine import PrefillEngine
 from worker.config import WorkerConfig
@@ -24,9 +25,11 @@ def start_colocated_worker(config: WorkerConfig) -> WorkerHandle:
     decode = DecodeEngine(core, config.secret, config.transfer_timeout_s, lock, wake)
     prefill = PrefillEngine(core, config.secret, lock, wake, config.layer_group, owner_suffix="#prefill")
     transfer = LocalServer(decode.receiver, f"colocated-{uuid.uuid4().hex[:8]}")
-    server, address = grpc_server(config)
-    add_to_server(DecodeServicer(decode, transfer.endpoint, role=Role.COLOCATED, prefill=prefill), server)
+    auth = Verifier(config.secret)
+    server, address = grpc_server(config, auth)
+    add_to_server(DecodeServicer(decode, transfer.endpoint, role=Role.COLOCATED, prefill=prefill, auth=auth),
+                  server)
     loop = WorkerLoop(core, [prefill, decode], lock, wake).start()
     server.start()
     return WorkerHandle(Role.COLOCATED, address, core, lock, server, loop, [prefill, decode], [transfer.stop],
-                        receiver=decode.receiver)
+                        receiver=decode.receiver, auth=auth)

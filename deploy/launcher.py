@@ -45,6 +45,7 @@ class Deployment:
         self.pg: PlacementGroup | None = None
         self.urls: list[str] = []          # one per gateway replica, once started
         self._started_ray = False
+        self._secret = new_cluster_secret()  # handed to every worker and gateway through Ray, never logged
 
     def start(self, timeout_s: float = 600.0, on_ray_started: Callable[[], object] | None = None) -> "Deployment":
         s = self.s
@@ -75,7 +76,7 @@ class Deployment:
                        registry: reg.ActorHandle) -> None:
         """One actor of `worker_class` per role, in its bundle of `pg`."""
         s = self.s
-        secret = new_cluster_secret()           # handed to every worker through Ray, never logged
+        secret = self._secret
         host = s.worker_host or ("127.0.0.1" if s.address is None else None)   # None: the node's IP
         actor_class = ray.remote(self.worker_class)
         counts: dict[Role, int] = {}
@@ -128,7 +129,7 @@ class Deployment:
     def _gateway_config(self, replica: int) -> dict:
         s = self.s
         return dict(model=s.model, served_model_name=s.name, host=s.host, port=s.port + replica if s.port else 0,
-                    api_keys=s.api_keys)
+                    api_keys=s.api_keys, cluster_secret=self._secret)
 
     def _wait_healthy(self, url: str, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s

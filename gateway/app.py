@@ -42,7 +42,8 @@ class Gateway:
         self.tokenizer = Tokenizer(path)
         self.model_config = ModelConfig.from_path(path)
         self.vocab_size = self.model_config.vocab_size
-        self.pool = WorkerPool(config.decode_workers, config.prefill_workers, config.colocated_workers)
+        self.pool = WorkerPool(config.decode_workers, config.prefill_workers, config.colocated_workers,
+                               config.cluster_secret)
         self.queue = AdmissionQueue(config.max_queue, config.max_running, config.tenant_max_concurrency,
                                     config.queue_timeout_s)
         self.metrics = Metrics()

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kv_transfer.frame import check_secret
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -29,6 +31,8 @@ class GatewayConfig:
     max_body_bytes: int = 4 << 20
     refresh_s: float = 1.0                   # how often workers' Health/Stats are read
     max_attempts: int = 3                    # tries before the first token (capacity, unreachable)
+    # the workers refuse every call without credentials made with it (kv_transfer/auth.py)
+    cluster_secret: bytes = field(default=b"", repr=False)
 
     def __post_init__(self) -> None:
         if not (self.decode_workers or self.colocated_workers):
@@ -41,6 +45,7 @@ class GatewayConfig:
         for name in ("queue_timeout_s", "request_timeout_s", "refresh_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        check_secret(self.cluster_secret)
         if not all(k and t for k, t in self.api_keys.items()):
             raise ValueError("an empty API key or tenant would turn authentication off: refused")
 

@@ -37,6 +37,9 @@ class Metrics:
                                      labels, registry=r)
         self.expert_misses = Gauge("tandem_worker_expert_misses", "Paged experts: misses", labels, registry=r)
         self.expert_hits = Gauge("tandem_worker_expert_hits", "Paged experts: hits", labels, registry=r)
+        self.unauthenticated = Gauge("tandem_worker_rpc_unauthenticated",
+                                     "Calls the worker refused for missing, bad, stale or replayed credentials",
+                                     labels, registry=r)
 
     def observe_workers(self, pool: WorkerPool) -> None:
         for w in pool.workers:
@@ -47,6 +50,7 @@ class Metrics:
             s = w.stats
             self.kv_used.labels(*lab).set(s.kv_tokens_used)
             self.kv_capacity.labels(*lab).set(s.kv_tokens_capacity)
+            self.unauthenticated.labels(*lab).set(s.rpc_unauthenticated)
             for reason, n in s.transfers_refused.items():
                 self.refusals.labels(*lab, reason).set(n)
             hits = sum(e.hits for e in s.experts)

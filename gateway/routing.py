@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
+from kv_transfer.auth import aio_interceptors
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from worker.types import Role
@@ -25,6 +26,7 @@ CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_
 class Worker:
     address: str
     role: Role
+    secret: bytes = field(default=b"", repr=False)   # the cluster secret: every call carries credentials
     channel: grpc.aio.Channel | None = None
     health: wpb.HealthReply | None = None
     stats: wpb.StatsReply | None = None
@@ -36,7 +38,8 @@ class Worker:
     prefill_stub: wpb_grpc.PrefillServiceStub | None = None   # prefill workers
 
     def connect(self) -> None:
-        self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS,
+                                                 interceptors=aio_interceptors(self.secret))
         if self.role == Role.PREFILL:
             self.prefill_stub = wpb_grpc.PrefillServiceStub(self.channel)
         else:
@@ -67,9 +70,11 @@ class Worker:
 
 
 class WorkerPool:
-    def __init__(self, decode: tuple[str, ...], prefill: tuple[str, ...], colocated: tuple[str, ...]) -> None:
-        self.workers = [Worker(a, Role.DECODE) for a in decode] + [Worker(a, Role.PREFILL) for a in prefill] + \
-            [Worker(a, Role.COLOCATED) for a in colocated]
+    def __init__(self, decode: tuple[str, ...], prefill: tuple[str, ...], colocated: tuple[str, ...],
+                 secret: bytes) -> None:
+        self.secret = secret              # the cluster secret the workers' calls are authenticated with
+        self.workers = [Worker(a, Role.DECODE, secret) for a in decode] + \
+            [Worker(a, Role.PREFILL, secret) for a in prefill] + [Worker(a, Role.COLOCATED, secret) for a in colocated]
         self._retired: list[Worker] = []
 
     def connect(self) -> None:
@@ -90,7 +95,7 @@ class WorkerPool:
             assert w.channel is not None   # connected when it joined the pool
             asyncio.get_running_loop().create_task(w.channel.close())
         for address, role in want - have:
-            w = Worker(address, role)
+            w = Worker(address, role, self.secret)
             w.connect()
             self.workers.append(w)
 

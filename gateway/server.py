@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import threading
 import time
@@ -71,10 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--request-timeout", type=float, default=600.0)
     args = ap.parse_args(argv)
     keys = api_keys(args.api_keys_file, args.api_key)
+    # the workers' secret, hex (as deploy/worker.py reads it): every worker call is authenticated
+    secret = bytes.fromhex(os.environ.get("TANDEM_CLUSTER_SECRET", ""))
     config = GatewayConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
                            port=args.port, decode_workers=tuple(args.decode), prefill_workers=tuple(args.prefill),
                            colocated_workers=tuple(args.colocated), api_keys=keys,
-                           request_timeout_s=args.request_timeout)
+                           request_timeout_s=args.request_timeout, cluster_secret=secret)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info")
     return 0
 

@@ -78,7 +78,7 @@ class Pusher:
         p = self._plan
         sender, error = None, None
         try:
-            stream = connect(p.endpoint, p.ticket.transfer_id, p.transport, sender="prefill")
+            stream = connect(p.endpoint, p.ticket.transfer_id, p.transport, sender="prefill", secret=p.secret)
             sender = TransferSender(stream, p.ticket, p.secret, p.pool, p.page_table, p.prompt_len, p.hooks)
             while True:
                 item = self._q.get()

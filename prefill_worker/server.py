@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+from kv_transfer.auth import Verifier
 from prefill_worker.engine import PrefillEngine
 from prefill_worker.service import PrefillServicer, add_to_server
 from worker.config import WorkerConfig
@@ -16,8 +17,9 @@ def start_prefill_worker(config: WorkerConfig) -> WorkerHandle:
     core = build_core(config)
     lock, wake = threading.RLock(), threading.Event()
     engine = PrefillEngine(core, config.secret, lock, wake, config.layer_group)
-    server, address = grpc_server(config)
-    add_to_server(PrefillServicer(engine), server)
+    auth = Verifier(config.secret)
+    server, address = grpc_server(config, auth)
+    add_to_server(PrefillServicer(engine, auth), server)
     loop = WorkerLoop(core, [engine], lock, wake).start()
     server.start()
-    return WorkerHandle(Role.PREFILL, address, core, lock, server, loop, [engine])
+    return WorkerHandle(Role.PREFILL, address, core, lock, server, loop, [engine], auth=auth)

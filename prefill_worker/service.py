@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from kv_transfer.auth import Verifier
 from prefill_worker.engine import PrefillEngine
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
@@ -15,8 +16,9 @@ POLL_S = 0.5
 
 
 class PrefillServicer(wpb_grpc.PrefillServiceServicer):
-    def __init__(self, engine: PrefillEngine) -> None:
+    def __init__(self, engine: PrefillEngine, auth: Verifier | None = None) -> None:
         self.engine = engine
+        self.auth = auth                  # its refusals are counted in Stats
 
     def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillReply:
         """Prefill, push the pages and the commit to the decode worker; reply once the push was
@@ -46,7 +48,8 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
         s = e.core.scheduler
         return stats(e.core, Role.PREFILL, running=len(s.running), waiting=len(s.waiting),
                      waiting_tokens=e.queued_tokens, accepted=e.counts["pushed"],
-                     finished=e.counts["pushed"], failed=e.counts["failed"])
+                     finished=e.counts["pushed"], failed=e.counts["failed"],
+                     unauthenticated=self.auth.refused if self.auth else 0)
 
 
 def add_to_server(servicer: PrefillServicer, server: grpc.Server) -> None:

@@ -10,12 +10,14 @@ from urllib.parse import urlparse
 
 from gateway.config import GatewayConfig
 from gateway.server import GatewayServer
+from tests.workers import SECRET
 
 API_KEY = "sk-tandem-test"
 
 
 def start_gateway(decode=(), prefill=(), colocated=(), **kw) -> GatewayServer:
     kw.setdefault("api_keys", {API_KEY: "acme", "sk-other": "globex"})
+    kw.setdefault("cluster_secret", SECRET)
     server = GatewayServer(GatewayConfig(decode_workers=tuple(decode), prefill_workers=tuple(prefill),
                                          colocated_workers=tuple(colocated), port=0, refresh_s=0.2, **kw)).start()
     return server

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import threading
 
-import grpc
 import pytest
 
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from tests.gateway_helpers import gateway_cluster, post
-from tests.workers import config
+from tests.workers import channel, config
 
 CONTEXT = 256
 
@@ -25,7 +24,7 @@ def cluster():
 
 
 def stats(handle, kind):
-    ch = grpc.insecure_channel(handle.address)
+    ch = channel(handle.address)
     stub = wpb_grpc.DecodeServiceStub(ch) if kind == "decode" else wpb_grpc.PrefillServiceStub(ch)
     return stub.Stats(wpb.StatsRequest())
 

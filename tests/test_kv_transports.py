@@ -49,7 +49,7 @@ def served(request, tmp_path):
     elif kind == "shm":
         server = ShmTransferServer(recv, str(tmp_path / "kv.sock"))
     else:
-        server = GrpcTransferServer(recv, config=KINDS[kind])
+        server = GrpcTransferServer(recv, config=KINDS[kind], secret=SECRET)
     yield KINDS[kind], server, recv, dst
     server.stop()
     dst.check_integrity()
@@ -60,7 +60,7 @@ def start(src, dst, recv, rid, prompt_len, endpoint, config, hooks=PLAIN_SENDER)
     src.allocate(rid, src.pages_for(prompt_len))
     dst.allocate(rid, dst.pages_for(prompt_len) + 2)
     res = recv.reserve(rid, "acme", prompt_len, digest_of(rid, prompt_len))
-    stream = connect(endpoint, res.transfer_id, config)
+    stream = connect(endpoint, res.transfer_id, config, secret=SECRET)
     sender = TransferSender(stream, TransferTicket(res.transfer_id, rid, "acme", res.prompt_digest), SECRET, src,
                             src.page_table(rid), prompt_len, hooks=hooks)
     return res, sender, stream
@@ -96,7 +96,7 @@ def test_a_multi_layer_transfer_arrives_byte_exact(served):
 def test_a_version_mismatch_fails_closed(served):
     config, server, recv, dst = served
     with pytest.raises(TransferRefused) as e:
-        connect(server.endpoint, b"t" * 16, TransportConfig(versions=(7,), streams=config.streams))
+        connect(server.endpoint, b"t" * 16, TransportConfig(versions=(7,), streams=config.streams), secret=SECRET)
     assert e.value.reason == Refusal.BAD_VERSION
 
 
@@ -163,7 +163,7 @@ def test_a_stalled_but_healthy_grpc_receiver_is_not_cut():
         inner(h, payload)
 
     recv.receive = slow_receive
-    server = GrpcTransferServer(recv, config=config)
+    server = GrpcTransferServer(recv, config=config, secret=SECRET)
     try:
         res, sender, _ = start(src, dst, recv, "a", 64, server.endpoint, config)
         sender.send_layers(0, LAYERS)

@@ -10,14 +10,13 @@ import subprocess
 import sys
 import time
 
-import grpc
 import pytest
 
 from decode_worker.server import start_decode_worker
 from engine.params import SamplingParams
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
-from tests.workers import SECRET, config, run, wait_idle
+from tests.workers import SECRET, channel, config, run, wait_idle
 from worker.client import generate
 from worker.convert import params_to_proto
 from worker.server import build_core
@@ -46,7 +45,7 @@ def ids(shipped_llm):
 
 
 def open_stream(decode, rid, ids, params):
-    stub = wpb_grpc.DecodeServiceStub(grpc.insecure_channel(decode.address))
+    stub = wpb_grpc.DecodeServiceStub(channel(decode.address))
     return stub, stub.Generate(wpb.GenerateRequest(request_id=rid, tenant="acme", prompt_token_ids=ids,
                                                    params=params_to_proto(params)), timeout=60)
 
@@ -59,7 +58,7 @@ def test_an_oversized_prompt_is_refused_before_any_page(decode, ids):
     assert "exceeds the model context of 1024 tokens" in msgs[0].error.message
     assert decode.core.pool.num_free == free and decode.roles[0].receiver.open_transfers == 0
     assert list(open_stream(decode, "bad", [10**6], SamplingParams())[1])[0].error.code == "INVALID_REQUEST"
-    stub = wpb_grpc.DecodeServiceStub(grpc.insecure_channel(decode.address))
+    stub = wpb_grpc.DecodeServiceStub(channel(decode.address))
     bad_timeout = list(stub.Generate(wpb.GenerateRequest(request_id="neg", tenant="acme", prompt_token_ids=ids,
                                                          params=params_to_proto(SamplingParams()), timeout_s=-1)))
     assert bad_timeout[0].error.code == "INVALID_REQUEST" and decode.core.pool.num_free == free
@@ -75,7 +74,7 @@ def test_a_request_id_that_could_name_another_requests_pages_is_refused(decode, 
 def test_a_request_that_ends_on_its_first_token(decode, prefill, ids, shipped_llm):
     """The first token arrives with the transfer's commit: max_tokens=1 ends the request on it."""
     one = SamplingParams(max_tokens=1, temperature=0)
-    got = run(grpc.insecure_channel(decode.address), grpc.insecure_channel(prefill.address), "one", ids, one)
+    got = run(channel(decode.address), channel(prefill.address), "one", ids, one)
     want = shipped_llm.generate([ids], one)[0]
     assert got.error is None and got.token_ids == want.token_ids and got.finish.finish_reason == "length"
     assert got.finish.completion_tokens == 1
@@ -83,7 +82,7 @@ def test_a_request_that_ends_on_its_first_token(decode, prefill, ids, shipped_ll
 
 
 def test_cancelling_the_stream_mid_decode_frees_the_pages(decode, prefill, ids):
-    gen = generate(grpc.insecure_channel(decode.address), grpc.insecure_channel(prefill.address),
+    gen = generate(channel(decode.address), channel(prefill.address),
                    "cancel-me", "acme", ids, LONG)
     kinds = [next(gen).WhichOneof("kind") for _ in range(4)]
     assert kinds == ["reservation", "tokens", "tokens", "tokens"]
@@ -93,11 +92,11 @@ def test_cancelling_the_stream_mid_decode_frees_the_pages(decode, prefill, ids):
 
 
 def test_abort_ends_the_stream_with_a_coded_error(decode, prefill, ids):
-    gen = generate(grpc.insecure_channel(decode.address), grpc.insecure_channel(prefill.address),
+    gen = generate(channel(decode.address), channel(prefill.address),
                    "abort-me", "acme", ids, LONG)
     assert next(gen).WhichOneof("kind") == "reservation"
     assert next(gen).WhichOneof("kind") == "tokens"
-    stub = wpb_grpc.DecodeServiceStub(grpc.insecure_channel(decode.address))
+    stub = wpb_grpc.DecodeServiceStub(channel(decode.address))
     assert stub.Abort(wpb.AbortRequest(request_id="abort-me")).found
     last = list(gen)[-1]
     assert last.error.code == "ABORTED"
@@ -121,7 +120,7 @@ def test_a_prefill_worker_killed_mid_push(decode, ids):
     try:
         line = proc.stdout.readline().split()
         assert line[:2] == ["READY", "prefill"], line
-        gen = generate(grpc.insecure_channel(decode.address), grpc.insecure_channel(line[2]),
+        gen = generate(channel(decode.address), channel(line[2]),
                        "killed", "acme", ids * 4, SamplingParams(max_tokens=8))
         assert next(gen).WhichOneof("kind") == "reservation"
         receiver = decode.roles[0].receiver
@@ -147,7 +146,7 @@ def test_start_up_refuses_a_pool_smaller_than_the_context():
 
 def test_stopping_a_worker_ends_its_streams_with_an_explicit_error(prefill, ids):
     decode = start_decode_worker(config())
-    gen = generate(grpc.insecure_channel(decode.address), grpc.insecure_channel(prefill.address),
+    gen = generate(channel(decode.address), channel(prefill.address),
                    "in-flight", "acme", ids, LONG)
     assert [next(gen).WhichOneof("kind") for _ in range(3)] == ["reservation", "tokens", "tokens"]
     decode.stop()

@@ -4,13 +4,12 @@ stop strings across token boundaries (trimmed and kept), streaming hold-back, st
 
 from __future__ import annotations
 
-import grpc
 import pytest
 
 from decode_worker.server import start_decode_worker
 from engine.params import SamplingParams
 from prefill_worker.server import start_prefill_worker
-from tests.workers import config, run, wait_idle
+from tests.workers import channel, config, run, wait_idle
 
 PROMPT = "Please repeat: paged experts keep the hot experts resident"
 
@@ -19,7 +18,7 @@ PROMPT = "Please repeat: paged experts keep the hot experts resident"
 def workers():
     cfg = config()
     decode, prefill = start_decode_worker(cfg), start_prefill_worker(cfg)
-    yield grpc.insecure_channel(decode.address), grpc.insecure_channel(prefill.address)
+    yield channel(decode.address), channel(prefill.address)
     wait_idle(decode, prefill)
     decode.stop()
     prefill.stop()

@@ -8,7 +8,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import pytest
 
 from decode_worker.engine import DecodeEngine
@@ -20,7 +19,7 @@ from kv_transfer.reservation import State
 from prefill_worker.server import start_prefill_worker
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
-from tests.workers import Result, config, run, wait_idle
+from tests.workers import Result, channel, config, run, wait_idle
 from worker.client import generate
 
 CHATS = ["Repeat after me: blue kettle", "What does isinstance do?", "Say hello to Ada.",
@@ -52,7 +51,7 @@ def test_disaggregated_greedy_equals_the_engine(prompts, reference, resident, tr
                  transfer=transfer)
     decode, prefill = start_decode_worker(cfg), start_prefill_worker(cfg)
     try:
-        dch, pch = grpc.insecure_channel(decode.address), grpc.insecure_channel(prefill.address)
+        dch, pch = channel(decode.address), channel(prefill.address)
         with ThreadPoolExecutor(len(prompts)) as pool:
             results = list(pool.map(lambda i: run(dch, pch, f"r{i}", prompts[i], PARAMS), range(len(prompts))))
         for want, got in zip(reference, results):
@@ -81,7 +80,7 @@ def test_disaggregated_greedy_equals_the_engine(prompts, reference, resident, tr
 def test_colocated_greedy_equals_the_engine(prompts, reference):
     worker = start_colocated_worker(config(max_prefill_tokens=128))
     try:
-        ch = grpc.insecure_channel(worker.address)
+        ch = channel(worker.address)
         with ThreadPoolExecutor(8) as pool:
             results = list(pool.map(lambda i: run(ch, None, f"c{i}", prompts[i], PARAMS), range(len(prompts))))
         for want, got in zip(reference, results):
@@ -104,7 +103,7 @@ def test_seeded_sampling_continues_the_engines_stream(shipped_llm, prompts):
     want = shipped_llm.generate(prompts[:4], params)
     worker = start_colocated_worker(config())
     try:
-        ch = grpc.insecure_channel(worker.address)
+        ch = channel(worker.address)
         for i, w in enumerate(want):
             assert run(ch, None, f"s{i}", prompts[i], params).token_ids == w.token_ids
     finally:
@@ -117,7 +116,7 @@ def test_a_colocated_worker_full_of_decodes_still_prefills(prompts, reference):
     back until a running stream ends; it then decodes when a place frees."""
     worker = start_colocated_worker(config(max_num_seqs=2))
     decode = next(r for r in worker.roles if isinstance(r, DecodeEngine))
-    ch = grpc.insecure_channel(worker.address)
+    ch = channel(worker.address)
     long = SamplingParams(max_tokens=1500, temperature=0, ignore_eos=True)
     started = [threading.Event(), threading.Event()]
     streams = [generate(ch, None, f"long{i}", "acme", prompts[i], long) for i in range(2)]

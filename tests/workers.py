@@ -8,11 +8,17 @@ from dataclasses import dataclass
 import grpc
 
 from engine.params import SamplingParams
+from kv_transfer import auth
 from worker.client import generate
 from worker.config import WorkerConfig
 from worker.server import WorkerHandle
 
 SECRET = b"tandem-test-cluster-secret-0123"
+
+
+def channel(address: str, secret: bytes = SECRET) -> grpc.Channel:
+    """A channel to a test worker whose calls carry credentials for `secret`."""
+    return auth.channel(address, secret)
 
 
 def config(**kw) -> WorkerConfig:

@@ -17,6 +17,7 @@ import torch
 
 from engine.config import ModelConfig, parse_dtype
 from engine.core import EngineCore
+from kv_transfer.auth import AuthInterceptor, Verifier
 from kv_transfer.hooks import TransferHooks
 from kv_transfer.receiver import TransferReceiver
 from worker.config import WorkerConfig
@@ -48,13 +49,17 @@ class WorkerHandle:
     # the decode side's transfer receiver (decode and colocated workers; None on a prefill
     # worker), for reading its refusal and failure logs and counters; its pages stay the core's
     receiver: TransferReceiver | None = None
+    auth: Verifier | None = None      # checks every call's credentials (its RPC and transfer servers)
     stopped: bool = False
 
     def counts(self) -> Counter[str]:
-        """The roles' request counters (submitted, pushed, reserved, finished, failed)."""
+        """The roles' request counters (submitted, pushed, reserved, finished, failed) and the
+        calls refused for their credentials (unauthenticated)."""
         total: Counter[str] = Counter()
         for role in self.roles:
             total.update(role.counts)
+        if self.auth is not None:
+            total["unauthenticated"] = self.auth.refused
         return total
 
     def install_transfer_hooks(self, hooks: TransferHooks) -> None:
@@ -111,13 +116,15 @@ def kv_tokens_for_fraction(config: WorkerConfig) -> int:
     return tokens // config.page_size * config.page_size
 
 
-def grpc_server(config: WorkerConfig) -> tuple[grpc.Server, str]:
+def grpc_server(config: WorkerConfig, auth: Verifier) -> tuple[grpc.Server, str]:
     """A gRPC server bound to the configured host and port (0: a free one), not yet started,
-    and the address others reach it at."""
+    and the address others reach it at.  `auth` refuses (UNAUTHENTICATED) every call without
+    valid credentials before its handler runs (I9)."""
     # every Generate/Prefill holds a thread for its whole life: leave room for Health/Stats,
     # and refuse (RESOURCE_EXHAUSTED) rather than queue calls beyond the pool
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=RPC_THREADS, thread_name_prefix="worker-rpc"),
-                         options=SERVICE_OPTIONS, maximum_concurrent_rpcs=RPC_THREADS - 16)
+                         options=SERVICE_OPTIONS, maximum_concurrent_rpcs=RPC_THREADS - 16,
+                         interceptors=[AuthInterceptor(auth)])
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
         raise OSError(f"cannot bind the worker's gRPC service to {config.host}:{config.port}")

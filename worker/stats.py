@@ -15,7 +15,7 @@ def health(core: EngineCore, role: Role) -> wpb.HealthReply:
 
 def stats(core: EngineCore, role: Role, running: int, waiting: int, waiting_tokens: int = 0,
           accepted: int = 0, refused: dict[str, int] | None = None, finished: int = 0,
-          failed: int = 0) -> wpb.StatsReply:
+          failed: int = 0, unauthenticated: int = 0) -> wpb.StatsReply:
     pool = core.pool
     size = pool.page_size
     reply = wpb.StatsReply(
@@ -23,7 +23,7 @@ def stats(core: EngineCore, role: Role, running: int, waiting: int, waiting_toke
         kv_pages_free=pool.num_free, kv_pages_used=pool.num_used, kv_pages_capacity=pool.num_pages,
         kv_tokens_free=pool.num_free * size, kv_tokens_used=pool.num_used * size,
         kv_tokens_capacity=pool.capacity_tokens, transfers_accepted=accepted,
-        requests_finished=finished, requests_failed=failed)
+        requests_finished=finished, requests_failed=failed, rpc_unauthenticated=unauthenticated)
     reply.transfers_refused.update(refused or {})
     for layer, c in core.expert_stats().items():
         reply.experts.append(wpb.ExpertLayerStats(layer=layer, hits=c["hits"], misses=c["misses"],

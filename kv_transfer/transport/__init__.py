@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 
 
 def connect(endpoint: str, transfer_id: bytes, config: TransportConfig | None = None,
-            sender: str = "") -> SenderStream:
-    """Open a stream for transfer `transfer_id` to the receiver at `endpoint`.  The capability
+            sender: str = "", secret: bytes = b"") -> SenderStream:
+    """Open a stream for transfer `transfer_id` to the receiver at `endpoint` (`secret`: the
+    cluster secret, which a grpc:// receiver requires of every call).  The capability
     handshake happens here: TransferRefused(BAD_VERSION) when the two sides share no protocol
     version, TransferRefused(TRANSPORT) when the receiver cannot be reached."""
     config = config or TransportConfig()
@@ -33,7 +34,7 @@ def connect(endpoint: str, transfer_id: bytes, config: TransportConfig | None = 
         return ShmStream(rest, transfer_id, config, sender)
     if scheme == "grpc":
         from kv_transfer.transport.grpc_stream import GrpcStream
-        return GrpcStream(rest, transfer_id, config, sender)
+        return GrpcStream(rest, transfer_id, config, secret, sender)
     raise ValueError(f"transfer endpoint {endpoint!r}: scheme must be local://, shm:// or grpc://")
 
 

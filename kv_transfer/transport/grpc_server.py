@@ -7,6 +7,7 @@ from typing import Iterator
 
 import grpc
 
+from kv_transfer.auth import AuthInterceptor, Verifier
 from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.transport import framing
@@ -82,15 +83,21 @@ class _Servicer(pb_grpc.KvTransferServicer):
 
 
 class GrpcTransferServer:
-    """Serves `receiver` at grpc://HOST:PORT (port 0 picks a free one)."""
+    """Serves `receiver` at grpc://HOST:PORT (port 0 picks a free one).  Every call must carry
+    credentials made with the cluster secret: `auth` checks them (the worker passes the one
+    verifier its RPC server uses, so refusals are counted once per worker; by default one of
+    its own over `secret`)."""
 
     def __init__(self, receiver: TransferReceiver, host: str = "127.0.0.1", port: int = 0,
                  config: TransportConfig | None = None, max_workers: int = 16,
-                 advertise_host: str | None = None) -> None:
+                 advertise_host: str | None = None, secret: bytes = b"",
+                 auth: Verifier | None = None) -> None:
         self.config = config or TransportConfig()
+        self.auth = auth or Verifier(secret)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                              thread_name_prefix="kv-recv"),
-                                  options=server_options(self.config))
+                                  options=server_options(self.config),
+                                  interceptors=[AuthInterceptor(self.auth)])
         servicer = _Servicer(receiver)
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("tandem.kv.KvTransfer", {
             "Handshake": grpc.unary_unary_rpc_method_handler(

@@ -16,6 +16,7 @@ from typing import Final, Iterator
 
 import grpc
 
+from kv_transfer.auth import ClientAuth
 from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.pages import Payload, payload_view
 from kv_transfer.transport import framing
@@ -31,18 +32,20 @@ class _End(Enum):
 
 _END: Final = _End.END
 PUSH = "/tandem.kv.KvTransfer/Push"
-_CHANNELS: dict[tuple[str, int, TransportConfig], grpc.Channel] = {}
+_CHANNELS: dict[tuple[str, int, TransportConfig, bytes], grpc.Channel] = {}
 _CHANNELS_LOCK = threading.Lock()
 
 
-def _channel(target: str, config: TransportConfig, lane: int) -> grpc.Channel:
-    """One long-lived channel per (target, lane, settings): connections are reused across
-    transfers, so a transfer pays no TCP or HTTP/2 set-up."""
-    key = (target, lane, config)
+def _channel(target: str, config: TransportConfig, lane: int, secret: bytes) -> grpc.Channel:
+    """One long-lived channel per (target, lane, settings, secret): connections are reused
+    across transfers, so a transfer pays no TCP or HTTP/2 set-up.  Every call on it carries
+    credentials made with the cluster secret (kv_transfer/auth.py)."""
+    key = (target, lane, config, secret)
     with _CHANNELS_LOCK:
         ch = _CHANNELS.get(key)
         if ch is None:
-            ch = _CHANNELS[key] = grpc.insecure_channel(target, options=channel_options(config, lane))
+            raw = grpc.insecure_channel(target, options=channel_options(config, lane))
+            ch = _CHANNELS[key] = grpc.intercept_channel(raw, ClientAuth(secret))
         return ch
 
 
@@ -75,8 +78,8 @@ class _Lane:
     """One client stream: a bounded queue of messages feeding `Push`."""
 
     def __init__(self, target: str, transfer_id: bytes, config: TransportConfig, index: int,
-                 sender: str) -> None:
-        channel = _channel(target, config, index)
+                 sender: str, secret: bytes) -> None:
+        channel = _channel(target, config, index, secret)
         stub = pb_grpc.KvTransferStub(channel)
         if index == 0:
             try:
@@ -136,10 +139,11 @@ class _Lane:
 
 
 class GrpcStream:
-    def __init__(self, target: str, transfer_id: bytes, config: TransportConfig, sender: str = "") -> None:
+    def __init__(self, target: str, transfer_id: bytes, config: TransportConfig, secret: bytes,
+                 sender: str = "") -> None:
         self.config = config
         # lane 0 shakes hands
-        self._lanes = [_Lane(target, transfer_id, config, i, sender) for i in range(config.streams)]
+        self._lanes = [_Lane(target, transfer_id, config, i, sender, secret) for i in range(config.streams)]
         self._next = 0
         self.closed = False
 
