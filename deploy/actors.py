@@ -43,6 +43,7 @@ class WorkerActor:
         ip = ray.util.get_node_ip_address()
         cfg = WorkerConfig(**config, secret=secret, host=host or ip)
         self.role, self.index, self.worker_id, self.registry = role, index, worker_id, registry
+        self._secret = secret             # for `stats()`: the worker refuses calls without credentials
         self.handle: WorkerHandle = start_worker(role, cfg)
         self.started()
         # what the registry serves; the rest (health, KV, experts) is read live from the worker
@@ -68,6 +69,18 @@ class WorkerActor:
 
     def address(self) -> str:
         return self.handle.address
+
+    def stats(self) -> bytes:
+        """The worker's `Stats` reply, serialized (for `tandem status`, which runs where the
+        cluster secret is not: the actor makes the authenticated call on its behalf).  Raises
+        grpc.RpcError when the worker does not answer."""
+        from kv_transfer.auth import channel
+        from proto import worker_pb2 as wpb
+        from proto import worker_pb2_grpc as wpb_grpc
+        with channel(self.handle.address, self._secret) as ch:
+            stub = wpb_grpc.PrefillServiceStub(ch) if self.role == Role.PREFILL else wpb_grpc.DecodeServiceStub(ch)
+            reply: wpb.StatsReply = stub.Stats(wpb.StatsRequest(), timeout=5)
+            return reply.SerializeToString()
 
     def stop(self) -> None:
         """End every live request with an explicit error, release every page, stop serving."""

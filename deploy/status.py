@@ -22,8 +22,6 @@ import ray
 
 from deploy import registry as reg
 from proto import worker_pb2 as wpb
-from proto import worker_pb2_grpc as wpb_grpc
-from worker.types import Role
 
 WorkerReport = dict[str, Any]
 ReadStats = Callable[[dict], dict[str, Any]]     # a registry entry -> its live fields
@@ -53,20 +51,20 @@ def worker_report(w: dict, stats: ReadStats) -> WorkerReport:
 
 
 def read_stats(w: dict) -> dict[str, Any]:
-    """The worker's health, KV tokens used/capacity and expert hit rate, from its `Stats` RPC."""
-    channel = grpc.insecure_channel(w["address"])
-    prefill = w["role"] == Role.PREFILL.value
-    stub = wpb_grpc.PrefillServiceStub(channel) if prefill else wpb_grpc.DecodeServiceStub(channel)
+    """The worker's health, KV tokens used/capacity and expert hit rate, from its `Stats` RPC.
+    Every worker RPC needs the cluster secret, which this driver does not hold: the worker's
+    own actor (named `tandem-WORKER_ID`) makes the call and returns the reply."""
     try:
-        s = stub.Stats(wpb.StatsRequest(), timeout=5)
+        actor = ray.get_actor(f"tandem-{w['worker_id']}", namespace=reg.NAMESPACE)
+        s = wpb.StatsReply.FromString(ray.get(actor.stats.remote(), timeout=10))
         hits, misses = sum(e.hits for e in s.experts), sum(e.misses for e in s.experts)
         return {"health": "ok", "kv_tokens_used": s.kv_tokens_used, "kv_tokens_capacity": s.kv_tokens_capacity,
                 "expert_hit_rate": hits / (hits + misses) if hits + misses else None}
-    except grpc.RpcError as e:
-        return {"health": e.code().name.lower(), "kv_tokens_used": None, "kv_tokens_capacity": None,
+    except Exception as e:  # no such actor, the actor or the worker does not answer
+        cause = getattr(e, "cause", None) or e        # a RayTaskError carries the grpc.RpcError
+        code = cause.code().name.lower() if isinstance(cause, grpc.RpcError) else type(cause).__name__.lower()
+        return {"health": code, "kv_tokens_used": None, "kv_tokens_capacity": None,
                 "expert_hit_rate": None}
-    finally:
-        channel.close()
 
 
 def format_json(reports: list[WorkerReport]) -> str:

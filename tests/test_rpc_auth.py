@@ -158,3 +158,29 @@ def test_the_replay_window_is_bounded():
     for _ in range(10):
         assert v.check("/m", auth.credentials(key, "/m")) is None
     assert len(v._seen) <= 4 and v.refused == 0
+
+
+def test_tandem_status_reads_stats_through_each_workers_actor():
+    """`tandem status` runs where the cluster secret is not: each worker's actor makes the
+    authenticated Stats call for it; a direct call without credentials is refused."""
+    import ray
+
+    from deploy import registry as reg
+    from deploy.launcher import Deployment
+    from deploy.settings import ServeSettings
+    from deploy.status import read_stats
+
+    settings = ServeSettings(colocated=True, port=0, worker_host="127.0.0.1", kv_cache_tokens=4096,
+                             max_model_len=512, log_level="error")
+    d = Deployment(settings, say=lambda _: None).start(timeout_s=180)
+    try:
+        entries = ray.get(reg.lookup().workers.remote())
+        assert entries
+        for w in entries:
+            report = read_stats(w)
+            assert report["health"] == "ok" and report["kv_tokens_capacity"] >= 4096, report
+            with pytest.raises(grpc.RpcError) as e:
+                call(w["address"], DECODE + "Stats", "unary_unary", wpb.StatsRequest(), wpb.StatsReply, None)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        d.stop()
