@@ -184,3 +184,23 @@ def test_tandem_status_reads_stats_through_each_workers_actor():
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         d.stop()
+
+
+def test_the_gateway_authenticates_and_exports_the_refusals(decode, prefill):
+    from tests.gateway_helpers import get, post, start_gateway
+
+    with pytest.raises(grpc.RpcError):
+        call(decode.address, DECODE + "Health", "unary_unary", wpb.HealthRequest(), wpb.HealthReply, None)
+    gw = start_gateway(decode=[decode.address], prefill=[prefill.address])
+    try:
+        status, body = post(gw.url, "/v1/completions", {"model": "tiny-moe", "prompt": "x", "max_tokens": 2})
+        assert status == 200, body
+        want = f'tandem_worker_rpc_unauthenticated{{role="decode",worker="{decode.address}"}} ' \
+               f'{float(decode.counts()["unauthenticated"])}'
+        end = time.monotonic() + 10
+        while want not in (text := get(gw.url, "/metrics", key=None)[1]) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert want in text
+    finally:
+        gw.stop()
+    wait_idle(decode, prefill)
