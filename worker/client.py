@@ -4,6 +4,9 @@ gateway does: open `Generate`, take the reservation, send `Prefill` with it, str
     for msg in generate(decode_channel, prefill_channel, "r1", "acme", ids, params):
         ...   # GenerateResponse: reservation, tokens..., then finish or error
 
+The channels must carry credentials for the cluster secret (`kv_transfer.auth.channel(address,
+secret)`): a worker refuses every call without them with UNAUTHENTICATED.
+
 If prefill fails, the `Generate` call is cancelled at once (the decode worker frees the
 reservation) and the stream ends with prefill's coded error.  Closing the iterator early
 cancels both calls.
