@@ -3,7 +3,6 @@ shared memory) and its gRPC service."""
 
 from __future__ import annotations
 
-import tempfile
 import threading
 from typing import Protocol
 
@@ -42,11 +41,11 @@ def start_decode_worker(config: WorkerConfig) -> WorkerHandle:
 def transfer_server(config: WorkerConfig, engine: DecodeEngine, auth: Verifier) -> TransferServer:
     """The server prefill workers push this worker's KV pages to (config.transfer).  The
     gRPC one checks every call's credentials with `auth`; the shared-memory one is reached
-    over a Unix socket on the same node and does not (yet)."""
+    over a Unix socket in a private (0700) directory on the same node and accepts only peers
+    running as this worker's uid; `stop()` removes the directory."""
     if config.transfer == "shm":
         from kv_transfer.transport.shm_server import ShmTransferServer
-        path = tempfile.mktemp(prefix="tandem-kv-", suffix=".sock")
-        return ShmTransferServer(engine.receiver, path)
+        return ShmTransferServer(engine.receiver)
     from kv_transfer.transport.grpc_server import GrpcTransferServer
     return GrpcTransferServer(engine.receiver, config.host, config.transfer_port,
                               advertise_host=config.public_host, auth=auth)

@@ -7,12 +7,19 @@ verifies each payload where it lies and copies it once into its pool, then ackno
 the batch, which frees that part of the ring.  The segment's name is unlinked as soon as
 both sides have mapped it, so a crash leaves nothing behind in /dev/shm.  A connection and
 its segment serve transfer after transfer.
+
+The segment is created with O_EXCL and mode 0600 (multiprocessing.shared_memory's default on
+Linux) under a name with 128 random bits; before sending anything the sender checks that the
+process listening on the socket runs as its own uid (or root) with SO_PEERCRED.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 import select
 import socket
+import struct
 import threading
 from collections import deque
 from multiprocessing import shared_memory
@@ -42,7 +49,9 @@ class _Channel:
         except OSError as e:
             self.sock.close()
             raise TransferRefused(Refusal.TRANSPORT, f"shm://{path}: {e}") from e
-        self.shm = shared_memory.SharedMemory(create=True, size=config.shm_bytes)
+        _check_server_uid(self.sock, path)
+        self.shm = shared_memory.SharedMemory(name=f"tandem-kv-{secrets.token_hex(16)}", create=True,
+                                              size=config.shm_bytes)
         self.ring: torch.Tensor | None = torch.frombuffer(self.shm.buf, dtype=torch.uint8)  # None once closed
         self.inflight: deque[tuple[int, int]] = deque()    # (offset, nbytes), oldest first
         self.key = (path, config.shm_bytes, tuple(config.versions))   # who may reuse this channel
@@ -59,8 +68,10 @@ class _Channel:
             self.shm.unlink()          # both sides mapped it (or the peer is gone)
         if reply is None or not reply.ok:
             self.close()
-            raise TransferRefused(Refusal.BAD_VERSION if reply else Refusal.TRANSPORT,
-                                  reply.detail if reply else "receiver closed the connection")
+            if reply is None:
+                raise TransferRefused(Refusal.TRANSPORT, "receiver closed the connection")
+            transport = reply.reason == Refusal.TRANSPORT.value     # e.g. a segment others may write
+            raise TransferRefused(Refusal.TRANSPORT if transport else Refusal.BAD_VERSION, reply.detail)
 
     def idle_and_alive(self) -> bool:
         """Nothing to read on an idle channel: anything readable means the peer hung up."""
@@ -76,6 +87,21 @@ class _Channel:
             self.shm.close()
         except BufferError:
             pass                       # a payload view is still alive; the mapping goes with it
+
+
+def _check_server_uid(sock: socket.socket, path: str) -> None:
+    """Refuse (and close `sock`) unless the listening process runs as this uid or root: the
+    segment's name and every header go to it."""
+    cred = struct.Struct("3i")
+    try:
+        _, uid, _ = cred.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, cred.size))
+    except OSError as e:
+        sock.close()
+        raise TransferRefused(Refusal.TRANSPORT, f"shm://{path}: no peer credentials: {e}") from e
+    if uid not in (os.getuid(), 0):
+        sock.close()
+        raise TransferRefused(Refusal.TRANSPORT, f"shm://{path}: the receiver runs as uid {uid}, "
+                              f"not {os.getuid()}")
 
 
 # (path, ring bytes, versions) -> idle channels

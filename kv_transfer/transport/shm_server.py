@@ -1,12 +1,24 @@
 """Shared-memory transport, receiving side: a Unix socket of control messages in front of
-a `TransferReceiver`; payloads are read where the sender put them, in its shared segment."""
+a `TransferReceiver`; payloads are read where the sender put them, in its shared segment.
+
+Who may push: the socket lies in a private directory (0700, made by `mkdtemp`) unless the
+caller names a path, the socket itself is 0600, and every connecting peer's uid (SO_PEERCRED)
+must be this process's own or one of `allowed_uids`; any other peer is closed before a single
+message is read, counted (`refused_peers`) and logged.  A segment that others than its owner
+could write is refused too: its bytes could change between the checksum and the copy."""
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
+import shutil
 import socket
+import stat
+import struct
+import tempfile
 import threading
+from collections.abc import Iterable
 
 from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.receiver import TransferReceiver
@@ -14,16 +26,30 @@ from kv_transfer.transport import framing
 from kv_transfer.transport.wire import recv_msg, send_msg
 from proto import kv_transfer_pb2 as pb
 
+log = logging.getLogger(__name__)
+_CRED = struct.Struct("3i")        # struct ucred: pid, uid, gid
+
 
 class ShmTransferServer:
-    """Serves `receiver` at shm://PATH (a Unix socket; one thread per connected sender)."""
+    """Serves `receiver` at shm://PATH (a Unix socket; one thread per connected sender).
 
-    def __init__(self, receiver: TransferReceiver, path: str) -> None:
+    path: where to bind; None makes a fresh private directory (0700) for the socket, removed
+    with its contents by `stop()`.  allowed_uids: the peers' uids accepted (default: this
+    process's own uid only)."""
+
+    def __init__(self, receiver: TransferReceiver, path: str | None = None,
+                 allowed_uids: Iterable[int] | None = None) -> None:
+        self._own_dir = tempfile.mkdtemp(prefix="tandem-kv-") if path is None else None
+        path = os.path.join(self._own_dir, "kv.sock") if self._own_dir else path
+        assert path is not None
         self.receiver, self.path = receiver, path
+        self.allowed_uids = frozenset([os.getuid()] if allowed_uids is None else allowed_uids)
+        self.refused_peers = 0         # connections closed for their uid
         if os.path.exists(path):
             os.unlink(path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(path)
+        os.chmod(path, 0o600)          # before listen(): no peer can connect in between
         self._sock.listen(64)
         self._stopping = False
         self._threads: list[threading.Thread] = []
@@ -41,10 +67,27 @@ class ShmTransferServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
+            if not self._peer_allowed(conn):
+                conn.close()
+                continue
             self._conns.add(conn)
             t = threading.Thread(target=self._connection, args=(conn,), name="kv-shm-conn", daemon=True)
             t.start()
             self._threads = [x for x in self._threads if x.is_alive()] + [t]
+
+    def _peer_allowed(self, conn: socket.socket) -> bool:
+        """Whether the connected process runs as an allowed uid; counts and logs a refusal."""
+        try:
+            pid, uid, _ = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+        except OSError as e:
+            pid, uid = -1, -1
+            log.warning("shm://%s: no peer credentials (%s)", self.path, e)
+        if uid in self.allowed_uids:
+            return True
+        self.refused_peers += 1        # only the accept thread writes it
+        log.warning("shm://%s: refused a peer (pid %d, uid %d): allowed uids %s",
+                    self.path, pid, uid, sorted(self.allowed_uids))
+        return False
 
     def _connection(self, conn: socket.socket) -> None:
         seen: set[bytes] = set()
@@ -61,7 +104,11 @@ class ShmTransferServer:
                 return
             if first.hello.transfer_id:
                 seen.add(first.hello.transfer_id)
-            shm = _map_segment(first.hello.shm_name)
+            try:
+                shm = _map_segment(first.hello.shm_name)
+            except PermissionError as e:
+                send_msg(conn, pb.PushReply(ok=False, reason=Refusal.TRANSPORT.value, detail=str(e)))
+                return
             send_msg(conn, pb.PushReply(ok=True, hello=pb.HelloReply(version=version)))
             self._frames(conn, shm, seen)
         except (OSError, ConnectionError):
@@ -122,14 +169,21 @@ class ShmTransferServer:
             t.join(timeout=5)
         if os.path.exists(self.path):
             os.unlink(self.path)
+        if self._own_dir is not None:
+            shutil.rmtree(self._own_dir, ignore_errors=True)
 
 
 def _map_segment(name: str) -> mmap.mmap:
     """Map the sender's segment by name.  (Not through SharedMemory: that would register it
-    with this process's resource tracker, which would unlink the sender's segment.)"""
+    with this process's resource tracker, which would unlink the sender's segment.)  Raises
+    PermissionError for a segment that anyone but its owner may open."""
     import _posixshmem
     fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDWR, mode=0o600)
     try:
-        return mmap.mmap(fd, os.fstat(fd).st_size)
+        st = os.fstat(fd)
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            raise PermissionError(f"shared segment {name} has mode {stat.S_IMODE(st.st_mode):o}: "
+                                  "others than its owner could change payloads")
+        return mmap.mmap(fd, st.st_size)
     finally:
         os.close(fd)
