@@ -14,6 +14,8 @@ A request's life here:
 
 from __future__ import annotations
 
+import hmac
+import math
 import queue
 import secrets
 import threading
@@ -33,6 +35,7 @@ from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import Reservation, State
 from proto import worker_pb2 as wpb
 from worker.checks import check_request_id, new_request
+from worker.config import MAX_REQUEST_TIMEOUT_S
 from worker.convert import finish_to_proto, logprobs_to_proto
 from worker.types import ErrorCode, WorkerError
 
@@ -74,8 +77,9 @@ class DecodeRequest:
 
 class DecodeEngine:
     def __init__(self, core: EngineCore, secret: bytes, transfer_timeout_s: float, lock: threading.RLock,
-                 wake: threading.Event):
+                 wake: threading.Event, max_timeout_s: float = MAX_REQUEST_TIMEOUT_S):
         self.core, self.pool, self.lock, self.wake = core, core.pool, lock, wake
+        self.max_timeout_s = max_timeout_s    # a caller's timeout_s above this is clamped to it
         self.receiver = TransferReceiver(core.pool, secret, transfer_timeout_s,
                                          on_failed=lambda r: self._post(TransferFailed(r.request_id, r.transfer_id)),
                                          on_committed=lambda r: self._post(Committed(r.request_id, r.transfer_id)))
@@ -91,13 +95,17 @@ class DecodeEngine:
     # ---- called from RPC threads -------------------------------------------------
     def reserve(self, request_id: str, tenant: str, ids: list[int], params: SamplingParams,
                 timeout_s: float | None = None) -> DecodeRequest:
-        """Check the request, reserve its pages and open its transfer.  Raises WorkerError
+        """Check the request, reserve its pages and open its transfer.  `timeout_s` (None: the
+        receiver's transfer timeout) is how long the reservation waits for a frame; above
+        `max_timeout_s` (infinity included) it is clamped to it.  Raises WorkerError
         (INVALID_REQUEST, PROMPT_TOO_LONG, KV_FULL) having reserved nothing."""
         core = self.core
         if self.closing:
             raise WorkerError(ErrorCode.UNAVAILABLE, "the worker is shutting down")
-        if timeout_s is not None and timeout_s <= 0:
-            raise WorkerError(ErrorCode.INVALID_REQUEST, f"timeout_s={timeout_s} must be > 0")
+        if timeout_s is not None:
+            if math.isnan(timeout_s) or timeout_s <= 0:
+                raise WorkerError(ErrorCode.INVALID_REQUEST, f"timeout_s={timeout_s} must be > 0")
+            timeout_s = min(timeout_s, self.max_timeout_s)
         check_request_id(request_id)
         if params.seed is None:
             params = replace(params, seed=secrets.randbits(63))   # prefill gets it with the reservation
@@ -120,10 +128,15 @@ class DecodeEngine:
             self.counts["reserved"] += 1
         return dreq
 
-    def abort(self, request_id: str, code: ErrorCode = ErrorCode.ABORTED, message: str = "request aborted") -> bool:
-        """End a request wherever it is (cancelled stream, Abort RPC).  Returns whether it was live."""
+    def abort(self, request_id: str, code: ErrorCode = ErrorCode.ABORTED, message: str = "request aborted",
+              transfer_id: bytes | None = None) -> bool:
+        """End a request wherever it is (cancelled stream, Abort RPC).  With `transfer_id` (an
+        outside caller) only if it is the request's reservation's, compared in constant time.
+        Returns whether it was live (and the id matched); changes nothing otherwise."""
         with self.lock:
-            live = request_id in self.requests and not self.requests[request_id].done
+            dreq = self.requests.get(request_id)
+            live = dreq is not None and not dreq.done and (
+                transfer_id is None or hmac.compare_digest(transfer_id, dreq.reservation.transfer_id))
         if live:
             self._post(Abort(request_id, code, message))
         return live

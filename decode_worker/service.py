@@ -80,8 +80,11 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
             self.engine.abort(request.request_id, e.code, e.message)
 
     def Abort(self, request: wpb.AbortRequest, context: grpc.ServicerContext) -> wpb.AbortReply:
-        found = self.engine.abort(request.request_id, ErrorCode.ABORTED, "aborted by the caller")
-        if self.prefill is not None:
+        """End the request only if the caller names its reservation's transfer id too (a
+        request id alone is guessable); otherwise found=False and nothing changes."""
+        found = self.engine.abort(request.request_id, ErrorCode.ABORTED, "aborted by the caller",
+                                  transfer_id=request.transfer_id)
+        if found and self.prefill is not None:
             self.prefill.cancel(request.request_id, "aborted by the caller")
         return wpb.AbortReply(found=found)
 

@@ -22,7 +22,8 @@ from worker.types import Role
 def start_colocated_worker(config: WorkerConfig) -> WorkerHandle:
     core = build_core(config, interleave=True)     # a prefill step, then a decode step
     lock, wake = threading.RLock(), threading.Event()
-    decode = DecodeEngine(core, config.secret, config.transfer_timeout_s, lock, wake)
+    decode = DecodeEngine(core, config.secret, config.transfer_timeout_s, lock, wake,
+                          config.max_request_timeout_s)
     prefill = PrefillEngine(core, config.secret, lock, wake, config.layer_group, owner_suffix="#prefill")
     transfer = LocalServer(decode.receiver, f"colocated-{uuid.uuid4().hex[:8]}")
     auth = Verifier(config.secret)

@@ -192,10 +192,14 @@ class TransferReceiver:
             self._lock.notify_all()
 
     def stream_closed(self, transfer_id: bytes) -> None:
-        """A transport's stream for `transfer_id` ended without a commit: fail the transfer."""
+        """A transport's stream ended without `transfer_id`'s commit: fail the transfer.
+        Transports call this only for transfers the stream proved it owns (a frame that
+        `receive` accepted), never for one it merely named in a Hello.  A transfer still
+        RESERVED has accepted no frame from any stream, so this leaves it open (its own
+        timeout ends it)."""
         with self._lock:
             res = self._live.get(transfer_id)
-            if res is not None and not res.terminal:
+            if res is not None and res.state == State.RECEIVING:
                 self._count(transfer_id, Refusal.STREAM_CLOSED)
                 self._fail(res, Refusal.STREAM_CLOSED, "the stream ended before the commit")
 

@@ -94,13 +94,13 @@ def test_cancelling_the_stream_mid_decode_frees_the_pages(decode, prefill, ids):
 def test_abort_ends_the_stream_with_a_coded_error(decode, prefill, ids):
     gen = generate(channel(decode.address), channel(prefill.address),
                    "abort-me", "acme", ids, LONG)
-    assert next(gen).WhichOneof("kind") == "reservation"
+    tid = next(gen).reservation.transfer_id
     assert next(gen).WhichOneof("kind") == "tokens"
     stub = wpb_grpc.DecodeServiceStub(channel(decode.address))
-    assert stub.Abort(wpb.AbortRequest(request_id="abort-me")).found
+    assert stub.Abort(wpb.AbortRequest(request_id="abort-me", transfer_id=tid)).found
     last = list(gen)[-1]
     assert last.error.code == "ABORTED"
-    assert not stub.Abort(wpb.AbortRequest(request_id="abort-me")).found
+    assert not stub.Abort(wpb.AbortRequest(request_id="abort-me", transfer_id=tid)).found
     wait_idle(decode, prefill)
 
 

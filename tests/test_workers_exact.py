@@ -144,7 +144,9 @@ def test_a_colocated_worker_full_of_decodes_still_prefills(prompts, reference):
     finally:
         stub = wpb_grpc.DecodeServiceStub(ch)
         for i in range(2):                            # the long streams end: a place frees
-            stub.Abort(wpb.AbortRequest(request_id=f"long{i}"))
+            dreq = decode.requests.get(f"long{i}")
+            if dreq is not None:
+                stub.Abort(wpb.AbortRequest(request_id=f"long{i}", transfer_id=dreq.reservation.transfer_id))
         for t in readers:
             t.join(30)
         short.join(60)

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from engine.config import SHIPPED_MODEL, EngineConfig, parse_dtype
 from kv_transfer.frame import check_secret
 
+MAX_REQUEST_TIMEOUT_S = 600.0   # the longest a Generate may ask its reservation to wait (the gateway's default)
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -27,6 +29,7 @@ class WorkerConfig:
     transfer: str = "grpc"                # how prefill reaches this decode worker: grpc or shm
     transfer_port: int = 0
     transfer_timeout_s: float = 30.0      # a reservation that receives nothing for this long ends
+    max_request_timeout_s: float = MAX_REQUEST_TIMEOUT_S   # a Generate's timeout_s is clamped to this
     layer_group: int = 2                  # prefill sends every `layer_group` layers as computed
     verify_experts: bool = False          # check resident expert slots before each use (guard mode)
     secret: bytes = field(default=b"", repr=False)   # the cluster secret (never printed)
@@ -36,6 +39,8 @@ class WorkerConfig:
             raise ValueError(f"transfer={self.transfer!r}: choose grpc or shm")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s={self.transfer_timeout_s} must be > 0")
+        if not 0 < self.max_request_timeout_s < float("inf"):
+            raise ValueError(f"max_request_timeout_s={self.max_request_timeout_s} must be > 0 and finite")
         if self.layer_group < 1:
             raise ValueError(f"layer_group={self.layer_group} must be >= 1")
         check_secret(self.secret)         # every worker of a cluster gets the same one at start-up

@@ -25,6 +25,12 @@ class TransportConfig:
         the last-level cache between the two processes, large enough to keep both busy).
     queue_messages: gRPC messages queued ahead of the network per stream (backpressure).
     versions: protocol versions this side offers at the handshake.
+    max_push_streams: concurrent Push streams a gRPC receiver serves (12); one more is refused
+        with RESOURCE_EXHAUSTED before it is read.  Kept below the receiver's threads
+        (`GrpcTransferServer(max_workers=16)`) so a Handshake always finds a thread.
+    stream_idle_s: a Push stream that sends nothing for this long is cut by the gRPC receiver
+        (60 s, twice the decode worker's default transfer timeout), so stalled streams give
+        their threads back; the transfers it had proven (a verified frame) fail.
     """
     message_bytes: int = 1 << 20
     streams: int = 1
@@ -35,6 +41,8 @@ class TransportConfig:
     shm_bytes: int = 8 << 20
     queue_messages: int = 8
     versions: tuple[int, ...] = SUPPORTED_VERSIONS
+    max_push_streams: int = 12
+    stream_idle_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0 < self.message_bytes <= self.max_message_bytes // 2:
@@ -48,6 +56,10 @@ class TransportConfig:
             raise ValueError(f"shm_bytes={self.shm_bytes} must be at least 64 KiB")
         if self.queue_messages < 1:
             raise ValueError(f"queue_messages={self.queue_messages} must be >= 1")
+        if self.max_push_streams < 1:
+            raise ValueError(f"max_push_streams={self.max_push_streams} must be >= 1")
+        if not 0 < self.stream_idle_s < float("inf"):
+            raise ValueError(f"stream_idle_s={self.stream_idle_s} must be > 0 and finite")
 
 
 class StagingBuffer:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent import futures
 from typing import Iterator
 
@@ -33,9 +35,72 @@ def server_options(config: TransportConfig) -> list[tuple[str, int]]:
     ]
 
 
+class _StreamWatch:
+    """The receiver's live Push streams: at most `limit` at once, and each one cut (its call
+    cancelled) once it has waited `idle_s` for its next message.  One thread checks them."""
+
+    def __init__(self, limit: int, idle_s: float) -> None:
+        self.limit, self.idle_s = limit, idle_s
+        self._lock = threading.Lock()
+        self._waiting: dict[grpc.ServicerContext, float | None] = {}   # stream -> waiting since
+        self.refused = 0            # streams refused over the cap
+        self.cut = 0                # streams cut for idling
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="kv-recv-idle", daemon=True)
+        self._thread.start()
+
+    def admit(self, context: grpc.ServicerContext) -> bool:
+        """Count the stream in; False (counting nothing) when `limit` streams are live."""
+        with self._lock:
+            if len(self._waiting) >= self.limit:
+                self.refused += 1
+                return False
+            self._waiting[context] = None
+            return True
+
+    @property
+    def live(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+    def leave(self, context: grpc.ServicerContext) -> None:
+        with self._lock:
+            self._waiting.pop(context, None)
+
+    def read(self, context: grpc.ServicerContext, it: Iterator[bytes]) -> Iterator[bytes]:
+        """The stream's messages; the time spent waiting for each counts towards its idling."""
+        while True:
+            with self._lock:
+                self._waiting[context] = time.monotonic()
+            try:
+                data = next(it, None)
+            finally:
+                with self._lock:
+                    self._waiting[context] = None
+            if data is None:
+                return
+            yield data
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(self.idle_s / 4, 1.0)):
+            now = time.monotonic()
+            with self._lock:
+                idle = [c for c, since in self._waiting.items()
+                        if since is not None and now - since >= self.idle_s]
+                for c in idle:
+                    self._waiting[c] = None     # cut once
+                self.cut += len(idle)
+            for c in idle:
+                c.cancel()                      # the blocked read raises; Push fails what it proved
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 class _Servicer(pb_grpc.KvTransferServicer):
-    def __init__(self, receiver: TransferReceiver) -> None:
-        self.receiver = receiver
+    def __init__(self, receiver: TransferReceiver, watch: _StreamWatch) -> None:
+        self.receiver, self.watch = receiver, watch
 
     def Handshake(self, request: pb.Hello, context: grpc.ServicerContext) -> pb.HelloReply:
         try:
@@ -44,35 +109,45 @@ class _Servicer(pb_grpc.KvTransferServicer):
             return pb.HelloReply(version=0, reason=e.detail)
 
     def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushReply:
-        seen: set[bytes] = set()
+        if not self.watch.admit(context):         # refused before a byte of it is read
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this receiver serves at most "
+                          f"{self.watch.limit} Push streams at once (TransportConfig.max_push_streams)")
+        try:
+            return self._push(self.watch.read(context, request_iterator), context)
+        finally:
+            self.watch.leave(context)
+
+    def _push(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushReply:
+        """Serve one stream.  `proven`: the transfers this stream presented a verified frame
+        for; only those fail when it ends without their commit (a bare Hello fails nothing)."""
+        proven: set[bytes] = set()
         accepted = 0
         side = False
         try:
-            data = next(request_iterator, None)
+            data = next(messages, None)
             first = framing.decode(data)[0] if data is not None else None
             if first is None or first.WhichOneof("kind") != "hello":
                 raise TransferRefused(Refusal.BAD_VERSION, "a stream must open with Hello")
             self.receiver.hello(list(first.hello.versions))
             side = first.hello.stream_index > 0
-            seen.add(first.hello.transfer_id)
-            for data in request_iterator:
+            for data in messages:
                 msg, payloads = framing.decode(data)
                 if msg.WhichOneof("kind") == "commit":
                     res = self.receiver.commit(msg.commit)
-                    seen.discard(msg.commit.transfer_id)
+                    proven.discard(msg.commit.transfer_id)
                     return pb.PushReply(ok=True, committed=True, frames_accepted=len(res.frames))
                 for f, payload in zip(framing.frames_of(msg), payloads):
-                    seen.add(f.header.transfer_id)
-                    self.receiver.receive(f.header, payload)
+                    self.receiver.receive(f.header, payload)     # raises unless the tag matched
+                    proven.add(f.header.transfer_id)
                     accepted += 1
         except TransferRefused as e:
-            self._close(seen)            # a stream that refused ends: its transfers with it
+            self._close(proven)          # a stream that refused ends: its transfers with it
             return pb.PushReply(ok=False, reason=e.code, detail=e.detail, frames_accepted=accepted)
-        except Exception as e:  # the client went away (cancelled, deadline, connection lost)
-            self._close(seen)
+        except Exception as e:  # the client went away (cancelled, deadline, connection lost, idle cut)
+            self._close(proven)
             return pb.PushReply(ok=False, reason=Refusal.TRANSPORT.value, detail=repr(e))
         if not side or not context.is_active():
-            self._close(seen)
+            self._close(proven)
             return pb.PushReply(ok=False, reason=Refusal.STREAM_CLOSED.value,
                                 detail="stream ended without a commit", frames_accepted=accepted)
         return pb.PushReply(ok=True, frames_accepted=accepted)
@@ -86,7 +161,8 @@ class GrpcTransferServer:
     """Serves `receiver` at grpc://HOST:PORT (port 0 picks a free one).  Every call must carry
     credentials made with the cluster secret: `auth` checks them (the worker passes the one
     verifier its RPC server uses, so refusals are counted once per worker; by default one of
-    its own over `secret`)."""
+    its own over `secret`).  `config.max_push_streams` must stay below `max_workers`: the
+    threads left over serve Handshakes however many Push streams stall."""
 
     def __init__(self, receiver: TransferReceiver, host: str = "127.0.0.1", port: int = 0,
                  config: TransportConfig | None = None, max_workers: int = 16,
@@ -94,11 +170,15 @@ class GrpcTransferServer:
                  auth: Verifier | None = None) -> None:
         self.config = config or TransportConfig()
         self.auth = auth or Verifier(secret)
+        if self.config.max_push_streams >= max_workers:
+            raise ValueError(f"max_push_streams={self.config.max_push_streams} must be below "
+                             f"max_workers={max_workers}, so a Handshake always finds a thread")
+        self.watch = _StreamWatch(self.config.max_push_streams, self.config.stream_idle_s)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                              thread_name_prefix="kv-recv"),
                                   options=server_options(self.config),
                                   interceptors=[AuthInterceptor(self.auth)])
-        servicer = _Servicer(receiver)
+        servicer = _Servicer(receiver, self.watch)
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("tandem.kv.KvTransfer", {
             "Handshake": grpc.unary_unary_rpc_method_handler(
                 servicer.Handshake, request_deserializer=pb.Hello.FromString,
@@ -110,6 +190,7 @@ class GrpcTransferServer:
         self.host = advertise_host or host       # what the endpoint tells senders
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
+            self.watch.stop()
             raise OSError(f"cannot bind the KV transfer server to {host}:{port}")
         self.server.start()
 
@@ -119,3 +200,4 @@ class GrpcTransferServer:
 
     def stop(self, grace_s: float = 1.0) -> None:
         self.server.stop(grace_s).wait()
+        self.watch.stop()
