@@ -27,7 +27,7 @@ class TransferServer(Protocol):
 def start_decode_worker(config: WorkerConfig) -> WorkerHandle:
     core = build_core(config)
     lock, wake = threading.RLock(), threading.Event()
-    engine = DecodeEngine(core, config.secret, config.transfer_timeout_s, lock, wake)
+    engine = DecodeEngine(core, config.secret, config.transfer_timeout_s, lock, wake, config.max_request_timeout_s)
     auth = Verifier(config.secret)      # one per worker: its RPC and its transfer server
     transfer = transfer_server(config, engine, auth)
     server, address = grpc_server(config, auth)

@@ -102,8 +102,6 @@ class ShmTransferServer:
                 send_msg(conn, pb.PushReply(ok=False, reason=Refusal.BAD_VERSION.value, detail=e.detail,
                                             hello=pb.HelloReply(version=0, reason=e.detail)))
                 return
-            if first.hello.transfer_id:
-                seen.add(first.hello.transfer_id)
             try:
                 shm = _map_segment(first.hello.shm_name)
             except PermissionError as e:
@@ -128,7 +126,6 @@ class ShmTransferServer:
             try:
                 if kind == "hello":                       # the next transfer on this connection
                     self.receiver.hello(list(msg.hello.versions))
-                    seen.add(msg.hello.transfer_id)
                     continue
                 if kind == "commit":
                     res = self.receiver.commit(msg.commit)
@@ -137,8 +134,8 @@ class ShmTransferServer:
                     continue
                 frames = framing.frames_of(msg)
                 for f in frames:
-                    seen.add(f.header.transfer_id)
                     self._receive(shm, f)
+                    seen.add(f.header.transfer_id)     # closing fails only what this stream wrote into
                 send_msg(conn, pb.PushReply(ok=True, frames_accepted=len(frames)))
             except TransferRefused as e:
                 send_msg(conn, pb.PushReply(ok=False, reason=e.code, detail=e.detail))
