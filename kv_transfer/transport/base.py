@@ -25,9 +25,11 @@ class TransportConfig:
         the last-level cache between the two processes, large enough to keep both busy).
     queue_messages: gRPC messages queued ahead of the network per stream (backpressure).
     versions: protocol versions this side offers at the handshake.
-    max_push_streams: concurrent Push streams a gRPC receiver serves (12); one more is refused
-        with RESOURCE_EXHAUSTED before it is read.  Kept below the receiver's threads
-        (`GrpcTransferServer(max_workers=16)`) so a Handshake always finds a thread.
+    max_push_streams: concurrent Push streams a gRPC receiver serves (256: above any transfer
+        concurrency a decode worker reaches in normal work — every reservation that is still
+        being filled — so only a flood is refused); one more is refused with RESOURCE_EXHAUSTED
+        before it is read.  The receiver runs `max_push_streams + HANDSHAKE_THREADS` threads,
+        so a Handshake always finds one however many Push streams stall.
     stream_idle_s: a Push stream that sends nothing for this long is cut by the gRPC receiver
         (60 s, twice the decode worker's default transfer timeout), so stalled streams give
         their threads back; the transfers it had proven (a verified frame) fail.
@@ -41,7 +43,7 @@ class TransportConfig:
     shm_bytes: int = 8 << 20
     queue_messages: int = 8
     versions: tuple[int, ...] = SUPPORTED_VERSIONS
-    max_push_streams: int = 12
+    max_push_streams: int = 256
     stream_idle_s: float = 60.0
 
     def __post_init__(self) -> None:

@@ -157,19 +157,24 @@ class _Servicer(pb_grpc.KvTransferServicer):
             self.receiver.stream_closed(tid)
 
 
+HANDSHAKE_THREADS = 4      # receiver threads kept free of Push streams, for Handshakes
+
 class GrpcTransferServer:
     """Serves `receiver` at grpc://HOST:PORT (port 0 picks a free one).  Every call must carry
     credentials made with the cluster secret: `auth` checks them (the worker passes the one
     verifier its RPC server uses, so refusals are counted once per worker; by default one of
-    its own over `secret`).  `config.max_push_streams` must stay below `max_workers`: the
-    threads left over serve Handshakes however many Push streams stall."""
+    its own over `secret`).  `max_workers` (default: `config.max_push_streams` +
+    HANDSHAKE_THREADS) must stay above `config.max_push_streams`: the threads left over serve
+    Handshakes however many Push streams stall."""
 
     def __init__(self, receiver: TransferReceiver, host: str = "127.0.0.1", port: int = 0,
-                 config: TransportConfig | None = None, max_workers: int = 16,
+                 config: TransportConfig | None = None, max_workers: int | None = None,
                  advertise_host: str | None = None, secret: bytes = b"",
                  auth: Verifier | None = None) -> None:
         self.config = config or TransportConfig()
         self.auth = auth or Verifier(secret)
+        if max_workers is None:
+            max_workers = self.config.max_push_streams + HANDSHAKE_THREADS
         if self.config.max_push_streams >= max_workers:
             raise ValueError(f"max_push_streams={self.config.max_push_streams} must be below "
                              f"max_workers={max_workers}, so a Handshake always finds a thread")
