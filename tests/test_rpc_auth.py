@@ -15,25 +15,15 @@ from kv_transfer import auth
 from prefill_worker.server import start_prefill_worker
 from proto import kv_transfer_pb2 as kpb
 from proto import worker_pb2 as wpb
-from tests.workers import SECRET, channel, config, wait_idle
+from tests.workers import SECRET, channel, module_worker, wait_idle
 from worker.convert import params_to_proto
 
 OTHER = b"another-cluster-secret-012345678"
 DECODE, PREFILL, KV = "/tandem.worker.DecodeService/", "/tandem.worker.PrefillService/", "/tandem.kv.KvTransfer/"
 
 
-@pytest.fixture(scope="module")
-def decode():
-    handle = start_decode_worker(config(max_model_len=1024))
-    yield handle
-    handle.stop()
-
-
-@pytest.fixture(scope="module")
-def prefill():
-    handle = start_prefill_worker(config())
-    yield handle
-    handle.stop()
+decode = module_worker(start_decode_worker, max_model_len=1024)
+prefill = module_worker(start_prefill_worker)
 
 
 def gen_request(rid: str = "auth") -> wpb.GenerateRequest:

@@ -14,9 +14,10 @@ import pytest
 
 from decode_worker.server import start_decode_worker
 from engine.params import SamplingParams
+from prefill_worker.server import start_prefill_worker
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
-from tests.workers import SECRET, channel, config, run, wait_idle
+from tests.workers import SECRET, channel, config, module_worker, run, wait_idle
 from worker.client import generate
 from worker.convert import params_to_proto
 from worker.server import build_core
@@ -24,19 +25,8 @@ from worker.server import build_core
 LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def decode():
-    handle = start_decode_worker(config(transfer_timeout_s=1.0, max_model_len=1024))
-    yield handle
-    handle.stop()
-
-
-@pytest.fixture(scope="module")
-def prefill():
-    from prefill_worker.server import start_prefill_worker
-    handle = start_prefill_worker(config())
-    yield handle
-    handle.stop()
+decode = module_worker(start_decode_worker, transfer_timeout_s=1.0, max_model_len=1024)
+prefill = module_worker(start_prefill_worker)
 
 
 @pytest.fixture

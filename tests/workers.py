@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
+import pytest
 
 from engine.params import SamplingParams
 from kv_transfer import auth
@@ -19,6 +22,17 @@ SECRET = b"tandem-test-cluster-secret-0123"
 def channel(address: str, secret: bytes = SECRET) -> grpc.Channel:
     """A channel to a test worker whose calls carry credentials for `secret`."""
     return auth.channel(address, secret)
+
+
+def module_worker(start: Callable[[WorkerConfig], WorkerHandle], **kw: Any) -> Any:
+    """A module-scoped fixture: a worker started by `start(config(**kw))`, stopped after the
+    module's tests."""
+    @pytest.fixture(scope="module")
+    def worker() -> Iterator[WorkerHandle]:
+        handle = start(config(**kw))
+        yield handle
+        handle.stop()
+    return worker
 
 
 def config(**kw) -> WorkerConfig:
