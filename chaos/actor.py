@@ -12,7 +12,8 @@ from deploy.actors import WorkerActor
 from deploy.registry import ActorHandle
 from worker.types import Role
 
-OPS = ("arm", "disarm", "injected", "ledger", "idle_check")      # what chaos_call may ask
+OPS = ("arm", "disarm", "injected", "ledger", "idle_check", "push_streams",       # what chaos_call may ask
+       "stall_open", "stall_status", "stall_handshake", "stall_close")
 
 
 class ChaosWorkerActor(WorkerActor):
@@ -20,7 +21,7 @@ class ChaosWorkerActor(WorkerActor):
                  registry: ActorHandle, host: str | None, cores: list[int] | None, seed: int) -> None:
         """`seed`: the run's; this worker's injectors are seeded with `seed + index` (the same
         again when Ray restarts it)."""
-        self.control = ChaosControl(role, seed + index)
+        self.control = ChaosControl(role, seed + index, secret)
         super().__init__(worker_id, role, index, config, secret, registry, host, cores)
 
     def started(self) -> None:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Sequence
 from typing import Any
 
 from chaos.injectors import RECEIVER_POINTS, ReceiverFaults, corrupt_expert
 from chaos.sender_faults import POINTS as SENDER_POINTS
 from chaos.sender_faults import FaultInjector
+from chaos.siege import StalledStreams
 from kv_transfer.hooks import PLAIN_RECEIVER, PLAIN_SENDER, TransferHooks
 from worker.server import WorkerHandle
 from worker.types import Role
@@ -25,20 +27,36 @@ class ChaosControl:
     """One worker's injectors: the sender's on a prefill (or colocated) worker, the receiver's
     on a decode (or colocated) worker.  Nothing fires until `arm`."""
 
-    def __init__(self, role: Role, seed: int) -> None:
+    def __init__(self, role: Role, seed: int, secret: bytes = b"") -> None:
+        """`secret`: the cluster secret this worker holds (what `misbind` and the stalled
+        streams need to act as a worker gone bad; without it they do nothing)."""
         self.role = role
         self.rng = random.Random(seed)
         self.sender = FaultInjector(seed) if role in (Role.PREFILL, Role.COLOCATED) else None
         self.receiver = ReceiverFaults(seed) if role in (Role.DECODE, Role.COLOCATED) else None
         self.expert_log: list[tuple[str, str]] = []
+        self.stalled = StalledStreams(secret)
+        self._secret = secret
         self._handle: WorkerHandle | None = None
 
     def attach(self, handle: WorkerHandle) -> None:
         """Install this control's injectors as `handle`'s transfer hooks (every later transfer
         passes through them) and keep the handle for the ledger and the idle check."""
         self._handle = handle
+        if self.sender is not None and self._secret:
+            self.sender.bind_prompts(self._secret, self._prompt_of)
         handle.install_transfer_hooks(TransferHooks(sender=self.sender or PLAIN_SENDER,
                                                     receiver=self.receiver or PLAIN_RECEIVER))
+
+    def _prompt_of(self, request_id: str) -> Sequence[int] | None:
+        """The prompt ids this worker is pushing for `request_id` (None when it pushes none).
+        Reads the prefill role's job table: WorkerHandle offers no lookup of its own."""
+        for role in self.handle.roles:
+            for job in list(getattr(role, "jobs", {}).values()):
+                if getattr(job, "request_id", None) == request_id:
+                    ids: Sequence[int] = job.req.prompt_token_ids
+                    return ids
+        return None
 
     @property
     def handle(self) -> WorkerHandle:
@@ -99,6 +117,31 @@ class ChaosControl:
                        accepted_bytes=h.receiver.accepted_bytes)
         return out
 
+    def push_streams(self) -> dict[str, Any]:
+        """This worker's transfer receiver: {"endpoint"}, and for a gRPC one the Push stream
+        cap and its live, refused (over the cap) and idle-cut stream counts."""
+        server = transfer_server(self.handle)
+        if server is None:
+            return {"endpoint": None}
+        out: dict[str, Any] = {"endpoint": server.endpoint}
+        watch = getattr(server, "watch", None)
+        if watch is not None:
+            out.update(limit=watch.limit, live=watch.live, refused=watch.refused, cut=watch.cut)
+        return out
+
+    def stall_open(self, endpoint: str, n: int) -> int:
+        """Open `n` stalled Push streams to `endpoint` from this worker (chaos.siege)."""
+        return self.stalled.open(endpoint, n)
+
+    def stall_status(self) -> dict[str, Any]:
+        return self.stalled.status()
+
+    def stall_handshake(self, endpoint: str) -> dict[str, Any]:
+        return self.stalled.handshake(endpoint)
+
+    def stall_close(self) -> dict[str, Any]:
+        return self.stalled.close()
+
     def idle_check(self) -> dict[str, Any]:
         """The pool's accounting (I6): integrity, and whether every page is free."""
         h = self.handle
@@ -111,4 +154,15 @@ class ChaosControl:
                 problem = str(e) or "check_integrity failed"
             for experts in h.core.paged_experts().values():   # a flip no step read yet is counted here
                 experts.slots.verify(range(experts.slots.num_slots))
-            return {"used": pool.num_used, "integrity": problem}
+            return {"used": pool.num_used, "free": pool.num_free, "integrity": problem}
+
+
+def transfer_server(handle: WorkerHandle) -> Any | None:
+    """The transfer server of a decode (or colocated) worker, None on a prefill worker.
+    WorkerHandle does not name it; the server's `stop` is one of the handle's closers, so it
+    is found as the object behind that bound method (an object with an `endpoint`)."""
+    for close in handle.closers:
+        server = getattr(close, "__self__", None)
+        if server is not None and isinstance(getattr(server, "endpoint", None), str):
+            return server
+    return None

@@ -9,6 +9,7 @@ import random
 import time
 from collections import defaultdict
 
+from chaos.attacks import Attack, RogueClient, StalledStreams
 from chaos.client import Outcome, send
 from chaos.cluster import ChaosCluster
 from chaos.drivers import DRIVERS
@@ -38,7 +39,14 @@ class ScenarioRunner:
             assert sc.role is not None   # a scenario with a point names the role it is armed on
             self.cluster.arm(sc.role, sc.point, times=max(1, math.ceil(n * sc.share)),
                              probability=sc.per_frame, seconds=sc.seconds, after=sc.after)
-        records = asyncio.run(self._drive(sc, outs))
+        attack = self._attack(sc, outs)
+        try:
+            if attack is not None:
+                attack.begin(res)
+            records = asyncio.run(self._drive(sc, outs))
+        finally:
+            if attack is not None:
+                attack.end(res)
         self.cluster.disarm()
         checks = self.cluster.wait_idle()
         after = self.cluster.ledgers()
@@ -48,6 +56,15 @@ class ScenarioRunner:
         self._account(sc, res, new_entries(before, after), records)
         res.seconds = time.monotonic() - t0
         return res
+
+    def _attack(self, sc: Scenario, outs: list[Outcome]) -> Attack | None:
+        if sc.attack == "rogue_client":
+            return RogueClient(self.cluster, outs[0].job.ids, outs[0].job.tenant)
+        if sc.attack == "stalled_streams":
+            return StalledStreams(self.cluster, outs)
+        if sc.attack is not None:
+            raise ValueError(f"scenario {sc.name}: unknown attack {sc.attack!r}")
+        return None
 
     async def _drive(self, sc: Scenario, outs: list[Outcome]) -> list[dict]:
         sem = asyncio.Semaphore(self.concurrency)

@@ -4,7 +4,9 @@
 refusal codes that count as detecting one injection (matched by transfer id against the
 decode workers' refusal logs).  Scenarios without `expect` hold faults that are not refused
 frames: they are checked by their own rule (see `detects`) and by the oracles every
-scenario shares (reference equality, canaries, pool accounting).
+scenario shares (reference equality, canaries, pool accounting).  An `attack`
+(chaos.attacks) runs around the scenario's requests and keeps its own account (the trust
+group: a rogue client without the secret, stalled Push streams).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ LATE = ("EXPIRED", "AFTER_FAILURE", "UNKNOWN_TRANSFER")
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    group: str                       # transfer | pool | process | admission
+    group: str                       # transfer | pool | process | admission | trust
     about: str
     point: str | None = None         # injector point armed for the scenario
     role: Role | None = None         # PREFILL (sender faults) or DECODE (receiver / pool faults)
@@ -30,6 +32,7 @@ class Scenario:
     after: int = 0                   # frames each injector lets pass before it may fire
     client: str = "normal"           # normal | disconnect | storm | over_by_one | far_over | at_limit
     driver: str | None = None        # kill_prefill | kill_decode | corrupt_expert
+    attack: str | None = None        # rogue_client | stalled_streams (chaos.attacks: around the requests)
     weight: float = 1.0              # share of --requests, relative to the other scenarios
 
     @property
@@ -69,6 +72,12 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("stalled_peer", "process", "a receiver that reads nothing for 2 s, then continues",
              "stall", Role.DECODE, seconds=2.0, share=0.15),
     Scenario("abort_storm", "process", "clients that disconnect at random points", client="storm"),
+    Scenario("rogue_client", "trust", "a process without the cluster secret calls every worker RPC and the "
+             "KV transfer service", attack="rogue_client", weight=0.4),
+    Scenario("misbound_prefill", "trust", "a prefill worker holding the secret pushes KV bound to another "
+             "prompt of the same length", "misbind", Role.PREFILL, ("PROMPT_MISMATCH",)),
+    Scenario("stalled_streams", "trust", "a worker holding the secret stalls max_push_streams + 8 Push "
+             "streams on a decode worker's receiver", attack="stalled_streams", weight=0.6),
     Scenario("over_by_one", "admission", "prompt_tokens + max_tokens one over the limit",
              client="over_by_one", weight=0.4),
     Scenario("far_over", "admission", "a prompt far over the limit", client="far_over", weight=0.4),

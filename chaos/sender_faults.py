@@ -21,6 +21,10 @@ actually injected (the chaos report compares it with the receivers' refusal coun
     cut              the stream is closed here, without a commit      STREAM_CLOSED
     late_write       this frame sent `seconds` late, after the decode  EXPIRED / AFTER_FAILURE / UNKNOWN
                      side ended the request (a chaos client disconnects meanwhile)
+    misbind          from this frame on, the transfer is bound to      PROMPT_MISMATCH
+                     another prompt of the same length: each frame
+                     states that prompt's digest, tagged with the
+                     secret and checksummed (needs `bind_prompts`)
 
 A transfer is faulted at most once, so each injection has one refusal to answer for it;
 `log` records (point, victim transfer id) for every injection, to be matched with the
@@ -33,20 +37,22 @@ import random
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kv_transfer.errors import Refusal, TransferRefused
-from kv_transfer.pages import Payload
+from kv_transfer.frame import frame_checksum, ownership_tag, prompt_digest
+from kv_transfer.pages import Payload, payload_view
 from kv_transfer.sender import SenderStream, TransferTicket
 from proto import kv_transfer_pb2 as pb
 
 Frame = tuple[pb.FrameHeader, Payload]
+PromptOf = Callable[[str], Sequence[int] | None]     # request id -> the prompt ids being pushed
 
 POINTS = ("corrupt_payload", "alter_header", "swap_pages", "drop", "duplicate", "reorder",
-          "replay_stale", "replay_foreign", "commit_early", "delay", "cut", "late_write")
+          "replay_stale", "replay_foreign", "commit_early", "delay", "cut", "late_write", "misbind")
 REPLAYS = ("replay_stale", "replay_foreign")
 LOG_SIZE = 1 << 16
 
@@ -73,8 +79,16 @@ class FaultInjector:
         self._first: OrderedDict[bytes, Frame] = OrderedDict()   # live transfer -> its first frame
         self._earlier: deque[tuple[bytes, pb.FrameHeader, Payload]] = deque(maxlen=8)   # of ended transfers
         self._faulted: OrderedDict[bytes, None] = OrderedDict()  # transfers already faulted once
+        self._misbound: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()   # tid -> (digest, tag)
+        self._secret = b""
+        self._prompt_of: PromptOf = lambda request_id: None
         self.fired: Counter[str] = Counter()
         self.log: deque[tuple[str, str]] = deque(maxlen=LOG_SIZE)  # (point, victim transfer id hex)
+
+    def bind_prompts(self, secret: bytes, prompt_of: PromptOf) -> None:
+        """What `misbind` needs: the cluster secret (to tag frames as this worker may) and a
+        lookup of the prompt ids a request's push carries.  Without it `misbind` never fires."""
+        self._secret, self._prompt_of = secret, prompt_of
 
     def arm(self, point: str, times: int = 1, after: int = 0, probability: float = 1.0,
             seconds: float = 0.0) -> None:
@@ -108,6 +122,7 @@ class FaultInjector:
         """Send the frame through `stream` as the armed faults say.  Returns True when the
         sender must commit now (commit_early).  Raises TransferRefused(TRANSPORT) for `cut`."""
         tid = ticket.transfer_id
+        h = self._rebound(ticket, h, payload)
         with self._lock:
             held = self._held.pop(tid, [])
             earlier = self._earlier[-1] if self._earlier else None    # never this transfer: it is live
@@ -155,12 +170,39 @@ class FaultInjector:
             _deliver(stream)
         return bool(actions.get("commit_early"))
 
+    def _rebound(self, ticket: TransferTicket, h: pb.FrameHeader, payload: Payload) -> pb.FrameHeader:
+        """The frame as `misbind` sends it: once the point fired on the transfer, every frame
+        states the digest of another prompt of the same length (the pushed ids with the last
+        one changed), with the tag and checksum a worker holding the secret makes for it."""
+        tid = ticket.transfer_id
+        with self._lock:
+            bound = self._misbound.get(tid)
+            if bound is None and tid not in self._faulted and self._secret and self._fires("misbind"):
+                ids = self._prompt_of(ticket.request_id)
+                if not ids:                            # not this worker's push: fire on another
+                    self.fired["misbind"] -= 1
+                    self._rules["misbind"].times += 1
+                    return h
+                other = prompt_digest([*ids[:-1], ids[-1] ^ 1])
+                bound = self._misbound[tid] = (other, ownership_tag(
+                    self._secret, ticket.tenant, ticket.request_id, tid, other))
+                self._faulted[tid] = None
+                self.log.append(("misbind", tid.hex()))
+                while len(self._misbound) > 1024:
+                    self._misbound.popitem(last=False)
+        if bound is None:
+            return h
+        h = _copy(h)
+        h.prompt_digest, h.ownership_tag = bound
+        h.checksum = frame_checksum(h, [payload_view(payload)])
+        return h
+
     def _actions(self, tid: bytes, can_replay: bool, first: bool) -> dict[str, Rule]:
         """The points that fire on this frame (none once the transfer was faulted).  A placeholder
         (commit_early) commits after the transfer's first frame, never after its last."""
         if tid in self._faulted:
             return {}
-        candidates = [p for p in POINTS if p in self._rules
+        candidates = [p for p in POINTS if p in self._rules and p != "misbind"
                       and (can_replay or p not in REPLAYS) and (first or p != "commit_early")]
         fired = {p: r for p in candidates if (r := self._fires(p)) is not None}
         if fired:

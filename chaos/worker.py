@@ -61,13 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="the injectors' random seed")
     args = ap.parse_args(argv)
     role = Role(args.role)
-    control = ChaosControl(role, args.seed)
+    config = config_from(args)
+    control = ChaosControl(role, args.seed, config.secret)
     for spec in args.fault:             # a point this role lacks fails before the model loads
         try:
             control.arm(spec.point, times=spec.times, after=spec.after, seconds=spec.seconds)
         except ValueError as e:
             ap.error(f"--fault {spec.point}: {e}")
-    handle = start_worker(role, config_from(args))
+    handle = start_worker(role, config)
     control.attach(handle)
     return serve_until_signalled(handle)
 

@@ -1,0 +1,205 @@
+"""Attacks on the cluster's trust boundary (I9) that wrap a scenario's requests: `begin` runs
+before they are sent, `end` after they all ended (always, also when driving them failed).
+Each one fills the scenario's row (faults injected and detected) and adds its violations.
+
+    rogue_client     a process without the cluster secret calls every worker RPC and the KV
+                     transfer service: each call must be refused with UNAUTHENTICATED, counted
+                     once in the worker's `unauthenticated`, and change nothing else
+    stalled_streams  a worker holding the secret, gone bad, holds max_push_streams + EXTRA
+                     Push streams open on one decode worker's gRPC receiver while the requests
+                     run: the surplus is refused with RESOURCE_EXHAUSTED, a Handshake still
+                     answers, and every stream is gone once it lets go
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from typing import Any, Protocol
+
+import ray
+
+from chaos.client import Outcome
+from chaos.cluster import ChaosCluster
+from chaos.report import ScenarioResult
+from worker.types import Role
+
+ROGUE_TIMEOUT_S = 120.0
+
+
+class Attack(Protocol):
+    def begin(self, res: ScenarioResult) -> None:
+        """Before the scenario's requests (the cluster is idle)."""
+        ...
+
+    def end(self, res: ScenarioResult) -> None:
+        """After the scenario's requests; undoes whatever `begin` left open."""
+        ...
+
+
+class RogueClient:
+    """Runs `chaos.rogue` in a process of its own against every worker, between two readings
+    of every worker's ledger and pool (through the chaos actors: the authenticated path)."""
+
+    def __init__(self, cluster: ChaosCluster, prompt: list[int], tenant: str) -> None:
+        self.cluster, self.prompt, self.tenant = cluster, prompt, tenant
+
+    def _plan(self) -> dict[str, Any]:
+        plan: dict[str, Any] = {"decode": [], "prefill": [], "prompt": self.prompt, "tenant": self.tenant}
+        for wid, actor in sorted(self.cluster.workers().items()):
+            address = ray.get(actor.address.remote(), timeout=60)
+            if self.cluster.deployment.roles[wid] == Role.PREFILL:
+                plan["prefill"].append(address)
+            else:
+                transfer = self.cluster.call(wid, "push_streams")["endpoint"]
+                plan["decode"].append({"address": address, "transfer": transfer, "wid": wid})
+        return plan
+
+    def _state(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for wid in self.cluster.workers():
+            ledger, pool = self.cluster.call(wid, "ledger"), self.cluster.call(wid, "idle_check")
+            out[wid] = {"counts": ledger["counts"], "refusals": len(ledger.get("refusals", [])),
+                        "accepted_bytes": ledger.get("accepted_bytes", 0),
+                        "pool": {"used": pool["used"], "free": pool["free"]}}
+        return out
+
+    def begin(self, res: ScenarioResult) -> None:
+        plan = self._plan()
+        by_address = {d["address"]: d["wid"] for d in plan["decode"]}
+        by_address.update({d["transfer"].removeprefix("grpc://"): d["wid"] for d in plan["decode"]
+                           if str(d["transfer"] or "").startswith("grpc://")})
+        by_address.update({a: wid for wid, a in zip(sorted(self.cluster.workers(Role.PREFILL)), plan["prefill"])})
+        before = self._state()
+        proc = subprocess.run([sys.executable, "-m", "chaos.rogue", json.dumps(plan)], capture_output=True,
+                              text=True, timeout=ROGUE_TIMEOUT_S)
+        after = self._state()
+        if proc.returncode != 0:
+            res.violations.append(f"the rogue client failed (exit {proc.returncode}): {proc.stderr[-300:]}")
+            return
+        calls: list[dict[str, str]] = json.loads(proc.stdout)
+        res.faults_injected = len(calls)
+        res.faults_detected = sum(c["code"] == "UNAUTHENTICATED" for c in calls)
+        for c in calls:
+            if c["code"] != "UNAUTHENTICATED":
+                res.violations.append(f"rogue {c['call']} ({c['credentials']} credentials) on {c['target']} "
+                                      f"ended {c['code']}, not UNAUTHENTICATED")
+        per_worker = Counter(by_address[c["target"]] for c in calls)
+        grew = {wid: _unauthenticated(after[wid]) - _unauthenticated(before[wid]) for wid in sorted(before)}
+        for wid in sorted(before):
+            self._compare(res, wid, before[wid], after[wid], per_worker[wid], grew[wid])
+        kinds = Counter(c["call"] for c in calls)
+        res.notes.append(f"rogue calls: {len(calls)} ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}), "
+                         f"{res.faults_detected} UNAUTHENTICATED; unauthenticated counters grew by "
+                         + ", ".join(f"{wid} +{g} (calls {per_worker[wid]})" for wid, g in grew.items()))
+
+    @staticmethod
+    def _compare(res: ScenarioResult, wid: str, b: dict[str, Any], a: dict[str, Any], calls: int,
+                 grew: int) -> None:
+        if grew != calls:
+            res.violations.append(f"{wid}: {calls} rogue calls refused, its unauthenticated counter "
+                                  f"grew by {grew}")
+        rest = {k: v for k, v in a["counts"].items() if k != "unauthenticated"}
+        if rest != {k: v for k, v in b["counts"].items() if k != "unauthenticated"} or \
+                (a["refusals"], a["accepted_bytes"]) != (b["refusals"], b["accepted_bytes"]):
+            res.violations.append(f"{wid}: rogue calls changed its counters: {b} -> {a}")
+        if a["pool"] != b["pool"]:
+            res.violations.append(f"{wid}: rogue calls changed its pool: {b['pool']} -> {a['pool']}")
+
+    def end(self, res: ScenarioResult) -> None:
+        pass
+
+
+def _unauthenticated(state: dict[str, Any]) -> int:
+    return int(state["counts"].get("unauthenticated", 0))
+
+
+class StalledStreams:
+    """The first prefill worker (it holds the secret) stalls Push streams on the first decode
+    worker's gRPC receiver for as long as the requests run, `hold_s` at most.  A request
+    whose push meets the full receiver must fail explicitly for that reason (the gateway does
+    not retry it); any other failure of `outs` is a violation."""
+
+    EXTRA = 8           # streams over the receiver's cap
+
+    def __init__(self, cluster: ChaosCluster, outs: list[Outcome], hold_s: float = 30.0) -> None:
+        self.cluster, self.outs, self.hold_s = cluster, outs, hold_s
+        self.bad = sorted(cluster.workers(Role.PREFILL))[0]
+        self.victim = sorted(cluster.workers(Role.DECODE))[0]
+        self._lock = threading.Lock()
+        self._opened = 0
+        self._closed: dict[str, Any] | None = None
+        self._timer: threading.Timer | None = None
+        self._start: dict[str, Any] = {}
+
+    def begin(self, res: ScenarioResult) -> None:
+        info = self._start = self.cluster.call(self.victim, "push_streams")
+        if not str(info["endpoint"]).startswith("grpc://"):
+            res.notes.append(f"skipped: {self.victim} receives over {info['endpoint']}, not gRPC; the shm "
+                             f"socket admits only the worker's own uid (tests/test_shm_security.py)")
+            return
+        n = info["limit"] + self.EXTRA
+        with self._lock:
+            self._opened = self.cluster.call(self.bad, "stall_open", endpoint=info["endpoint"], n=n)
+        self._timer = threading.Timer(self.hold_s, self._let_go)
+        self._timer.start()
+        now = self._settled(n)
+        res.faults_injected = n - (info["limit"] - info["live"])       # more than the free slots
+        shake = self.cluster.call(self.bad, "stall_handshake", endpoint=info["endpoint"])
+        res.notes.append(f"{n} stalled streams on {self.victim}: {now['live'] - info['live']} held, "
+                         f"{now['refused'] - info['refused']} refused over the cap of {info['limit']}; "
+                         f"a Handshake meanwhile: {shake}")
+        if shake.get("version") != 1:
+            res.violations.append(f"a Handshake to {self.victim} with every Push slot stalled got {shake}")
+        if now["live"] > info["limit"]:
+            res.violations.append(f"{self.victim} serves {now['live']} Push streams, over its cap {info['limit']}")
+
+    def _settled(self, n: int, wait_s: float = 60.0) -> dict[str, Any]:
+        """The receiver's counts once every stalled stream was admitted or refused."""
+        end = time.monotonic() + wait_s
+        while True:
+            now = self.cluster.call(self.victim, "push_streams")
+            seen = now["live"] - self._start["live"] + now["refused"] - self._start["refused"]
+            if seen >= n or time.monotonic() > end:
+                return dict(now)
+            time.sleep(0.1)
+
+    def _let_go(self) -> None:
+        with self._lock:
+            if self._closed is None and self._opened:
+                self._closed = self.cluster.call(self.bad, "stall_close")
+
+    def end(self, res: ScenarioResult) -> None:
+        """Close every stalled stream; count those refused with RESOURCE_EXHAUSTED as detected;
+        any other end, or a stream the receiver still serves afterwards, is a violation."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._let_go()
+        if not self._opened:
+            return
+        assert self._closed is not None
+        ended: dict[str, int] = self._closed["ended"]
+        res.faults_detected = ended.get("RESOURCE_EXHAUSTED", 0)
+        other = {k: v for k, v in ended.items() if k not in ("RESOURCE_EXHAUSTED", "reply STREAM_CLOSED")}
+        if other:
+            res.violations.append(f"stalled streams ended otherwise than refused or closed by us: {other}")
+        live = self._drained()
+        if live:
+            res.violations.append(f"{self.victim} still serves {live} Push streams after they were closed")
+        res.notes.append(f"stalled streams ended: {dict(sorted(ended.items()))}; {self.victim}'s live Push "
+                         f"streams afterwards: {live}")
+        for o in self.outs:
+            if o.outcome == "error" and "RESOURCE_EXHAUSTED" not in o.error:
+                res.violations.append(f"request {o.job.index} failed, not for the full receiver: {o.error[:160]}")
+
+    def _drained(self, wait_s: float = 15.0) -> int:
+        end = time.monotonic() + wait_s
+        while True:
+            live = int(self.cluster.call(self.victim, "push_streams")["live"])
+            if live <= self._start["live"] or time.monotonic() > end:
+                return live
+            time.sleep(0.1)
