@@ -21,7 +21,7 @@ from kv_transfer.reservation import State
 from kv_transfer.sender import TransferSender, TransferTicket
 from kv_transfer.transport import connect
 from kv_transfer.transport.local import LocalServer
-from tests.kv_helpers import LAYERS, SECRET, digest_of, make_pool, pages_equal
+from tests.kv_helpers import LAYERS, SECRET, digest_of, make_pool, pages_equal, prompt_ids
 from tests.test_paged_experts import small_layer
 
 PROMPT = 10     # 3 pages of 4
@@ -89,6 +89,19 @@ def test_the_sender_faults_a_transfer_once_and_logs_its_victim(pools):
     assert err.reason == Refusal.BAD_CHECKSUM
     assert faults.fired["corrupt_payload"] == 1                # one per transfer, though 5 were armed
     assert list(faults.log) == [("corrupt_payload", res.transfer_id.hex())]
+
+
+def test_a_misbound_push_states_another_prompt_and_is_refused_for_it(pools):
+    src, dst, recv, server, _ = pools
+    faults = FaultInjector(seed=1)
+    faults.arm("misbind", times=1)
+    res, err = transfer(src, dst, recv, server, "plain", faults)
+    assert err is None and faults.fired["misbind"] == 0        # without the secret it never fires
+    faults.bind_prompts(SECRET, lambda rid: prompt_ids(rid, PROMPT))
+    res, err = transfer(src, dst, recv, server, "victim", faults)
+    assert err is not None and err.reason == Refusal.PROMPT_MISMATCH   # the tag held: only the digest differs
+    assert res.state == State.FAILED and list(faults.log) == [("misbind", res.transfer_id.hex())]
+    assert (res.transfer_id.hex(), "PROMPT_MISMATCH") in list(recv.refusal_log)
 
 
 def test_expert_guard_repairs_a_corrupted_slot_before_use():
