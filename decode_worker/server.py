@@ -35,17 +35,18 @@ def start_decode_worker(config: WorkerConfig) -> WorkerHandle:
     loop = WorkerLoop(core, [engine], lock, wake).start()
     server.start()
     return WorkerHandle(Role.DECODE, address, core, lock, server, loop, [engine], [transfer.stop],
-                        receiver=engine.receiver, auth=auth)
+                        receiver=engine.receiver, auth=auth, transfer_endpoint=transfer.endpoint)
 
 
 def transfer_server(config: WorkerConfig, engine: DecodeEngine, auth: Verifier) -> TransferServer:
     """The server prefill workers push this worker's KV pages to (config.transfer).  The
-    gRPC one checks every call's credentials with `auth`; the shared-memory one is reached
+    gRPC one checks every call's credentials with `auth` (over mutual TLS with `config.tls`);
+    the shared-memory one is reached
     over a Unix socket in a private (0700) directory on the same node and accepts only peers
     running as this worker's uid; `stop()` removes the directory."""
     if config.transfer == "shm":
         from kv_transfer.transport.shm_server import ShmTransferServer
         return ShmTransferServer(engine.receiver)
     from kv_transfer.transport.grpc_server import GrpcTransferServer
-    return GrpcTransferServer(engine.receiver, config.host, config.transfer_port,
+    return GrpcTransferServer(engine.receiver, config.host, config.transfer_port, config=config.transport,
                               advertise_host=config.public_host, auth=auth)

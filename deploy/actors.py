@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from deploy.registry import ActorHandle
+from deploy.registry import ActorHandle, proof
+from worker.peers import KnownPeers
 from worker.types import Role
 
 if TYPE_CHECKING:
@@ -43,13 +44,17 @@ class WorkerActor:
         ip = ray.util.get_node_ip_address()
         cfg = WorkerConfig(**config, secret=secret, host=host or ip)
         self.role, self.index, self.worker_id, self.registry = role, index, worker_id, registry
-        self._secret = secret             # for `stats()`: the worker refuses calls without credentials
-        self.handle: WorkerHandle = start_worker(role, cfg)
+        self._secret = secret             # for `stats()` and the registry: both refuse callers without it
+        self._tls = cfg.tls
+        # a prefill worker pushes only to the decode workers the registry knows
+        peers = KnownPeers(fetch=lambda: ray.get(registry.transfer_endpoints.remote(), timeout=10))
+        self.handle: WorkerHandle = start_worker(role, cfg, peers)
         self.started()
         # what the registry serves; the rest (health, KV, experts) is read live from the worker
         self.info = {"role": role.value, "address": self.handle.address, "node_ip": ip,
-                     "node_id": ray.get_runtime_context().get_node_id()}
-        ray.get(registry.register.remote(worker_id, self.info))
+                     "node_id": ray.get_runtime_context().get_node_id(),
+                     "transfer_endpoint": self.handle.transfer_endpoint, "tls": cfg.tls is not None}
+        ray.get(self._register())
         self._stopped = threading.Event()
         threading.Thread(target=self._heartbeat, name="registry-heartbeat", daemon=True).start()
 
@@ -59,11 +64,16 @@ class WorkerActor:
         transfer hooks here (`self.handle.install_transfer_hooks`).  An exception fails the
         actor's start."""
 
+    def _register(self) -> Any:
+        """The registration call (an ObjectRef), with its proof of the cluster secret."""
+        ts, mac = proof(self._secret, "register", self.worker_id, self.info)
+        return self.registry.register.remote(self.worker_id, self.info, ts, mac)
+
     def _heartbeat(self) -> None:
         """Re-register every HEARTBEAT_S: a registry that was restarted learns of us again."""
         while not self._stopped.wait(HEARTBEAT_S):
             try:
-                self.registry.register.remote(self.worker_id, self.info)
+                self._register()
             except Exception as e:  # the registry is restarting: next beat
                 log.warning("registry heartbeat: %s", e)
 
@@ -77,7 +87,7 @@ class WorkerActor:
         from kv_transfer.auth import channel
         from proto import worker_pb2 as wpb
         from proto import worker_pb2_grpc as wpb_grpc
-        with channel(self.handle.address, self._secret) as ch:
+        with channel(self.handle.address, self._secret, tls=self._tls) as ch:
             stub = wpb_grpc.PrefillServiceStub(ch) if self.role == Role.PREFILL else wpb_grpc.DecodeServiceStub(ch)
             reply: wpb.StatsReply = stub.Stats(wpb.StatsRequest(), timeout=5)
             return reply.SerializeToString()
@@ -86,7 +96,8 @@ class WorkerActor:
         """End every live request with an explicit error, release every page, stop serving."""
         self._stopped.set()
         self.handle.stop()
-        ray.get(self.registry.unregister.remote(self.worker_id))
+        ts, mac = proof(self._secret, "unregister", self.worker_id)
+        ray.get(self.registry.unregister.remote(self.worker_id, ts, mac))
 
 
 def _pin(cores: list[int]) -> None:

@@ -4,6 +4,7 @@
     tandem status [--address auto] [--json]    # the workers of a running deployment
     tandem generate [--prompt TEXT] ...        # the single-process engine on a few prompts
     tandem preflight --memory-gib 16 [--json]  # what paged experts cost and buy
+    tandem certs DIR NAME [NAME ...]           # a cluster CA and certificates for plain processes
     tandem NAME ...                            # a command another package adds (below)
 
 More commands plug in through the entry point group `tandem.commands` (pyproject.toml): each
@@ -64,6 +65,20 @@ def _preflight(args: argparse.Namespace) -> int:
     return 0
 
 
+def _certs(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kv_transfer.tls import ClusterCA
+    if len(set(args.names)) != len(args.names) or any("/" in n or n.startswith(".") for n in args.names):
+        raise ValueError("certificate names must be distinct plain names (no '/', not starting with '.')")
+    ca = ClusterCA(validity_s=args.days * 86400)
+    for name in args.names:
+        ca.issue(name, hosts=args.host).write(Path(args.dir) / name)
+    print(f"tandem: wrote {len(args.names)} certificate(s) of a new cluster CA under {args.dir} "
+          f"(valid {args.days:g} days; the CA's key was not kept)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated MoE serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--link-gbps", type=float, default=None, help="use this link speed instead of measuring")
     pre.add_argument("--json", action="store_true")
     pre.set_defaults(func=_preflight)
+    ct = sub.add_parser("certs", help="a cluster CA and one certificate per process, for workers run as plain "
+                        "processes (python -m deploy.worker --tls-dir DIR/NAME)")
+    ct.add_argument("dir", help="where to write NAME/{ca,cert,key}.pem (files 0600, directories 0700)")
+    ct.add_argument("names", nargs="+", help="one per process: decode-0 prefill-0 gateway ...")
+    ct.add_argument("--host", action="append", default=[], help="an IP or DNS name every certificate names too")
+    ct.add_argument("--days", type=float, default=30.0, help="how long the certificates are valid")
+    ct.set_defaults(func=_certs)
     add_plugin_parsers(sub)
     return parser
 
@@ -152,6 +174,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--gateway-replicas", type=int, default=1, help="gateways on --port, --port+1, ...")
     sv.add_argument("--worker-cores", type=int, default=None,
                     help="pin each worker to this many CPU cores of its own (round robin)")
+    sv.add_argument("--tls", default="auto", choices=["auto", "on", "off"],
+                    help="mutual TLS between workers and gateway with a new cluster CA (auto: when they span "
+                    "more than one node)")
+    sv.add_argument("--ssl-certfile", default=None, help="the gateway serves HTTPS with this certificate (PEM)")
+    sv.add_argument("--ssl-keyfile", default=None, help="... and this private key (PEM)")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sv.set_defaults(func=_serve)
 
@@ -177,7 +204,8 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
         paged_experts_num_resident=args.paged_experts_num_resident, gpus_per_worker=args.gpus_per_worker,
         placement_strategy=args.placement_strategy, log_level=args.log_level, transfer=args.transfer,
         worker_resources=parse_resources(args.worker_resources), gateway_replicas=args.gateway_replicas,
-        worker_cores=args.worker_cores, verify_experts=args.verify_experts)
+        worker_cores=args.worker_cores, verify_experts=args.verify_experts, tls=args.tls,
+        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
 
 
 def _serve(args: argparse.Namespace) -> int:

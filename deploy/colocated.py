@@ -15,6 +15,7 @@ from kv_transfer.transport.local import LocalServer
 from prefill_worker.engine import PrefillEngine
 from worker.config import WorkerConfig
 from worker.loop import WorkerLoop
+from worker.peers import KnownPeers
 from worker.server import WorkerHandle, build_core, grpc_server
 from worker.types import Role
 
@@ -24,8 +25,9 @@ def start_colocated_worker(config: WorkerConfig) -> WorkerHandle:
     lock, wake = threading.RLock(), threading.Event()
     decode = DecodeEngine(core, config.secret, config.transfer_timeout_s, lock, wake,
                           config.max_request_timeout_s)
-    prefill = PrefillEngine(core, config.secret, lock, wake, config.layer_group, owner_suffix="#prefill")
     transfer = LocalServer(decode.receiver, f"colocated-{uuid.uuid4().hex[:8]}")
+    prefill = PrefillEngine(core, config.secret, lock, wake, KnownPeers([transfer.endpoint]), config.layer_group,
+                            owner_suffix="#prefill")     # pushes to its own decode side only
     auth = Verifier(config.secret)
     server, address = grpc_server(config, auth)
     add_to_server(DecodeServicer(decode, transfer.endpoint, role=Role.COLOCATED, prefill=prefill, auth=auth),
@@ -33,4 +35,4 @@ def start_colocated_worker(config: WorkerConfig) -> WorkerHandle:
     loop = WorkerLoop(core, [prefill, decode], lock, wake).start()
     server.start()
     return WorkerHandle(Role.COLOCATED, address, core, lock, server, loop, [prefill, decode], [transfer.stop],
-                        receiver=decode.receiver, auth=auth)
+                        receiver=decode.receiver, auth=auth, transfer_endpoint=transfer.endpoint)

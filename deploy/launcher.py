@@ -14,19 +14,21 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 import time
 import urllib.request
 from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from deploy import registry as reg
 from deploy.actors import GatewayActor, WorkerActor
 from deploy.settings import ServeSettings
 from kv_transfer.frame import new_cluster_secret
+from kv_transfer.tls import ClusterCA, TlsIdentity
 from worker.types import Role
 
 log = logging.getLogger("tandem.deploy")
@@ -46,19 +48,21 @@ class Deployment:
         self.urls: list[str] = []          # one per gateway replica, once started
         self._started_ray = False
         self._secret = new_cluster_secret()  # handed to every worker and gateway through Ray, never logged
+        self.ca: ClusterCA | None = None     # this start's cluster CA, when TLS is on (made in start)
 
     def start(self, timeout_s: float = 600.0, on_ray_started: Callable[[], object] | None = None) -> "Deployment":
         s = self.s
         self._init_ray()
         if on_ray_started is not None:
             on_ray_started()
-        registry = self.registry = reg.get_or_create()
+        registry = self.registry = reg.get_or_create(self._secret)
         roles = s.roles()
         bundles = [self._bundle(role) for role in roles]
         pg = self.pg = placement_group(bundles, strategy=s.placement_strategy)
         if not pg.wait(timeout_seconds=int(timeout_s)):
             raise RuntimeError(f"Ray could not place {len(bundles)} workers ({bundles}) with strategy "
                                f"{s.placement_strategy}: not enough resources in the cluster")
+        self._tls_for(pg)
         self._start_workers(pg, roles, bundles, registry)
         self.say(f"tandem: loading {s.model} on {len(roles)} worker(s): {', '.join(self.workers)}")
         for wid, actor in self.workers.items():
@@ -72,6 +76,22 @@ class Deployment:
             self._wait_healthy(url, timeout_s)
         return self
 
+    def _tls_for(self, pg: PlacementGroup) -> None:
+        """Decide on mutual TLS (--tls; auto: on when the placed workers and this node, where
+        the gateway runs, are more than one node) and, if on, make this start's cluster CA."""
+        placed = set(placement_group_table(pg).get("bundles_to_node_id", {}).values())
+        nodes = len(placed | {ray.get_runtime_context().get_node_id()})
+        self.ca = ClusterCA() if self.s.use_tls(nodes) else None
+        self.say(f"tandem: {nodes} node(s); worker RPCs and KV transfers "
+                 f"{'over mutual TLS (a new cluster CA)' if self.ca else 'in plaintext (--tls ' + self.s.tls + ')'}")
+
+    def _identity(self, name: str, node_id: str | None) -> TlsIdentity | None:
+        """`name`'s certificate from this start's CA (naming its node's IP), or None without TLS."""
+        if self.ca is None:
+            return None
+        ips = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("NodeID") == node_id]
+        return self.ca.issue(name, hosts=["127.0.0.1", *ips])
+
     def _start_workers(self, pg: PlacementGroup, roles: list[Role], bundles: list[dict[str, float]],
                        registry: reg.ActorHandle) -> None:
         """One actor of `worker_class` per role, in its bundle of `pg`."""
@@ -80,15 +100,17 @@ class Deployment:
         host = s.worker_host or ("127.0.0.1" if s.address is None else None)   # None: the node's IP
         actor_class = ray.remote(self.worker_class)
         counts: dict[Role, int] = {}
+        node_of = placement_group_table(pg).get("bundles_to_node_id", {})
         for i, role in enumerate(roles):
             wid = f"{role.value}-{counts.setdefault(role, 0)}"
             counts[role] += 1
+            config = {**s.worker_config(), "tls": self._identity(wid, node_of.get(i))}
             self.workers[wid] = actor_class.options(
                 name=f"tandem-{wid}", namespace=reg.NAMESPACE, max_restarts=s.max_restarts,
                 num_cpus=bundles[i].get("CPU", 0), num_gpus=bundles[i].get("GPU", 0),
                 resources={k: v for k, v in bundles[i].items() if k not in ("CPU", "GPU")},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-            ).remote(wid, role, i, s.worker_config(), secret, registry, host, self._cores(i), *self.worker_args)
+            ).remote(wid, role, i, config, secret, registry, host, self._cores(i), *self.worker_args)
             self.roles[wid] = role
 
     @property
@@ -129,13 +151,18 @@ class Deployment:
     def _gateway_config(self, replica: int) -> dict:
         s = self.s
         return dict(model=s.model, served_model_name=s.name, host=s.host, port=s.port + replica if s.port else 0,
-                    api_keys=s.api_keys, cluster_secret=self._secret)
+                    api_keys=s.api_keys, cluster_secret=self._secret,
+                    tls=self._identity(f"gateway-{replica}", ray.get_runtime_context().get_node_id()),
+                    ssl_certfile=s.ssl_certfile, ssl_keyfile=s.ssl_keyfile)
 
     def _wait_healthy(self, url: str, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s
+        # a liveness probe of our own gateway on this node: with HTTPS its certificate may be one
+        # no local trust store knows (self-signed); what is probed is whether it answers
+        context = ssl._create_unverified_context() if url.startswith("https:") else None
         while True:
             try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                with urllib.request.urlopen(url + "/health", timeout=5, context=context) as r:
                     if r.status == 200:
                         return
             except OSError:

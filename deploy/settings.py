@@ -13,6 +13,9 @@ from worker.types import Role
 # Ray's placement group strategies (ray.util.placement_group): PACK and SPREAD are best effort,
 # STRICT_PACK puts every worker on one node (what --transfer shm needs), STRICT_SPREAD one per node
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+# mutual TLS between the processes: on whenever the workers and the gateway span more than one
+# node (auto), always (on: also on one node), or never (off: a trusted network of its own)
+TLS_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,9 @@ class ServeSettings:
     max_restarts: int = 3
     drain_timeout_s: float = 30.0
     verify_experts: bool = False            # guard mode: check expert slots before each use
+    tls: str = "auto"                       # TLS_MODES
+    ssl_certfile: str | None = None         # the gateway's HTTPS certificate and key (PEM files)
+    ssl_keyfile: str | None = None
 
     def __post_init__(self) -> None:
         if not (Path(self.model) / "config.json").is_file():
@@ -68,6 +74,13 @@ class ServeSettings:
             raise ValueError(f"--port {self.port} is not a TCP port")
         if self.gpus_per_worker < 0 or (self.device.startswith("cuda") and self.gpus_per_worker == 0):
             raise ValueError("--device cuda needs --gpus-per-worker > 0 (each worker's share of a GPU)")
+        if self.tls not in TLS_MODES:
+            raise ValueError(f"--tls {self.tls}: choose one of {', '.join(TLS_MODES)}")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("HTTPS needs both --ssl-certfile and --ssl-keyfile")
+        for flag, path in (("--ssl-certfile", self.ssl_certfile), ("--ssl-keyfile", self.ssl_keyfile)):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{flag} {path}: no such file")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ValueError(f"--log-level {self.log_level}: choose debug, info, warning or error")
 
@@ -92,6 +105,10 @@ class ServeSettings:
         if self.mem_fraction is not None:
             cfg["mem_fraction"] = self.mem_fraction
         return cfg
+
+    def use_tls(self, nodes: int) -> bool:
+        """Whether the processes talk mutual TLS, the workers and gateway spanning `nodes` nodes."""
+        return self.tls == "on" or (self.tls == "auto" and nodes > 1)
 
 
 def check_ray_auth(address: str | None, ray_auth_mode: str | None, allow_insecure: bool) -> str | None:

@@ -1,10 +1,17 @@
 """Run one worker as a process (Ray actors call the same start function in-process).
 
     TANDEM_CLUSTER_SECRET=<hex> python -m deploy.worker --role decode --port 50051 [engine flags]
+    TANDEM_CLUSTER_SECRET=<hex> python -m deploy.worker --role prefill \
+        --decode-peer grpc://10.0.0.7:50061 [--tls-dir certs/prefill-0]
 
-Prints `READY <role> <host:port>` once serving; SIGTERM or SIGINT ends every live request
+Prints `READY <role> <host:port> [<transfer endpoint>]` once serving; SIGTERM or SIGINT ends every live request
 with an explicit error, releases its pages and exits 0.  The cluster secret comes from the
 environment (never from a flag, so it does not show in process listings or logs).
+
+A prefill worker pushes KV only to the decode transfer endpoints given with --decode-peer (a
+decode worker prints its own last on its READY line).  Across nodes, give every worker and the
+gateway a certificate of one cluster CA (`tandem certs DIR NAME...` writes them) with --tls-dir:
+its RPC and transfer servers then serve mutual TLS only, and its channels use it.
 """
 
 from __future__ import annotations
@@ -14,7 +21,9 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
+from kv_transfer.tls import TlsIdentity
 from worker.config import WorkerConfig
 from worker.server import WorkerHandle
 from worker.types import Role
@@ -32,20 +41,33 @@ def parser(prog: str = "python -m deploy.worker") -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--paged-experts-num-resident", type=int, default=None)
     ap.add_argument("--transfer", default="grpc", choices=["grpc", "shm"])
+    ap.add_argument("--transfer-port", type=int, default=0, help="the decode worker's KV transfer port (0: free)")
+    ap.add_argument("--advertise-host", default=None, help="the address others reach this worker at")
+    ap.add_argument("--decode-peer", action="append", default=[],
+                    help="(prefill) a decode worker's transfer endpoint it may push to (repeatable)")
+    ap.add_argument("--tls-dir", default=None,
+                    help="ca.pem, cert.pem, key.pem (0600) of the cluster CA: serve and call over mutual TLS")
     return ap
 
 
 def config_from(args: argparse.Namespace) -> WorkerConfig:
     secret = bytes.fromhex(os.environ.get("TANDEM_CLUSTER_SECRET", ""))
+    if args.role == Role.PREFILL.value and not args.decode_peer:
+        raise ValueError("a prefill worker needs the decode workers it may push to: --decode-peer ENDPOINT "
+                         "(a decode worker prints it last on its READY line)")
+    tls = TlsIdentity.load(args.tls_dir) if args.tls_dir else None
     return WorkerConfig(model=args.model, dtype=args.dtype, device=args.device,
                         kv_cache_tokens=args.kv_cache_tokens, max_model_len=args.max_model_len,
                         paged_experts_num_resident=args.paged_experts_num_resident, host=args.host,
-                        port=args.port, transfer=args.transfer, secret=secret)
+                        port=args.port, transfer=args.transfer, transfer_port=args.transfer_port,
+                        advertise_host=args.advertise_host, decode_peers=tuple(args.decode_peer),
+                        secret=secret, tls=tls)
 
 
 def serve_until_signalled(handle: WorkerHandle) -> int:
     """Print READY, serve until SIGTERM/SIGINT, then stop the worker."""
-    print(f"READY {handle.role.value} {handle.address}", flush=True)
+    endpoint = f" {handle.transfer_endpoint}" if handle.transfer_endpoint else ""
+    print(f"READY {handle.role.value} {handle.address}{endpoint}", flush=True)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
@@ -56,14 +78,20 @@ def serve_until_signalled(handle: WorkerHandle) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    return serve_until_signalled(start_worker(Role(args.role), config_from(args)))
+    try:
+        config = config_from(args)
+    except ValueError as e:
+        print(f"deploy.worker: error: {e}", file=sys.stderr)
+        return 2
+    return serve_until_signalled(start_worker(Role(args.role), config))
 
 
-def start_worker(role: Role, config: WorkerConfig) -> WorkerHandle:
-    """Start a prefill, decode or colocated worker in this process (Ray actors call this too)."""
+def start_worker(role: Role, config: WorkerConfig, peers: Callable[[str], bool] | None = None) -> WorkerHandle:
+    """Start a prefill, decode or colocated worker in this process (Ray actors call this too).
+    `peers`: the decode endpoints a prefill worker may push to (default: config.decode_peers)."""
     if role == Role.PREFILL:
         from prefill_worker.server import start_prefill_worker
-        return start_prefill_worker(config)
+        return start_prefill_worker(config, peers)
     if role == Role.DECODE:
         from decode_worker.server import start_decode_worker
         return start_decode_worker(config)

@@ -43,7 +43,7 @@ class Gateway:
         self.model_config = ModelConfig.from_path(path)
         self.vocab_size = self.model_config.vocab_size
         self.pool = WorkerPool(config.decode_workers, config.prefill_workers, config.colocated_workers,
-                               config.cluster_secret)
+                               config.cluster_secret, config.tls)
         self.queue = AdmissionQueue(config.max_queue, config.max_running, config.tenant_max_concurrency,
                                     config.queue_timeout_s)
         self.metrics = Metrics()

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kv_transfer.frame import check_secret
+from kv_transfer.tls import TlsIdentity
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,10 @@ class GatewayConfig:
     max_attempts: int = 3                    # tries before the first token (capacity, unreachable)
     # the workers refuse every call without credentials made with it (kv_transfer/auth.py)
     cluster_secret: bytes = field(default=b"", repr=False)
+    # its cluster certificate: worker channels run mutual TLS (the workers' is on across nodes)
+    tls: TlsIdentity | None = field(default=None, repr=False)
+    ssl_certfile: str | None = None          # HTTPS on the front door (uvicorn's TLS), with ssl_keyfile
+    ssl_keyfile: str | None = None
 
     def __post_init__(self) -> None:
         if not (self.decode_workers or self.colocated_workers):
@@ -46,6 +51,12 @@ class GatewayConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
         check_secret(self.cluster_secret)
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("HTTPS needs both --ssl-certfile and --ssl-keyfile")
+        for name in ("ssl_certfile", "ssl_keyfile"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name}={path}: no such file")
         if not all(k and t for k, t in self.api_keys.items()):
             raise ValueError("an empty API key or tenant would turn authentication off: refused")
 

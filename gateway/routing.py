@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kv_transfer.auth import aio_interceptors
+from kv_transfer.tls import TlsIdentity, open_aio_channel
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from worker.types import Role
@@ -27,6 +28,7 @@ class Worker:
     address: str
     role: Role
     secret: bytes = field(default=b"", repr=False)   # the cluster secret: every call carries credentials
+    tls: TlsIdentity | None = field(default=None, repr=False)   # the gateway's cluster certificate
     channel: grpc.aio.Channel | None = None
     health: wpb.HealthReply | None = None
     stats: wpb.StatsReply | None = None
@@ -38,8 +40,7 @@ class Worker:
     prefill_stub: wpb_grpc.PrefillServiceStub | None = None   # prefill workers
 
     def connect(self) -> None:
-        self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS,
-                                                 interceptors=aio_interceptors(self.secret))
+        self.channel = open_aio_channel(self.address, self.tls, CHANNEL_OPTIONS, aio_interceptors(self.secret))
         if self.role == Role.PREFILL:
             self.prefill_stub = wpb_grpc.PrefillServiceStub(self.channel)
         else:
@@ -71,10 +72,11 @@ class Worker:
 
 class WorkerPool:
     def __init__(self, decode: tuple[str, ...], prefill: tuple[str, ...], colocated: tuple[str, ...],
-                 secret: bytes) -> None:
+                 secret: bytes, tls: TlsIdentity | None = None) -> None:
         self.secret = secret              # the cluster secret the workers' calls are authenticated with
-        self.workers = [Worker(a, Role.DECODE, secret) for a in decode] + \
-            [Worker(a, Role.PREFILL, secret) for a in prefill] + [Worker(a, Role.COLOCATED, secret) for a in colocated]
+        self.tls = tls                    # mutual TLS to the workers when they run it (across nodes)
+        self.workers = [Worker(a, r, secret, tls) for r, addrs in ((Role.DECODE, decode), (Role.PREFILL, prefill),
+                                                                   (Role.COLOCATED, colocated)) for a in addrs]
         self._retired: list[Worker] = []
 
     def connect(self) -> None:
@@ -95,7 +97,7 @@ class WorkerPool:
             assert w.channel is not None   # connected when it joined the pool
             asyncio.get_running_loop().create_task(w.channel.close())
         for address, role in want - have:
-            w = Worker(address, role, self.secret)
+            w = Worker(address, role, self.secret, self.tls)
             w.connect()
             self.workers.append(w)
 

@@ -14,6 +14,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig, api_keys
+from kv_transfer.tls import TlsIdentity
 
 
 class GatewayServer:
@@ -24,8 +25,9 @@ class GatewayServer:
         port = config.port or _free_port(config.host)
         self.app = create_app(config, discover)
         self._server = uvicorn.Server(uvicorn.Config(self.app, host=config.host, port=port,
-                                                     log_level="warning", lifespan="on"))
-        self.url = f"http://{config.host}:{port}"
+                                                     log_level="warning", lifespan="on",
+                                                     ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile))
+        self.url = f"{'https' if config.ssl_certfile else 'http'}://{config.host}:{port}"
         self._thread = threading.Thread(target=self._server.run, name="gateway", daemon=True)
 
     def start(self, timeout_s: float = 30.0) -> "GatewayServer":
@@ -70,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api-key", action="append", default=[], help="KEY or KEY:TENANT")
     ap.add_argument("--api-keys-file", default=None)
     ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument("--tls-dir", default=None, help="the gateway's cluster certificate (tandem certs): mutual TLS "
+                    "to workers started with --tls-dir")
+    ap.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM)")
+    ap.add_argument("--ssl-keyfile", default=None, help="... and this key (PEM)")
     args = ap.parse_args(argv)
     keys = api_keys(args.api_keys_file, args.api_key)
     # the workers' secret, hex (as deploy/worker.py reads it): every worker call is authenticated
@@ -77,8 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     config = GatewayConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
                            port=args.port, decode_workers=tuple(args.decode), prefill_workers=tuple(args.prefill),
                            colocated_workers=tuple(args.colocated), api_keys=keys,
-                           request_timeout_s=args.request_timeout, cluster_secret=secret)
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info")
+                           request_timeout_s=args.request_timeout, cluster_secret=secret,
+                           tls=TlsIdentity.load(args.tls_dir) if args.tls_dir else None,
+                           ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info",
+                ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
     return 0
 
 

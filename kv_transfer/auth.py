@@ -28,6 +28,7 @@ import grpc
 import grpc.aio
 
 from kv_transfer.frame import check_secret
+from kv_transfer.tls import TlsIdentity, open_channel
 
 TS_KEY = "tandem-auth-ts"
 NONCE_KEY = "tandem-auth-nonce"
@@ -196,6 +197,7 @@ def aio_interceptors(secret: bytes) -> list[grpc.aio.ClientInterceptor]:
     return [_AioUnaryUnary(key), _AioUnaryStream(key)]
 
 
-def channel(address: str, secret: bytes, options: Any = None) -> grpc.Channel:
-    """A synchronous channel to `address` whose every call carries credentials."""
-    return grpc.intercept_channel(grpc.insecure_channel(address, options=options), ClientAuth(secret))
+def channel(address: str, secret: bytes, options: Any = None, tls: TlsIdentity | None = None) -> grpc.Channel:
+    """A synchronous channel to `address` whose every call carries credentials (over mutual
+    TLS with `tls`, the caller's cluster certificate, when given)."""
+    return grpc.intercept_channel(open_channel(address, tls, options), ClientAuth(secret))

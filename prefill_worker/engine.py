@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -66,8 +67,11 @@ class CancelJob:
 
 class PrefillEngine:
     def __init__(self, core: EngineCore, secret: bytes, lock: threading.RLock, wake: threading.Event,
-                 layer_group: int = 2, transport: TransportConfig | None = None, owner_suffix: str = ""):
+                 peers: Callable[[str], bool], layer_group: int = 2, transport: TransportConfig | None = None,
+                 owner_suffix: str = ""):
+        """`peers(endpoint)`: whether a push to that decode endpoint is allowed (worker/peers.py)."""
         self.core, self.pool, self.lock, self.wake = core, core.pool, lock, wake
+        self.peers = peers
         self.secret, self.layer_group = secret, layer_group
         self.transport = transport or TransportConfig()
         self.hooks = TransferHooks()          # the sender's hooks (install_hooks)
@@ -84,11 +88,16 @@ class PrefillEngine:
     # ---- called from RPC threads -------------------------------------------------
     def submit(self, request_id: str, tenant: str, ids: list[int], params: SamplingParams,
                endpoint: str, transfer_id: bytes) -> PrefillJob:
-        """Queue a prompt.  Raises WorkerError (INVALID_REQUEST, PROMPT_TOO_LONG) queuing nothing."""
+        """Queue a prompt.  Raises WorkerError (INVALID_REQUEST, PROMPT_TOO_LONG, UNKNOWN_PEER)
+        queuing nothing."""
         core = self.core
         if self.closing:
             raise WorkerError(ErrorCode.UNAVAILABLE, "the worker is shutting down")
         check_request_id(request_id)
+        if not self.peers(endpoint):
+            self.counts["unknown_peer"] += 1
+            raise WorkerError(ErrorCode.UNKNOWN_PEER, f"decode endpoint {endpoint[:200]!r} is not a decode worker "
+                              "of this deployment: prefill pushes only to the registry's (or --decode-peer) endpoints")
         if params.seed is None:
             raise WorkerError(ErrorCode.INVALID_REQUEST, "prefill needs the seed the decode worker's reservation gave")
         owner = request_id + self.owner_suffix

@@ -67,10 +67,8 @@ def wait_ready(url: str, timeout_s: float = 30) -> None:
 def gateway_cluster(decode_config, prefill_config, **gateway):
     """A decode and a prefill worker and a ready gateway in front of them; at the end every
     pool must be intact and fully free (I6)."""
-    from decode_worker.server import start_decode_worker
-    from prefill_worker.server import start_prefill_worker
-    from tests.workers import wait_idle
-    decode, prefill = start_decode_worker(decode_config), start_prefill_worker(prefill_config)
+    from tests.workers import start_decode, start_prefill, wait_idle
+    decode, prefill = start_decode(decode_config), start_prefill(prefill_config)
     gw = start_gateway([decode.address], [prefill.address], **gateway)
     try:
         wait_ready(gw.url)

@@ -17,10 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from decode_worker.server import start_decode_worker
-from prefill_worker.server import start_prefill_worker
 from tests.gateway_helpers import API_KEY, connection, gateway_cluster, get, post, start_gateway, wait_ready
-from tests.workers import SECRET, config, wait_idle
+from tests.workers import DECODE_ENDPOINTS, SECRET, config, start_decode, start_prefill, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +119,8 @@ def test_a_decode_worker_killed_mid_stream_gives_an_error_event(cluster):
                             stdout=subprocess.PIPE, text=True, env=env)
     gw = None
     try:
-        address = proc.stdout.readline().split()[2]
+        _, _, address, endpoint = proc.stdout.readline().split()     # READY decode ADDRESS ENDPOINT
+        DECODE_ENDPOINTS.add(endpoint)
         gw = start_gateway([address], [prefill.address])
         wait_ready(gw.url)
         conn = connection(gw.url)
@@ -148,7 +147,7 @@ def test_a_decode_worker_killed_mid_stream_gives_an_error_event(cluster):
 def test_a_peer_stalled_for_40_seconds_does_not_fail_a_longer_request():
     """The decode worker stops reading the KV push for 40 s (flow control backs the prefill
     worker up), then continues: with a 120 s request timeout the request completes."""
-    decode, prefill = start_decode_worker(config()), start_prefill_worker(config())
+    decode, prefill = start_decode(config()), start_prefill(config())
     receiver = decode.roles[0].receiver
     inner, stalled = receiver.receive, []
 
@@ -178,10 +177,11 @@ def test_a_prefill_worker_killed_mid_push_is_retried_on_another():
     """The first prefill worker dies with frames in flight: the decode reservation is released,
     and the request completes through the other prefill worker."""
     env = dict(os.environ, TANDEM_CLUSTER_SECRET=SECRET.hex())
+    decode, spare = start_decode(config()), start_prefill(config())
     doomed = subprocess.Popen([sys.executable, "-m", "chaos.worker", "--role", "prefill",
+                               "--decode-peer", str(decode.transfer_endpoint),
                                "--fault", "delay:after=7:seconds=60"],    # after the first layer group
                               stdout=subprocess.PIPE, text=True, env=env)
-    decode, spare = start_decode_worker(config()), start_prefill_worker(config())
     gw = None
     try:
         doomed_address = doomed.stdout.readline().split()[2]

@@ -14,6 +14,7 @@ from kv_transfer.hooks import PLAIN_SENDER
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import State
 from kv_transfer.sender import TransferSender, TransferTicket
+from kv_transfer.tls import ClusterCA
 from kv_transfer.transport import TransportConfig, connect, grpc_stream, shm
 from kv_transfer.transport.grpc_server import GrpcTransferServer
 from kv_transfer.transport.local import LocalServer
@@ -26,6 +27,8 @@ KINDS = {
     "grpc": TransportConfig(streams=1, message_bytes=256),       # a message per frame
     "grpc-3-streams": TransportConfig(streams=3, message_bytes=256),
     "grpc-batched": TransportConfig(),                            # the defaults: frames batched
+    # mutual TLS, as across nodes: sender and receiver hold certificates of one cluster CA
+    "grpc-tls": TransportConfig(streams=2, message_bytes=256, tls=ClusterCA().issue("kv-test")),
 }
 
 
@@ -96,7 +99,8 @@ def test_a_multi_layer_transfer_arrives_byte_exact(served):
 def test_a_version_mismatch_fails_closed(served):
     config, server, recv, dst = served
     with pytest.raises(TransferRefused) as e:
-        connect(server.endpoint, b"t" * 16, TransportConfig(versions=(7,), streams=config.streams), secret=SECRET)
+        connect(server.endpoint, b"t" * 16, TransportConfig(versions=(7,), streams=config.streams, tls=config.tls),
+                secret=SECRET)
     assert e.value.reason == Refusal.BAD_VERSION
 
 

@@ -6,19 +6,17 @@ prompt."""
 
 from __future__ import annotations
 
-from decode_worker.server import start_decode_worker
 from engine.params import SamplingParams
-from prefill_worker.server import start_prefill_worker
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
-from tests.workers import channel, module_worker, run, wait_idle
+from tests.workers import channel, module_worker, run, start_decode, start_prefill, wait_idle
 from worker.convert import params_to_proto, prefill_request
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
-decode = module_worker(start_decode_worker, max_model_len=1024)
-prefill = module_worker(start_prefill_worker)
+decode = module_worker(start_decode, max_model_len=1024)
+prefill = module_worker(start_prefill)
 
 
 def test_a_prefill_of_another_prompt_into_a_victims_reservation_fails_the_victim(decode, prefill, shipped_llm):

@@ -9,21 +9,19 @@ import time
 import grpc
 import pytest
 
-from decode_worker.server import start_decode_worker
 from engine.params import SamplingParams
 from kv_transfer import auth
-from prefill_worker.server import start_prefill_worker
 from proto import kv_transfer_pb2 as kpb
 from proto import worker_pb2 as wpb
-from tests.workers import SECRET, channel, module_worker, wait_idle
+from tests.workers import SECRET, channel, module_worker, start_decode, start_prefill, wait_idle
 from worker.convert import params_to_proto
 
 OTHER = b"another-cluster-secret-012345678"
 DECODE, PREFILL, KV = "/tandem.worker.DecodeService/", "/tandem.worker.PrefillService/", "/tandem.kv.KvTransfer/"
 
 
-decode = module_worker(start_decode_worker, max_model_len=1024)
-prefill = module_worker(start_prefill_worker)
+decode = module_worker(start_decode, max_model_len=1024)
+prefill = module_worker(start_prefill)
 
 
 def gen_request(rid: str = "auth") -> wpb.GenerateRequest:

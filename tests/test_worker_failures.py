@@ -12,12 +12,10 @@ import time
 
 import pytest
 
-from decode_worker.server import start_decode_worker
 from engine.params import SamplingParams
-from prefill_worker.server import start_prefill_worker
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
-from tests.workers import SECRET, channel, config, module_worker, run, wait_idle
+from tests.workers import SECRET, channel, config, module_worker, run, start_decode, start_prefill, wait_idle
 from worker.client import generate
 from worker.convert import params_to_proto
 from worker.server import build_core
@@ -25,8 +23,8 @@ from worker.server import build_core
 LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
 
 
-decode = module_worker(start_decode_worker, transfer_timeout_s=1.0, max_model_len=1024)
-prefill = module_worker(start_prefill_worker)
+decode = module_worker(start_decode, transfer_timeout_s=1.0, max_model_len=1024)
+prefill = module_worker(start_prefill)
 
 
 @pytest.fixture
@@ -105,6 +103,7 @@ def test_a_reservation_that_receives_nothing_times_out(decode, ids):
 def test_a_prefill_worker_killed_mid_push(decode, ids):
     env = dict(os.environ, TANDEM_CLUSTER_SECRET=SECRET.hex())
     proc = subprocess.Popen([sys.executable, "-m", "chaos.worker", "--role", "prefill",
+                             "--decode-peer", decode.transfer_endpoint,
                              "--fault", "delay:after=3:seconds=60"],   # after the first layer group
                             stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -135,7 +134,7 @@ def test_start_up_refuses_a_pool_smaller_than_the_context():
 
 
 def test_stopping_a_worker_ends_its_streams_with_an_explicit_error(prefill, ids):
-    decode = start_decode_worker(config())
+    decode = start_decode(config())
     gen = generate(channel(decode.address), channel(prefill.address),
                    "in-flight", "acme", ids, LONG)
     assert [next(gen).WhichOneof("kind") for _ in range(3)] == ["reservation", "tokens", "tokens"]

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from decode_worker.server import start_decode_worker
 from engine.params import SamplingParams
-from prefill_worker.server import start_prefill_worker
-from tests.workers import channel, config, run, wait_idle
+from tests.workers import channel, config, run, start_decode, start_prefill, wait_idle
 
 PROMPT = "Please repeat: paged experts keep the hot experts resident"
 
@@ -17,7 +15,7 @@ PROMPT = "Please repeat: paged experts keep the hot experts resident"
 @pytest.fixture(scope="module")
 def workers():
     cfg = config()
-    decode, prefill = start_decode_worker(cfg), start_prefill_worker(cfg)
+    decode, prefill = start_decode(cfg), start_prefill(cfg)
     yield channel(decode.address), channel(prefill.address)
     wait_idle(decode, prefill)
     decode.stop()

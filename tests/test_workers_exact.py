@@ -11,15 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from decode_worker.engine import DecodeEngine
-from decode_worker.server import start_decode_worker
 from deploy.colocated import start_colocated_worker
 from engine.params import SamplingParams
 from engine.scheduler import Scheduler
 from kv_transfer.reservation import State
-from prefill_worker.server import start_prefill_worker
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
-from tests.workers import Result, channel, config, run, wait_idle
+from tests.workers import Result, channel, config, run, start_decode, start_prefill, wait_idle
 from worker.client import generate
 
 CHATS = ["Repeat after me: blue kettle", "What does isinstance do?", "Say hello to Ada.",
@@ -49,7 +47,7 @@ def reference(shipped_llm, prompts):
 def test_disaggregated_greedy_equals_the_engine(prompts, reference, resident, transfer):
     cfg = config(paged_experts_num_resident=resident, max_prefill_tokens=128, layer_group=2,
                  transfer=transfer)
-    decode, prefill = start_decode_worker(cfg), start_prefill_worker(cfg)
+    decode, prefill = start_decode(cfg), start_prefill(cfg)
     try:
         dch, pch = channel(decode.address), channel(prefill.address)
         with ThreadPoolExecutor(len(prompts)) as pool:

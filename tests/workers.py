@@ -14,9 +14,29 @@ from engine.params import SamplingParams
 from kv_transfer import auth
 from worker.client import generate
 from worker.config import WorkerConfig
+from worker.peers import KnownPeers
 from worker.server import WorkerHandle
 
 SECRET = b"tandem-test-cluster-secret-0123"
+# the tests' stand-in for the registry: the decode transfer endpoints a test prefill worker may
+# push to (start_decode announces each decode worker it starts)
+DECODE_ENDPOINTS: set[str] = set()
+
+
+def start_decode(cfg: WorkerConfig) -> WorkerHandle:
+    """A decode worker, announced to the test prefill workers."""
+    from decode_worker.server import start_decode_worker
+    handle = start_decode_worker(cfg)
+    assert handle.transfer_endpoint is not None
+    DECODE_ENDPOINTS.add(handle.transfer_endpoint)
+    return handle
+
+
+def start_prefill(cfg: WorkerConfig) -> WorkerHandle:
+    """A prefill worker that pushes to the decode workers `start_decode` announced (read again
+    on every miss, as a Ray prefill worker reads the registry)."""
+    from prefill_worker.server import start_prefill_worker
+    return start_prefill_worker(cfg, KnownPeers(fetch=lambda: set(DECODE_ENDPOINTS), refresh_s=0.0))
 
 
 def channel(address: str, secret: bytes = SECRET) -> grpc.Channel:

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from engine.config import SHIPPED_MODEL, EngineConfig, parse_dtype
 from kv_transfer.frame import check_secret
+from kv_transfer.tls import TlsIdentity
+from kv_transfer.transport.base import TransportConfig
 
 MAX_REQUEST_TIMEOUT_S = 600.0   # the longest a Generate may ask its reservation to wait (the gateway's default)
 
@@ -32,7 +34,11 @@ class WorkerConfig:
     max_request_timeout_s: float = MAX_REQUEST_TIMEOUT_S   # a Generate's timeout_s is clamped to this
     layer_group: int = 2                  # prefill sends every `layer_group` layers as computed
     verify_experts: bool = False          # check resident expert slots before each use (guard mode)
+    decode_peers: tuple[str, ...] = ()    # (prefill, as a plain process) the decode transfer endpoints it may push to
     secret: bytes = field(default=b"", repr=False)   # the cluster secret (never printed)
+    # this worker's cluster certificate: its RPC and transfer servers, and the channels it opens,
+    # run mutual TLS (kv_transfer/tls.py); None: plaintext (every worker on one node)
+    tls: TlsIdentity | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.transfer not in ("grpc", "shm"):
@@ -48,6 +54,11 @@ class WorkerConfig:
     @property
     def public_host(self) -> str:
         return self.advertise_host or self.host
+
+    @property
+    def transport(self) -> TransportConfig:
+        """The transfer layer's settings for this worker (its TLS identity; defaults otherwise)."""
+        return TransportConfig(tls=self.tls)
 
     def engine_config(self, kv_cache_tokens: int | None = None) -> EngineConfig:
         """The engine's config for this worker (`kv_cache_tokens` overrides the configured size)."""

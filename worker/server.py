@@ -20,6 +20,7 @@ from engine.core import EngineCore
 from kv_transfer.auth import AuthInterceptor, Verifier
 from kv_transfer.hooks import TransferHooks
 from kv_transfer.receiver import TransferReceiver
+from kv_transfer.tls import add_port
 from worker.config import WorkerConfig
 from worker.loop import RoleEngine, WorkerLoop
 from worker.types import Role
@@ -50,6 +51,7 @@ class WorkerHandle:
     # worker), for reading its refusal and failure logs and counters; its pages stay the core's
     receiver: TransferReceiver | None = None
     auth: Verifier | None = None      # checks every call's credentials (its RPC and transfer servers)
+    transfer_endpoint: str | None = None   # where prefill pushes to it (decode, colocated); None on prefill
     stopped: bool = False
 
     def counts(self) -> Counter[str]:
@@ -119,13 +121,13 @@ def kv_tokens_for_fraction(config: WorkerConfig) -> int:
 def grpc_server(config: WorkerConfig, auth: Verifier) -> tuple[grpc.Server, str]:
     """A gRPC server bound to the configured host and port (0: a free one), not yet started,
     and the address others reach it at.  `auth` refuses (UNAUTHENTICATED) every call without
-    valid credentials before its handler runs (I9)."""
+    valid credentials before its handler runs (I9); with `config.tls` it serves mutual TLS only."""
     # every Generate/Prefill holds a thread for its whole life: leave room for Health/Stats,
     # and refuse (RESOURCE_EXHAUSTED) rather than queue calls beyond the pool
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=RPC_THREADS, thread_name_prefix="worker-rpc"),
                          options=SERVICE_OPTIONS, maximum_concurrent_rpcs=RPC_THREADS - 16,
                          interceptors=[AuthInterceptor(auth)])
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = add_port(server, f"{config.host}:{config.port}", config.tls)
     if port == 0:
         raise OSError(f"cannot bind the worker's gRPC service to {config.host}:{config.port}")
     return server, f"{config.public_host}:{port}"

@@ -25,6 +25,7 @@ class ErrorCode(enum.StrEnum):
     CANCELLED = "CANCELLED"                      # the caller's stream or call went away
     INTERNAL = "INTERNAL"                        # a step failed
     TRANSFER_FAILED = "TRANSFER_FAILED"          # the KV transfer was refused or broke
+    UNKNOWN_PEER = "UNKNOWN_PEER"                # the decode endpoint is not one of the deployment's
     PREFILL_UNAVAILABLE = "PREFILL_UNAVAILABLE"  # (client side) the prefill worker cannot be reached
     DECODE_UNAVAILABLE = "DECODE_UNAVAILABLE"    # (client side) the decode worker cannot be reached
     DECODE_FAILED = "DECODE_FAILED"              # (gateway) the decode stream broke after a token

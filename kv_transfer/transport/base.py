@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kv_transfer.frame import SUPPORTED_VERSIONS
+from kv_transfer.tls import TlsIdentity
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class TransportConfig:
     stream_idle_s: a Push stream that sends nothing for this long is cut by the gRPC receiver
         (60 s, twice the decode worker's default transfer timeout), so stalled streams give
         their threads back; the transfers it had proven (a verified frame) fail.
+    tls: this process's cluster certificate: gRPC streams and servers run mutual TLS with it
+        (kv_transfer/tls.py); None runs them in plaintext (one node).  Ignored by local://
+        and shm://, which never leave the node.
     """
     message_bytes: int = 1 << 20
     streams: int = 1
@@ -45,6 +49,7 @@ class TransportConfig:
     versions: tuple[int, ...] = SUPPORTED_VERSIONS
     max_push_streams: int = 256
     stream_idle_s: float = 60.0
+    tls: TlsIdentity | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 < self.message_bytes <= self.max_message_bytes // 2:

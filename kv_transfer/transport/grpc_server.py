@@ -12,6 +12,7 @@ import grpc
 from kv_transfer.auth import AuthInterceptor, Verifier
 from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.receiver import TransferReceiver
+from kv_transfer.tls import add_port
 from kv_transfer.transport import framing
 from kv_transfer.transport.base import TransportConfig
 from proto import kv_transfer_pb2 as pb
@@ -193,7 +194,7 @@ class GrpcTransferServer:
                 response_serializer=pb.PushReply.SerializeToString),
         }),))
         self.host = advertise_host or host       # what the endpoint tells senders
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.port = add_port(self.server, f"{host}:{port}", self.config.tls)
         if self.port == 0:
             self.watch.stop()
             raise OSError(f"cannot bind the KV transfer server to {host}:{port}")

@@ -19,6 +19,7 @@ import grpc
 from kv_transfer.auth import ClientAuth
 from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.pages import Payload, payload_view
+from kv_transfer.tls import open_channel
 from kv_transfer.transport import framing
 from kv_transfer.transport.base import TransportConfig
 from proto import kv_transfer_pb2 as pb
@@ -38,13 +39,14 @@ _CHANNELS_LOCK = threading.Lock()
 
 def _channel(target: str, config: TransportConfig, lane: int, secret: bytes) -> grpc.Channel:
     """One long-lived channel per (target, lane, settings, secret): connections are reused
-    across transfers, so a transfer pays no TCP or HTTP/2 set-up.  Every call on it carries
-    credentials made with the cluster secret (kv_transfer/auth.py)."""
+    across transfers, so a transfer pays no TCP, TLS or HTTP/2 set-up.  Every call on it
+    carries credentials made with the cluster secret (kv_transfer/auth.py), over mutual TLS
+    when the settings hold a certificate."""
     key = (target, lane, config, secret)
     with _CHANNELS_LOCK:
         ch = _CHANNELS.get(key)
         if ch is None:
-            raw = grpc.insecure_channel(target, options=channel_options(config, lane))
+            raw = open_channel(target, config.tls, channel_options(config, lane))
             ch = _CHANNELS[key] = grpc.intercept_channel(raw, ClientAuth(secret))
         return ch
 
