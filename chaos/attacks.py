@@ -68,13 +68,30 @@ class RogueClient:
                         "pool": {"used": pool["used"], "free": pool["free"]}}
         return out
 
+    def _quiet_state(self, wait_s: float = 10.0) -> dict[str, dict[str, Any]]:
+        """A reading that a second one 0.3 s later repeats (the last scenario's tail is over),
+        or the last one after `wait_s`."""
+        end = time.monotonic() + wait_s
+        state = self._state()
+        while time.monotonic() < end:
+            time.sleep(0.3)
+            again = self._state()
+            if again == state:
+                break
+            state = again
+        return state
+
     def begin(self, res: ScenarioResult) -> None:
         plan = self._plan()
+        skipped = [d["wid"] for d in plan["decode"] if not str(d["transfer"] or "").startswith("grpc://")]
+        if skipped:
+            res.notes.append(f"the transfer endpoints of {', '.join(skipped)} are not gRPC (shm: their socket "
+                             f"admits only the worker's own uid): no Handshake or Push sent there")
         by_address = {d["address"]: d["wid"] for d in plan["decode"]}
         by_address.update({d["transfer"].removeprefix("grpc://"): d["wid"] for d in plan["decode"]
                            if str(d["transfer"] or "").startswith("grpc://")})
         by_address.update({a: wid for wid, a in zip(sorted(self.cluster.workers(Role.PREFILL)), plan["prefill"])})
-        before = self._state()
+        before = self._quiet_state()
         proc = subprocess.run([sys.executable, "-m", "chaos.rogue", json.dumps(plan)], capture_output=True,
                               text=True, timeout=ROGUE_TIMEOUT_S)
         after = self._state()
@@ -150,9 +167,10 @@ class StalledStreams:
         now = self._settled(n)
         res.faults_injected = n - (info["limit"] - info["live"])       # more than the free slots
         shake = self.cluster.call(self.bad, "stall_handshake", endpoint=info["endpoint"])
+        answered = f"version {shake['version']}" if "version" in shake else shake.get("error")
         res.notes.append(f"{n} stalled streams on {self.victim}: {now['live'] - info['live']} held, "
                          f"{now['refused'] - info['refused']} refused over the cap of {info['limit']}; "
-                         f"a Handshake meanwhile: {shake}")
+                         f"a Handshake meanwhile answered {answered} in {shake['seconds'] * 1000:.0f} ms")
         if shake.get("version") != 1:
             res.violations.append(f"a Handshake to {self.victim} with every Push slot stalled got {shake}")
         if now["live"] > info["limit"]:
