@@ -10,6 +10,10 @@ one page as prefill would produce them.  `local` runs in this process; `shm`, `g
 opening the stream to the commit's acknowledgement, and its bytes are checked: the
 receiver's pages must hash as the sender's.  Each figure is the median of `--repeats`.
 
+grpc_tls_gbps: the same gRPC transfer over mutual TLS (both sides holding certificates of one
+cluster CA, as `tandem serve` runs across nodes); grpc_tls_vs_grpc is its rate over plaintext
+gRPC's, both measured in this run.
+
 checksum_overhead: time spent on checksums and tags (sender checksums + the receiver's
 verification and post-commit re-checksum, summed although the two processes run at the
 same time) as a share of the gRPC transfer's wall time.  Rates are GB/s (10^9 bytes/s).
@@ -18,6 +22,7 @@ same time) as a share of the gRPC transfer's wall time.  Rates are GB/s (10^9 by
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -43,6 +48,7 @@ from engine.kv_pool import PagePool
 from kv_transfer.frame import new_cluster_secret
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.sender import TransferSender, TransferTicket
+from kv_transfer.tls import ClusterCA
 from kv_transfer.transport import TransportConfig, connect
 from kv_transfer.transport.local import LocalServer
 
@@ -139,7 +145,8 @@ def run_local(src: PagePool, secret: bytes, want: int, config: TransportConfig, 
 
 def run_remote(kind: str, src: PagePool, secret: bytes, want: int, config: TransportConfig, repeats: int,
                path: str = "") -> tuple[list[float], list[tuple[float, float, float]]]:
-    peer = Peer(kind, secret, config.__dict__ if kind == "grpc" else {}, path)
+    settings = {k: v for k, v in config.__dict__.items() if k != "tls"}      # the TLS identity goes by `path`
+    peer = Peer(kind, secret, settings if kind == "grpc" else {}, path)
     times: list[float] = []
     overhead: list[tuple[float, float, float]] = []
     try:
@@ -182,6 +189,13 @@ def main() -> None:
                                         os.path.join(tmp, "kv.sock"))[0])
     times, overhead = run_remote("grpc", src, secret, want, config, args.repeats)
     r["grpc_gbps"] = gbps(times)
+    with tempfile.TemporaryDirectory() as tmp:     # certificates of a fresh cluster CA, written 0600
+        ca = ClusterCA()
+        ca.issue("bench-receiver", hosts=["127.0.0.1"]).write(os.path.join(tmp, "receiver"))
+        tls_config = dataclasses.replace(config, tls=ca.issue("bench-sender"))
+        r["grpc_tls_gbps"] = gbps(run_remote("grpc", src, secret, want, tls_config, args.repeats,
+                                             os.path.join(tmp, "receiver"))[0])
+    r["grpc_tls_vs_grpc"] = r["grpc_tls_gbps"] / r["grpc_gbps"]
     r["checksum_overhead"] = statistics.median(o[0] for o in overhead)
     r["checksum_overhead_sender"] = statistics.median(o[1] for o in overhead)
     r["checksum_overhead_receiver"] = statistics.median(o[2] for o in overhead)

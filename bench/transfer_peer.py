@@ -20,6 +20,7 @@ import torch
 from bench.transfer_shape import SHAPE, bench_prompt_digest, make_pool, pool_digest
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import Reservation
+from kv_transfer.tls import TlsIdentity
 from kv_transfer.transport.base import TransportConfig
 
 if TYPE_CHECKING:
@@ -51,7 +52,10 @@ def main() -> None:
     torch.set_num_threads(1)
     pool = make_pool(seed=2)
     recv = TransferReceiver(pool, secret, timeout_s=600)
-    config = TransportConfig(**json.loads(arg)) if kind == "grpc" else None
+    config = None
+    if kind == "grpc":      # with a directory argument: mutual TLS with the identity written there
+        tls = TlsIdentity.load(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[4] else None
+        config = TransportConfig(**json.loads(arg), tls=tls)
     server: ShmTransferServer | GrpcTransferServer | None
     if kind == "shm":
         from kv_transfer.transport.shm_server import ShmTransferServer

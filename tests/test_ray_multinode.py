@@ -47,6 +47,7 @@ def test_prefill_and_decode_on_different_nodes_and_recovery(cluster):
         placed = {w["role"]: w["node_id"] for w in workers()}
         assert placed["prefill"] != placed["decode"]
         assert placed["decode"] == nodes["decode"].node_id and placed["prefill"] == nodes["prefill"].node_id
+        assert all(w["tls"] for w in workers())          # --tls auto: more than one node, so mutual TLS
         client = openai.OpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0)
         assert client.chat.completions.create(model="tiny-moe", messages=CHAT, max_tokens=8).usage.completion_tokens
         replica = openai.OpenAI(base_url=d.urls[1] + "/v1", api_key="none", max_retries=0)   # a second gateway

@@ -172,3 +172,27 @@ def test_status_text_keeps_the_table():
 
 def test_status_has_a_json_flag():
     assert build_parser().parse_args(["status", "--json"]).json
+
+
+def test_tls_is_on_across_nodes_unless_turned_off():
+    from deploy.settings import ServeSettings
+    assert not ServeSettings().use_tls(1) and ServeSettings().use_tls(2)
+    assert ServeSettings(tls="on").use_tls(1) and not ServeSettings(tls="off").use_tls(3)
+    with pytest.raises(ValueError, match="--tls"):
+        ServeSettings(tls="maybe")
+    with pytest.raises(ValueError, match="both --ssl-certfile and --ssl-keyfile"):
+        ServeSettings(ssl_certfile=__file__)
+
+
+def test_tandem_certs_writes_one_private_directory_per_process(tmp_path, capsys):
+    import stat
+
+    from kv_transfer.tls import TlsIdentity
+    assert main(["certs", str(tmp_path / "c"), "decode-0", "prefill-0", "gateway", "--host", "10.0.0.7"]) == 0
+    out = capsys.readouterr().out
+    assert "PRIVATE" not in out and "BEGIN" not in out
+    idents = {n: TlsIdentity.load(tmp_path / "c" / n) for n in ("decode-0", "prefill-0", "gateway")}
+    assert len({i.ca_pem for i in idents.values()}) == 1                  # one CA
+    assert all(stat.S_IMODE((tmp_path / "c" / n / "key.pem").stat().st_mode) == 0o600 for n in idents)
+    assert main(["certs", str(tmp_path / "d"), "../escape"]) == 2
+    assert not (tmp_path / "escape").exists()
