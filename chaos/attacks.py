@@ -26,6 +26,7 @@ import ray
 from chaos.client import Outcome
 from chaos.cluster import ChaosCluster
 from chaos.report import ScenarioResult
+from proto import worker_pb2 as wpb
 from worker.types import Role
 
 ROGUE_TIMEOUT_S = 120.0
@@ -60,12 +61,19 @@ class RogueClient:
         return plan
 
     def _state(self) -> dict[str, dict[str, Any]]:
+        """Per worker: its refused-call counters (the ledger's and its authenticated `Stats`
+        reply's `rpc_unauthenticated`) apart from everything else a served call would move
+        (request counters, receiver refusals and bytes, pool pages)."""
         out = {}
-        for wid in self.cluster.workers():
+        for wid, actor in self.cluster.workers().items():
             ledger, pool = self.cluster.call(wid, "ledger"), self.cluster.call(wid, "idle_check")
-            out[wid] = {"counts": ledger["counts"], "refusals": len(ledger.get("refusals", [])),
-                        "accepted_bytes": ledger.get("accepted_bytes", 0),
-                        "pool": {"used": pool["used"], "free": pool["free"]}}
+            stats = wpb.StatsReply.FromString(ray.get(actor.stats.remote(), timeout=60))
+            counts = dict(ledger["counts"])
+            out[wid] = {"refused": (counts.pop("unauthenticated", 0), stats.rpc_unauthenticated),
+                        "counts": counts, "refusals": len(ledger.get("refusals", [])),
+                        "accepted_bytes": ledger.get("accepted_bytes", 0), "pool": (pool["used"], pool["free"]),
+                        "stats": (stats.kv_pages_free, stats.kv_pages_used, stats.requests_finished,
+                                  stats.requests_failed, stats.transfers_accepted, dict(stats.transfers_refused))}
         return out
 
     def _quiet_state(self, wait_s: float = 10.0) -> dict[str, dict[str, Any]]:
@@ -106,33 +114,28 @@ class RogueClient:
                 res.violations.append(f"rogue {c['call']} ({c['credentials']} credentials) on {c['target']} "
                                       f"ended {c['code']}, not UNAUTHENTICATED")
         per_worker = Counter(by_address[c["target"]] for c in calls)
-        grew = {wid: _unauthenticated(after[wid]) - _unauthenticated(before[wid]) for wid in sorted(before)}
         for wid in sorted(before):
-            self._compare(res, wid, before[wid], after[wid], per_worker[wid], grew[wid])
+            self._compare(res, wid, before[wid], after[wid], per_worker[wid])
         kinds = Counter(c["call"] for c in calls)
         res.notes.append(f"rogue calls: {len(calls)} ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}), "
-                         f"{res.faults_detected} UNAUTHENTICATED; unauthenticated counters grew by "
-                         + ", ".join(f"{wid} +{g} (calls {per_worker[wid]})" for wid, g in grew.items()))
+                         f"{res.faults_detected} UNAUTHENTICATED; rpc_unauthenticated grew by "
+                         + ", ".join(f"{wid} +{after[wid]['refused'][1] - before[wid]['refused'][1]} "
+                                     f"(calls {per_worker[wid]})" for wid in sorted(before)))
 
     @staticmethod
-    def _compare(res: ScenarioResult, wid: str, b: dict[str, Any], a: dict[str, Any], calls: int,
-                 grew: int) -> None:
-        if grew != calls:
-            res.violations.append(f"{wid}: {calls} rogue calls refused, its unauthenticated counter "
-                                  f"grew by {grew}")
-        rest = {k: v for k, v in a["counts"].items() if k != "unauthenticated"}
-        if rest != {k: v for k, v in b["counts"].items() if k != "unauthenticated"} or \
-                (a["refusals"], a["accepted_bytes"]) != (b["refusals"], b["accepted_bytes"]):
-            res.violations.append(f"{wid}: rogue calls changed its counters: {b} -> {a}")
-        if a["pool"] != b["pool"]:
-            res.violations.append(f"{wid}: rogue calls changed its pool: {b['pool']} -> {a['pool']}")
+    def _compare(res: ScenarioResult, wid: str, b: dict[str, Any], a: dict[str, Any], calls: int) -> None:
+        grew = (a["refused"][0] - b["refused"][0], a["refused"][1] - b["refused"][1])
+        if grew != (calls, calls):
+            res.violations.append(f"{wid}: {calls} rogue calls refused; its unauthenticated counter grew "
+                                  f"by {grew[0]}, its Stats' rpc_unauthenticated by {grew[1]}")
+        for key, what in (("counts", "request counters"), ("refusals", "receiver refusals"),
+                          ("accepted_bytes", "KV bytes accepted"), ("pool", "pool pages (used, free)"),
+                          ("stats", "Stats (pages free, used, finished, failed, accepted, refused)")):
+            if a[key] != b[key]:
+                res.violations.append(f"{wid}: rogue calls changed its {what}: {b[key]} -> {a[key]}")
 
     def end(self, res: ScenarioResult) -> None:
         pass
-
-
-def _unauthenticated(state: dict[str, Any]) -> int:
-    return int(state["counts"].get("unauthenticated", 0))
 
 
 class StalledStreams:

@@ -72,7 +72,9 @@ def test_the_trust_scenarios_in_a_small_run():
         assert row["ok"] and row["faults_injected"] >= 1 and row["faults_detected"] == row["faults_injected"], row
     rogue = rows["rogue_client"]
     # 2 decode workers x (Generate, Abort, Stats, Handshake, Push) + 1 prefill x (Prefill, Stats), twice
-    assert rogue["faults_injected"] == 24 and "24 UNAUTHENTICATED" in rogue["notes"][0]
+    assert rogue["faults_injected"] == 24 and rogue["notes"][0].endswith(
+        "24 UNAUTHENTICATED; rpc_unauthenticated grew by decode-0 +10 (calls 10), decode-1 +10 (calls 10), "
+        "prefill-0 +4 (calls 4)")
     assert rows["misbound_prefill"]["completed"] + rows["misbound_prefill"]["failed_explicitly"] == \
         rows["misbound_prefill"]["requests"]
     stalled = rows["stalled_streams"]
