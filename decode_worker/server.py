@@ -46,7 +46,7 @@ def transfer_server(config: WorkerConfig, engine: DecodeEngine, auth: Verifier) 
     running as this worker's uid; `stop()` removes the directory."""
     if config.transfer == "shm":
         from kv_transfer.transport.shm_server import ShmTransferServer
-        return ShmTransferServer(engine.receiver)
+        return ShmTransferServer(engine.receiver, on_refused=auth.count_refusal)
     from kv_transfer.transport.grpc_server import GrpcTransferServer
     return GrpcTransferServer(engine.receiver, config.host, config.transfer_port, config=config.transport,
                               advertise_host=config.public_host, auth=auth)

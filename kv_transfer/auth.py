@@ -70,9 +70,13 @@ class Verifier:
         """None when the call is authentic, else why not (and the refusal is counted)."""
         why = self._why(method, dict(metadata or ()))
         if why is not None:
-            with self._lock:
-                self.refused += 1
+            self.count_refusal()
         return why
+
+    def count_refusal(self) -> None:
+        """Count one refusal made elsewhere (a shared-memory peer refused for its uid)."""
+        with self._lock:
+            self.refused += 1
 
     def _why(self, method: str, md: dict[str, Any]) -> str | None:
         ts, nonce, mac = md.get(TS_KEY), md.get(NONCE_KEY), md.get(MAC_KEY)

@@ -29,8 +29,10 @@ import xxhash
 
 from proto import kv_transfer_pb2 as pb
 
-PROTOCOL_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+# 2: the tag and the commit bind the prompt's digest (issue 15).  A version-1 peer sends no
+# digest, so every transfer of its would be refused: the handshake refuses it once instead.
+PROTOCOL_VERSION = 2
+SUPPORTED_VERSIONS = (2,)
 TRANSFER_ID_BYTES = 16
 TAG_BYTES = 16
 PROMPT_DIGEST_BYTES = 32

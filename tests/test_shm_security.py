@@ -169,7 +169,8 @@ def test_a_peer_with_another_uid_is_refused_and_writes_nothing():
     recv = TransferReceiver(dst, SECRET, timeout_s=30)
     directory = tempfile.mkdtemp(prefix="tandem-kv-test-")
     os.chmod(directory, 0o755)                  # misconfigured on purpose: nobody can reach the socket
-    server = ShmTransferServer(recv, os.path.join(directory, "kv.sock"))
+    refusals: list[int] = []
+    server = ShmTransferServer(recv, os.path.join(directory, "kv.sock"), on_refused=lambda: refusals.append(1))
     os.chmod(server.path, 0o666)
     shm_name = f"tandem-kv-intruder-{os.getpid()}"
     try:
@@ -178,6 +179,7 @@ def test_a_peer_with_another_uid_is_refused_and_writes_nothing():
         wire, segment = _frames_bytes(t, shm_name)
         assert _as_nobody(server.path, wire, segment, shm_name) == 0
         wait_for(lambda: server.refused_peers == 1)
+        assert refusals == [1]                  # what a worker adds to Stats.rpc_unauthenticated
         assert t.res.state == State.RESERVED and not t.res.frames
         assert torch.equal(dst.kv, before)
         assert not any(dst.is_written(p) for p in dst.page_table("a"))

@@ -18,7 +18,7 @@ import stat
 import struct
 import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.receiver import TransferReceiver
@@ -35,16 +35,18 @@ class ShmTransferServer:
 
     path: where to bind; None makes a fresh private directory (0700) for the socket, removed
     with its contents by `stop()`.  allowed_uids: the peers' uids accepted (default: this
-    process's own uid only)."""
+    process's own uid only).  on_refused: called for each peer refused for its uid (a worker
+    counts them with its RPC refusals, in `Stats.rpc_unauthenticated`)."""
 
     def __init__(self, receiver: TransferReceiver, path: str | None = None,
-                 allowed_uids: Iterable[int] | None = None) -> None:
+                 allowed_uids: Iterable[int] | None = None, on_refused: Callable[[], None] | None = None) -> None:
         self._own_dir = tempfile.mkdtemp(prefix="tandem-kv-") if path is None else None
         path = os.path.join(self._own_dir, "kv.sock") if self._own_dir else path
         assert path is not None
         self.receiver, self.path = receiver, path
         self.allowed_uids = frozenset([os.getuid()] if allowed_uids is None else allowed_uids)
         self.refused_peers = 0         # connections closed for their uid
+        self._on_refused = on_refused
         if os.path.exists(path):
             os.unlink(path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -85,6 +87,8 @@ class ShmTransferServer:
         if uid in self.allowed_uids:
             return True
         self.refused_peers += 1        # only the accept thread writes it
+        if self._on_refused is not None:
+            self._on_refused()
         log.warning("shm://%s: refused a peer (pid %d, uid %d): allowed uids %s",
                     self.path, pid, uid, sorted(self.allowed_uids))
         return False
