@@ -3,11 +3,13 @@ expert hit rate (read from the registry, then from each worker's own `Stats`), a
 with `--json`, as one JSON object for operators and scripts:
 
     {"workers": [{"worker_id": "decode-0", "role": "decode", "node_ip": "10.0.0.7",
-                  "node_id": "...", "address": "10.0.0.7:50052", "transfer_endpoint": null,
+                  "node_id": "...", "address": "10.0.0.7:50052",
+                  "transfer_endpoint": "grpc://10.0.0.7:50061", "tls": true,
                   "health": "ok", "kv_tokens_used": 0, "kv_tokens_capacity": 16384,
                   "expert_hit_rate": 0.93}, ...]}
 
-`transfer_endpoint` is null unless the registry knows it; `health` is "ok" or the gRPC status
+`transfer_endpoint` is where prefill pushes KV to a decode worker (null on a prefill worker);
+`tls` whether its services run mutual TLS; `health` is "ok" or the gRPC status
 name of a worker that did not answer (then the numbers are null).
 """
 
@@ -47,7 +49,7 @@ def worker_report(w: dict, stats: ReadStats) -> WorkerReport:
     """One worker's registry entry joined with what `stats` reads from the worker itself."""
     return {"worker_id": w["worker_id"], "role": w["role"], "node_ip": w.get("node_ip"),
             "node_id": w.get("node_id"), "address": w["address"],
-            "transfer_endpoint": w.get("transfer_endpoint"), **stats(w)}
+            "transfer_endpoint": w.get("transfer_endpoint"), "tls": w.get("tls"), **stats(w)}
 
 
 def read_stats(w: dict) -> dict[str, Any]:

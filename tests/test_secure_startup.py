@@ -138,9 +138,9 @@ def test_serve_refuses_an_insecure_ray_address(monkeypatch, capsys):
 
 REGISTRY = [
     {"worker_id": "decode-0", "role": "decode", "address": "127.0.0.1:50052", "node_ip": "127.0.0.1",
-     "node_id": "n1"},
+     "node_id": "n1", "transfer_endpoint": "grpc://127.0.0.1:50061", "tls": True},
     {"worker_id": "prefill-0", "role": "prefill", "address": "127.0.0.1:50051", "node_ip": "127.0.0.1",
-     "node_id": "n1", "transfer_endpoint": "grpc://127.0.0.1:50061"},
+     "node_id": "n1", "transfer_endpoint": None, "tls": True},
 ]
 
 
@@ -154,12 +154,13 @@ def test_status_json_lists_every_worker():
     out = json.loads(format_json([worker_report(w, _fake_stats) for w in REGISTRY]))
     assert [w["worker_id"] for w in out["workers"]] == ["decode-0", "prefill-0"]
     for w in out["workers"]:
-        assert set(w) == {"worker_id", "role", "node_ip", "node_id", "address", "transfer_endpoint", "health",
+        assert set(w) == {"worker_id", "role", "node_ip", "node_id", "address", "transfer_endpoint", "tls", "health",
                           "kv_tokens_used", "kv_tokens_capacity", "expert_hit_rate"}
+        assert w["tls"] is True
     decode, prefill = out["workers"]
     assert (decode["role"], decode["health"], decode["kv_tokens_used"], decode["kv_tokens_capacity"]) == \
         ("decode", "ok", 32, 16384)
-    assert decode["transfer_endpoint"] is None and prefill["transfer_endpoint"] == "grpc://127.0.0.1:50061"
+    assert decode["transfer_endpoint"] == "grpc://127.0.0.1:50061" and prefill["transfer_endpoint"] is None
     assert prefill["health"] == "unavailable" and prefill["kv_tokens_capacity"] is None
 
 
