@@ -174,7 +174,7 @@ class StalledStreams:
         res.notes.append(f"{n} stalled streams on {self.victim}: {now['live'] - info['live']} held, "
                          f"{now['refused'] - info['refused']} refused over the cap of {info['limit']}; "
                          f"a Handshake meanwhile answered {answered} in {shake['seconds'] * 1000:.0f} ms")
-        if shake.get("version") != 1:
+        if not shake.get("version"):           # 0: no common version; absent: no answer
             res.violations.append(f"a Handshake to {self.victim} with every Push slot stalled got {shake}")
         if now["live"] > info["limit"]:
             res.violations.append(f"{self.victim} serves {now['live']} Push streams, over its cap {info['limit']}")

@@ -12,6 +12,7 @@ import pytest
 
 from chaos.rogue import CREDENTIALS, code_of, open_channel, transfer_calls
 from chaos.siege import StalledStreams
+from kv_transfer.frame import PROTOCOL_VERSION
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.transport import TransportConfig
 from kv_transfer.transport.grpc_server import GrpcTransferServer
@@ -42,7 +43,7 @@ def test_stalled_streams_fill_the_cap_and_all_close(server):
         assert stalled.open(srv.endpoint, 5) == 5
         wait_for(lambda: srv.watch.live == 3 and stalled.status()["ended"] == {"RESOURCE_EXHAUSTED": 2})
         assert stalled.status()["open"] == 3
-        assert stalled.handshake(srv.endpoint)["version"] == 1     # a spare thread answers it
+        assert stalled.handshake(srv.endpoint)["version"] == PROTOCOL_VERSION    # a spare thread answers it
     finally:
         closed = stalled.close()
     assert closed == {"closed": 3, "ended": {"RESOURCE_EXHAUSTED": 2, "reply STREAM_CLOSED": 3}}
@@ -79,5 +80,5 @@ def test_the_trust_scenarios_in_a_small_run():
         rows["misbound_prefill"]["requests"]
     stalled = rows["stalled_streams"]
     assert stalled["faults_injected"] == 8                    # max_push_streams + 8 opened at idle
-    assert any("a Handshake meanwhile answered version 1" in n for n in stalled["notes"])
+    assert any(f"a Handshake meanwhile answered version {PROTOCOL_VERSION}" in n for n in stalled["notes"])
     assert any("live Push streams afterwards: 0" in n for n in stalled["notes"])
