@@ -60,6 +60,14 @@ class RogueClient:
                 plan["decode"].append({"address": address, "transfer": transfer, "wid": wid})
         return plan
 
+    def _owner(self, plan: dict[str, Any]) -> dict[str, str]:
+        """host:port -> the worker serving it (its RPC service, its gRPC transfer endpoint)."""
+        out = {d["address"]: d["wid"] for d in plan["decode"]}
+        out.update({d["transfer"].removeprefix("grpc://"): d["wid"] for d in plan["decode"]
+                    if str(d["transfer"] or "").startswith("grpc://")})
+        out.update(zip(plan["prefill"], sorted(self.cluster.workers(Role.PREFILL))))
+        return out
+
     def _state(self) -> dict[str, dict[str, Any]]:
         """Per worker: its refused-call counters (the ledger's and its authenticated `Stats`
         reply's `rpc_unauthenticated`) apart from everything else a served call would move
@@ -95,10 +103,6 @@ class RogueClient:
         if skipped:
             res.notes.append(f"the transfer endpoints of {', '.join(skipped)} are not gRPC (shm: their socket "
                              f"admits only the worker's own uid): no Handshake or Push sent there")
-        by_address = {d["address"]: d["wid"] for d in plan["decode"]}
-        by_address.update({d["transfer"].removeprefix("grpc://"): d["wid"] for d in plan["decode"]
-                           if str(d["transfer"] or "").startswith("grpc://")})
-        by_address.update({a: wid for wid, a in zip(sorted(self.cluster.workers(Role.PREFILL)), plan["prefill"])})
         before = self._quiet_state()
         proc = subprocess.run([sys.executable, "-m", "chaos.rogue", json.dumps(plan)], capture_output=True,
                               text=True, timeout=ROGUE_TIMEOUT_S)
@@ -113,7 +117,8 @@ class RogueClient:
             if c["code"] != "UNAUTHENTICATED":
                 res.violations.append(f"rogue {c['call']} ({c['credentials']} credentials) on {c['target']} "
                                       f"ended {c['code']}, not UNAUTHENTICATED")
-        per_worker = Counter(by_address[c["target"]] for c in calls)
+        owner = self._owner(plan)
+        per_worker = Counter(owner[c["target"]] for c in calls)
         for wid in sorted(before):
             self._compare(res, wid, before[wid], after[wid], per_worker[wid])
         kinds = Counter(c["call"] for c in calls)
