@@ -131,7 +131,8 @@ class Deployment:
             kw.update(num_cpus=max(os.cpu_count() or 1, len(s.roles()) + 1),
                       object_store_memory=200 * 1024 * 1024)
             self._started_ray = True
-        ray.init(address=s.address, **kw)
+        # "local": always a new instance of our own, never one another program left running here
+        ray.init(address=s.address or "local", **kw)
 
     def _cores(self, i: int) -> list[int] | None:
         """Worker i's own cores when --worker-cores is set (round robin over this machine's)."""

@@ -161,13 +161,13 @@ async def _read(call: Any, decode: Worker, streamed: bool, tried: set[str],
         # closed on this side; only a cancellation of this task itself may propagate
         if cancelling():
             raise
-        _raise_prefill_failure(prefill_failure, streamed)
+        _raise_prefill_failure(prefill_failure, streamed, decode, tried)
         if not streamed:
             tried.add(decode.address)
             raise _Retry(ForwardError(ErrorCode.DECODE_UNAVAILABLE, f"{decode.address}: the call was cut")) from None
         raise ForwardError(ErrorCode.DECODE_FAILED, f"{decode.address}: the stream was cut") from None
     except grpc.aio.AioRpcError as e:
-        _raise_prefill_failure(prefill_failure, streamed)
+        _raise_prefill_failure(prefill_failure, streamed, decode, tried)
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
             raise ForwardError(ErrorCode.TIMEOUT, "the request timeout passed") from None
         if e.code() in UNREACHABLE and not streamed:
@@ -180,12 +180,17 @@ async def _read(call: Any, decode: Worker, streamed: bool, tried: set[str],
     return msg
 
 
-def _raise_prefill_failure(failure: list[ForwardError], streamed: bool) -> None:
-    """The decode call broke because its prefill failed: that failure is the request's (to
-    retry on another prefill worker when it could not be reached and no token went out)."""
+def _raise_prefill_failure(failure: list[ForwardError], streamed: bool, decode: Worker, tried: set[str]) -> None:
+    """The decode call broke because its prefill failed: that failure is the request's, unless
+    no token went out and another try may succeed: the prefill worker could not be reached (try
+    another), or its push to this decode worker was refused or broke (TRANSFER_FAILED: try
+    another decode worker, e.g. when this one's receiver is at its stream cap)."""
     if failure:
         err = failure[0]
         if not streamed and err.code == ErrorCode.PREFILL_UNAVAILABLE:
+            raise _Retry(err) from None
+        if not streamed and err.code == ErrorCode.TRANSFER_FAILED:
+            tried.add(decode.address)
             raise _Retry(err) from None
         raise err from None
 

@@ -219,3 +219,25 @@ def test_a_prefill_worker_killed_mid_push_is_retried_on_another():
         wait_idle(decode, spare)
         decode.stop()
         spare.stop()
+
+
+def test_a_push_refused_by_one_decode_worker_is_retried_on_another():
+    """The first decode worker's transfer server is gone (as if its stream cap were full): the
+    prefill worker's push to it fails, its Prefill reply says TRANSFER_FAILED before any token,
+    and the gateway retries the request on the other decode worker; nothing is left reserved."""
+    broken, healthy, prefill = start_decode(config()), start_decode(config()), start_prefill(config())
+    broken.closers[0]()                          # stop its KV transfer server: every push is refused
+    gw = start_gateway([broken.address, healthy.address], [prefill.address], request_timeout_s=60)
+    try:
+        wait_ready(gw.url)
+        for i in range(6):
+            status, body = post(gw.url, "/v1/completions", {"model": "tiny-moe", "prompt": f"x{i} = ",
+                                                            "max_tokens": 3, "temperature": 0})
+            assert status == 200 and body["usage"]["completion_tokens"] >= 1, body
+        assert broken.counts()["failed"] >= 1, "no request was routed to the broken worker: nothing retried"
+        assert healthy.counts()["finished"] == 6
+    finally:
+        gw.stop()
+        wait_idle(broken, healthy, prefill)
+        for h in (broken, healthy, prefill):
+            h.stop()
