@@ -21,6 +21,7 @@ from engine.tokenizer import Tokenizer
 from gateway.admission import AdmissionQueue, Rejected
 from gateway.completions import CompletionHandler
 from gateway.config import GatewayConfig, KeyTable
+from gateway.fairness import ClusterKv
 from gateway.metrics import Metrics
 from gateway.openai_format import error_body
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -44,9 +45,11 @@ class Gateway:
         self.vocab_size = self.model_config.vocab_size
         self.pool = WorkerPool(config.decode_workers, config.prefill_workers, config.colocated_workers,
                                config.cluster_secret, config.tls)
-        self.queue = AdmissionQueue(config.max_queue, config.max_running, config.tenant_max_concurrency,
-                                    config.queue_timeout_s)
         self.metrics = Metrics()
+        self.queue = AdmissionQueue(config.max_queue, config.max_running, config.tenant_max_concurrency,
+                                    config.queue_timeout_s, ClusterKv(self.pool, config, self.context_len),
+                                    self.metrics.tenant_rejected)
+        self.metrics.watch(self.queue)
         self.completions = CompletionHandler(self)
         self.keys = KeyTable(config.api_keys)
 

@@ -18,6 +18,7 @@ from starlette.background import BackgroundTask
 
 from engine.params import SamplingParams
 from gateway.admission import Rejected
+from gateway.fairness import reserved_tokens, share_key
 from gateway.forward import ForwardError, cancelling, forward
 from gateway.openai_format import ChoiceState, Formatter, error_body, prompt_tokens
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
@@ -125,7 +126,8 @@ class CompletionHandler:
         limit = min(context, capacity)
         wanted = body.wanted_max_tokens
         if wanted is None:
-            wanted = limit - prompt if isinstance(body, ChatCompletionRequest) else DEFAULT_COMPLETION_TOKENS
+            wanted = self.gw.config.default_max_tokens if isinstance(body, ChatCompletionRequest) \
+                else DEFAULT_COMPLETION_TOKENS
             wanted = max(1, min(wanted, limit - prompt))
         total = prompt + wanted
         if total > context:
@@ -147,7 +149,8 @@ class CompletionHandler:
         fmt = Formatter("chat" if isinstance(body, ChatCompletionRequest) else "text",
                         gw.config.served_model_name, gw.tokenizer, body.logprobs_n, body.return_token_ids)
         stack = AsyncExitStack()
-        await stack.enter_async_context(gw.queue.admit(tenant))
+        await stack.enter_async_context(gw.queue.admit(share_key(request, tenant, bool(gw.keys)),
+                                                       reserved_tokens(jobs)))
         events: asyncio.Queue[Event] = asyncio.Queue()
         started = time.monotonic()
         tasks = [asyncio.create_task(self._run(fmt.id, tenant, job, events, started)) for job in jobs]

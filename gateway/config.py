@@ -38,6 +38,12 @@ class GatewayConfig:
     tls: TlsIdentity | None = field(default=None, repr=False)
     ssl_certfile: str | None = None          # HTTPS on the front door (uvicorn's TLS), with ssl_keyfile
     ssl_keyfile: str | None = None
+    # fair share (gateway/fairness.py): chat requests without max_tokens get this many (clipped to
+    # the context left), not the whole context, since their pages are reserved up front
+    default_max_tokens: int = 1024
+    # KV tokens (prompt + max_tokens of each running choice) one tenant may hold at once; None:
+    # half the decode workers' total capacity, at least one request of the longest allowed length
+    tenant_max_kv_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not (self.decode_workers or self.colocated_workers):
@@ -57,6 +63,11 @@ class GatewayConfig:
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{name}={path}: no such file")
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens={self.default_max_tokens} must be >= 1")
+        if self.tenant_max_kv_tokens is not None and self.tenant_max_kv_tokens < 1:
+            raise ValueError(f"tenant_max_kv_tokens={self.tenant_max_kv_tokens} must be >= 1 (or None: half the "
+                             f"cluster's KV capacity)")
         if not all(k and t for k, t in self.api_keys.items()):
             raise ValueError("an empty API key or tenant would turn authentication off: refused")
 

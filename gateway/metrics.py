@@ -1,10 +1,17 @@
 """The gateway's Prometheus metrics (one registry per app), including per-worker figures
-copied from the workers' `Stats` at every refresh."""
+copied from the workers' `Stats` at every refresh and per-tenant figures read from the admission
+queue at every scrape (tenant labels bounded: gateway/fairness.py `tenant_label`)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from collections import defaultdict
+from collections.abc import Iterator
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from gateway.admission import AdmissionQueue
+from gateway.fairness import tenant_label
 from gateway.routing import WorkerPool
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -40,6 +47,16 @@ class Metrics:
         self.unauthenticated = Gauge("tandem_worker_rpc_unauthenticated",
                                      "Calls the worker refused for missing, bad, stale or replayed credentials",
                                      labels, registry=r)
+        self.tenant_rejections = Counter("tandem_tenant_rejected", "Requests the admission queue refused, "
+                                         "by tenant and reason", ["tenant", "reason"], registry=r)
+
+    def tenant_rejected(self, tenant: str, reason: str) -> None:
+        """Count a refusal of the admission queue (its `on_reject`)."""
+        self.tenant_rejections.labels(tenant_label(tenant), reason).inc()
+
+    def watch(self, queue: AdmissionQueue) -> None:
+        """Export the queue's per-tenant figures at every scrape."""
+        self.registry.register(TenantCollector(queue))
 
     def observe_workers(self, pool: WorkerPool) -> None:
         for w in pool.workers:
@@ -62,3 +79,29 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class TenantCollector:
+    """Per tenant label: requests queued and running, KV tokens reserved; and the KV budget."""
+
+    def __init__(self, queue: AdmissionQueue) -> None:
+        self.queue = queue
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        queued, running, kv = (GaugeMetricFamily(name, doc, labels=["tenant"]) for name, doc in (
+            ("tandem_tenant_queued", "Requests of the tenant waiting in the admission queue"),
+            ("tandem_tenant_running", "Requests of the tenant forwarded to workers"),
+            ("tandem_tenant_kv_reserved_tokens", "KV tokens (prompt + max_tokens) the tenant's running requests hold")))
+        sums: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+        for key, load in list(self.queue.tenants.items()):
+            s = sums[tenant_label(key)]
+            s[0] += len(load.queued)
+            s[1] += load.running
+            s[2] += load.kv_reserved
+        for label, (q, r, k) in sorted(sums.items()):
+            queued.add_metric([label], q)
+            running.add_metric([label], r)
+            kv.add_metric([label], k)
+        yield from (queued, running, kv)
+        yield GaugeMetricFamily("tandem_tenant_kv_budget_tokens", "KV tokens one tenant may hold reserved "
+                                "(0: no limit)", value=self.queue.limits.tenant_tokens())
