@@ -41,8 +41,9 @@ class GatewayConfig:
     # fair share (gateway/fairness.py): chat requests without max_tokens get this many (clipped to
     # the context left), not the whole context, since their pages are reserved up front
     default_max_tokens: int = 1024
-    # KV tokens (prompt + max_tokens of each running choice) one tenant may hold at once; None:
-    # half the decode workers' total capacity, at least one request of the longest allowed length
+    # KV tokens (prompt + max_tokens of each running choice) one tenant may hold at once; None: half
+    # the decode workers' total capacity (all of it when the API keys name one tenant), at least one
+    # request of the longest allowed length
     tenant_max_kv_tokens: int | None = None
 
     def __post_init__(self) -> None:
