@@ -174,6 +174,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--gateway-replicas", type=int, default=1, help="gateways on --port, --port+1, ...")
     sv.add_argument("--worker-cores", type=int, default=None,
                     help="pin each worker to this many CPU cores of its own (round robin)")
+    sv.add_argument("--default-max-tokens", type=int, default=1024,
+                    help="a chat request's max_tokens when it sets none (clipped to the context left)")
+    sv.add_argument("--tenant-max-kv-tokens", type=int, default=None,
+                    help="KV tokens one tenant may hold reserved at once (default: half the decode workers' KV; "
+                    "all of it when the API keys name one tenant)")
     sv.add_argument("--tls", default="auto", choices=["auto", "on", "off"],
                     help="mutual TLS between workers and gateway with a new cluster CA (auto: when they span "
                     "more than one node)")
@@ -205,7 +210,8 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
         placement_strategy=args.placement_strategy, log_level=args.log_level, transfer=args.transfer,
         worker_resources=parse_resources(args.worker_resources), gateway_replicas=args.gateway_replicas,
         worker_cores=args.worker_cores, verify_experts=args.verify_experts, tls=args.tls,
-        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
+        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, default_max_tokens=args.default_max_tokens,
+        tenant_max_kv_tokens=args.tenant_max_kv_tokens)
 
 
 def _serve(args: argparse.Namespace) -> int:

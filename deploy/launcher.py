@@ -154,7 +154,8 @@ class Deployment:
         return dict(model=s.model, served_model_name=s.name, host=s.host, port=s.port + replica if s.port else 0,
                     api_keys=s.api_keys, cluster_secret=self._secret,
                     tls=self._identity(f"gateway-{replica}", ray.get_runtime_context().get_node_id()),
-                    ssl_certfile=s.ssl_certfile, ssl_keyfile=s.ssl_keyfile)
+                    ssl_certfile=s.ssl_certfile, ssl_keyfile=s.ssl_keyfile,
+                    default_max_tokens=s.default_max_tokens, tenant_max_kv_tokens=s.tenant_max_kv_tokens)
 
     def _wait_healthy(self, url: str, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s

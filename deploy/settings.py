@@ -51,6 +51,8 @@ class ServeSettings:
     tls: str = "auto"                       # TLS_MODES
     ssl_certfile: str | None = None         # the gateway's HTTPS certificate and key (PEM files)
     ssl_keyfile: str | None = None
+    default_max_tokens: int = 1024          # a chat request's max_tokens when it gives none
+    tenant_max_kv_tokens: int | None = None  # KV a tenant may hold reserved; None: half the cluster's
 
     def __post_init__(self) -> None:
         if not (Path(self.model) / "config.json").is_file():
@@ -74,6 +76,10 @@ class ServeSettings:
             raise ValueError(f"--port {self.port} is not a TCP port")
         if self.gpus_per_worker < 0 or (self.device.startswith("cuda") and self.gpus_per_worker == 0):
             raise ValueError("--device cuda needs --gpus-per-worker > 0 (each worker's share of a GPU)")
+        if self.default_max_tokens < 1:
+            raise ValueError(f"--default-max-tokens must be >= 1, got {self.default_max_tokens}")
+        if self.tenant_max_kv_tokens is not None and self.tenant_max_kv_tokens < 1:
+            raise ValueError(f"--tenant-max-kv-tokens must be >= 1, got {self.tenant_max_kv_tokens}")
         if self.tls not in TLS_MODES:
             raise ValueError(f"--tls {self.tls}: choose one of {', '.join(TLS_MODES)}")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):

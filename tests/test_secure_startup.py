@@ -197,3 +197,11 @@ def test_tandem_certs_writes_one_private_directory_per_process(tmp_path, capsys)
     assert all(stat.S_IMODE((tmp_path / "c" / n / "key.pem").stat().st_mode) == 0o600 for n in idents)
     assert main(["certs", str(tmp_path / "d"), "../escape"]) == 2
     assert not (tmp_path / "escape").exists()
+
+
+def test_serve_passes_the_fairness_settings_to_the_gateway():
+    args = build_parser().parse_args(["serve", "--default-max-tokens", "64", "--tenant-max-kv-tokens", "4096"])
+    s = serve_settings(args)
+    assert (s.default_max_tokens, s.tenant_max_kv_tokens) == (64, 4096)
+    with pytest.raises(ValueError, match="--tenant-max-kv-tokens"):
+        serve_settings(build_parser().parse_args(["serve", "--tenant-max-kv-tokens", "0"]))
