@@ -1,26 +1,40 @@
-"""Engine decode speed against transformers, in one run on the shipped checkpoint.
+"""Engine decode speed against transformers, and the cost of the stop checks per token, in one
+run on the shipped checkpoint.
 
-    python -m bench.engine [--json] [--tokens 128] [--repeats 3]
+    python -m bench.engine [--json] [--tokens 128] [--repeats 3] [--stop-only]
 
-Every figure decodes `--tokens` tokens (EOS ignored) from short prompts, greedy, fp32:
+Every speed figure decodes `--tokens` tokens (EOS ignored) from short prompts, greedy, fp32:
   hf_single_tok_s       transformers `generate`, one stream
   engine_single_tok_s   `engine.LLM`, one stream
   engine_batch16_tok_s  `engine.LLM`, 16 concurrent requests, aggregate tokens/s
 Each is the best of `--repeats` timed runs after one warm-up run.
+
+stop_check (alone with `--stop-only`): one request's stop checks and streamed delta per token,
+at 10, 100, 1,000 and 2,000 output tokens, for a fixed token stream with 3 stop strings and 2
+stop regexes that never match: `full_us` re-decodes and searches the whole output every token
+(the checks before issue 16, `FullDecodeStopChecker`), `incremental_us` is `engine.stop`;
+`ratio` = full / incremental; `chars`, `decode_calls`, `decoded_ids`: the incremental
+checker's work for that token.  Each time is the best of `--repeats` passes, the median of the
+10 tokens around that length.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from collections.abc import Callable
+from typing import Protocol
 
+import regex
 import torch
 
 from bench.report import emit
 from engine import LLM, SamplingParams
 from engine.config import SHIPPED_MODEL
+from engine.stop import StopChecker
+from engine.tokenizer import REPLACEMENT, Tokenizer
 
 PROMPTS = [
     "def read_config(path):", "import json\n", "class Cache:\n", "for key, value in items:",
@@ -63,24 +77,159 @@ def engine_rate(llm: LLM, prompts: list[str], tokens: int, repeats: int) -> floa
     return best_rate(run, tokens * len(prompts), repeats)
 
 
+class FullDecodeStopChecker:
+    """The stop checks as they were before issue 16 (the baseline of `stop_check`, and the
+    reference `tests/test_stop_bounds.py` compares streaming with): every token re-decodes the
+    whole output, each regex searches all of it, the hold-back tries every prefix of every stop
+    string.  Only the parts that streaming uses."""
+
+    def __init__(self, params: SamplingParams, tokenizer: Tokenizer, eos_ids: frozenset[int], max_model_len: int):
+        self.params, self.tokenizer, self.eos_ids, self.max_model_len = params, tokenizer, eos_ids, max_model_len
+        self._regexes = [regex.compile(p) for p in params.stop_regex]
+        self._longest = max((len(s) for s in params.stop), default=0)
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.cut: int | None = None
+        self.drop_last_token = False
+        self.matched_stop: str | int | None = None
+        self.finish_reason: str | None = None
+        self._emitted = 0
+
+    def append(self, token: int, num_tokens: int) -> str | None:
+        before = len(self.text)
+        self.token_ids.append(token)
+        self.text = self.tokenizer.decode(self.token_ids)
+        self.finish_reason = self._check(token, before, num_tokens)
+        return self.finish_reason
+
+    def _check(self, token: int, before: int, num_tokens: int) -> str | None:
+        p = self.params
+        if len(self.token_ids) >= p.min_tokens:
+            if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
+                self.matched_stop, self.drop_last_token = token, not p.no_stop_trim
+                return "stop"
+            best: tuple[int, int, str] | None = None
+            for s in p.stop:
+                i = self.text.find(s, max(0, before - self._longest + 1))
+                if i >= 0 and (best is None or i < best[0]):
+                    best = (i, i + len(s), s)
+            for rx in self._regexes:
+                m = rx.search(self.text)
+                if m and m.end() > 0 and (best is None or m.start() < best[0]):
+                    best = (m.start(), m.end(), rx.pattern)
+            if best is not None:
+                self.cut, self.matched_stop = (best[1] if p.no_stop_trim else best[0]), best[2]
+                return "stop"
+        if len(self.token_ids) >= p.max_tokens or num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def final_text(self) -> str:
+        if self.cut is not None:
+            return self.text[:self.cut]
+        return self.tokenizer.decode(self.token_ids[:-1]) if self.drop_last_token else self.text
+
+    def delta(self) -> str:
+        if self.finish_reason is not None:
+            final = self.final_text()
+            end = max(self._emitted, len(final))
+            out = final[self._emitted:end]
+        else:
+            end = max(self._emitted, self._safe_end())
+            out = self.text[self._emitted:end]
+        self._emitted = end
+        return out
+
+    def _safe_end(self) -> int:
+        text = self.text
+        end = len(text.rstrip(REPLACEMENT))
+        for s in self.params.stop:
+            for k in range(min(len(s) - 1, end), 0, -1):
+                if text.endswith(s[:k], 0, end):
+                    end -= k
+                    break
+        for rx in self._regexes:
+            m = rx.search(text, partial=True)
+            if m is not None and m.partial:
+                end = min(end, m.start())
+        return end
+
+
+class Checker(Protocol):
+    def append(self, token: int, num_tokens: int) -> str | None: ...
+
+    def delta(self) -> str: ...
+
+
+STOP_AT = (10, 100, 1000, 2000)
+STOP_PARAMS = SamplingParams(max_tokens=4096, stop=("\n\nUser:", "<|im_end|>", "###"),
+                             stop_regex=(r"\bEND_OF_ANSWER\b", r"\d{4}-\d{2}-\d{2}T"), ignore_eos=True)
+
+
+def stop_stream(tokenizer: Tokenizer, count: int) -> list[int]:
+    """`count` token ids of ordinary code text (no stop in it)."""
+    ids: list[int] = []
+    for prompt in PROMPTS * (count // 20 + 1):
+        ids += tokenizer.encode(prompt + " result = value + 1\n")
+    return ids[:count]
+
+
+def token_times(make: Callable[[], Checker], ids: list[int]) -> list[float]:
+    """Seconds each token's append + delta took, one pass."""
+    checker, times = make(), []
+    for i, token in enumerate(ids):
+        start = time.perf_counter()
+        checker.append(token, i + 1)
+        checker.delta()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def stop_check(llm: LLM, repeats: int) -> dict[str, dict[str, float]]:
+    """The per-token stop-check cost at each length of STOP_AT (see the module docstring)."""
+    tok, eos, ctx = llm.tokenizer, llm.eos_ids, 1 << 20
+    ids = stop_stream(tok, max(STOP_AT) + 5)
+    passes = {name: [token_times(make, ids) for _ in range(repeats)] for name, make in (
+        ("full_us", lambda: FullDecodeStopChecker(STOP_PARAMS, tok, eos, ctx)),
+        ("incremental_us", lambda: StopChecker(STOP_PARAMS, tok, eos, ctx)))}
+    work = StopChecker(STOP_PARAMS, tok, eos, ctx)
+    counts = []                                   # (chars, decode calls, decoded ids) after each token
+    for i, token in enumerate(ids):
+        work.append(token, i + 1)
+        work.delta()
+        counts.append((work.work.chars, work.detok.decode_calls, work.detok.decoded_ids))
+    out: dict[str, dict[str, float]] = {}
+    for n in STOP_AT:
+        row = {name: 1e6 * min(statistics.median(p[n - 5:n + 5]) for p in runs) for name, runs in passes.items()}
+        row["ratio"] = row["full_us"] / row["incremental_us"]
+        for k, name in enumerate(("chars", "decode_calls", "decoded_ids")):
+            row[name] = counts[n - 1][k] - counts[n - 2][k]
+        out[str(n)] = row
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--stop-only", action="store_true", help="measure the stop checks only")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     llm = LLM()
+    if args.stop_only:
+        emit({"model": str(SHIPPED_MODEL.name), "stop_check": stop_check(llm, args.repeats)}, args.json)
+        return
+    hf = hf_rate(PROMPTS[0], args.tokens, args.repeats)
+    single = engine_rate(llm, PROMPTS[:1], args.tokens, args.repeats)
+    batch16 = engine_rate(llm, PROMPTS[:16], args.tokens, args.repeats)
     result = {
         "model": str(SHIPPED_MODEL.name), "tokens": args.tokens, "threads": args.threads,
-        "attention_backend": llm.attention_backend,
-        "hf_single_tok_s": hf_rate(PROMPTS[0], args.tokens, args.repeats),
-        "engine_single_tok_s": engine_rate(llm, PROMPTS[:1], args.tokens, args.repeats),
-        "engine_batch16_tok_s": engine_rate(llm, PROMPTS[:16], args.tokens, args.repeats),
+        "attention_backend": llm.attention_backend, "hf_single_tok_s": hf, "engine_single_tok_s": single,
+        "engine_batch16_tok_s": batch16, "ratio_single": single / hf, "ratio_batch16": batch16 / hf,
+        "stop_check": stop_check(llm, args.repeats),
     }
-    result["ratio_single"] = result["engine_single_tok_s"] / result["hf_single_tok_s"]
-    result["ratio_batch16"] = result["engine_batch16_tok_s"] / result["hf_single_tok_s"]
     emit(result, args.json)
 
 

@@ -10,7 +10,8 @@ with a KV transfer) is the only code that appends a sampled token to a request, 
 stop checks and hands a finished request's pages back to the pool.
 
 Who frees which pages when:
-- a request that finishes (stop, length) is freed by `update`/`accept_token`, at once;
+- a request that finishes (stop, length, or "error": its stop check ran past the budget,
+  `req.stopper.error` says why) is freed by `update`/`accept_token`, at once;
 - a hand-off request (`Request.handoff`: prefill for another worker) is detached after its
   first token with its pages kept; its owner frees them (`free`) once the push has ended;
 - `abort` drops a request wherever it is and frees its pages.
@@ -36,7 +37,7 @@ from engine.params import SamplingParams
 from engine.request import Request
 from engine.sampling import SampleOutput
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.stop import StopChecker
+from engine.stop import StopChecker, StopLimits
 from engine.tokenizer import Tokenizer
 from engine.validate import check_prompt
 
@@ -49,7 +50,7 @@ class TokenEvent:
     req: Request
     token: int
     logprobs: dict[int, float] | None
-    finish_reason: str | None          # "stop", "length", "handoff" (pages kept), or None
+    finish_reason: str | None          # "stop", "length", "error", "handoff" (pages kept), or None
 
     @property
     def finished(self) -> bool:
@@ -57,16 +58,18 @@ class TokenEvent:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, attention: str | None = None, interleave: bool = False):
+    def __init__(self, config: EngineConfig, attention: str | None = None, interleave: bool = False,
+                 stop_limits: StopLimits = StopLimits()):
         """Load the checkpoint `config.model` and size the KV pool.  `interleave`: the scheduler
         follows each prefill step with a decode step (a worker that prefills and decodes).
+        `stop_limits`: the regex window and per-token budget of every request's stop checks.
         Raises ValueError naming the setting to change, CheckpointError naming the tensor,
         ExpertCheckError when the start-up check of paged experts fails."""
         device, k = config.device, config.paged_experts_num_resident
         path = Path(config.model)
         if torch.device(device).type == "cuda" and torch.device(device).index is not None:
             torch.cuda.set_device(torch.device(device))  # streams, events and Triton use it
-        self.config = config
+        self.config, self.stop_limits = config, stop_limits
         self.model_config = mc = ModelConfig.from_path(path)
         validate_num_resident(k, mc.num_experts, mc.num_experts_per_tok, config.dtype)
         self.tokenizer = Tokenizer(path)
@@ -114,7 +117,7 @@ class EngineCore:
                        stopper=None if handoff else self.stop_checker(params))
 
     def stop_checker(self, params: SamplingParams) -> StopChecker:
-        return StopChecker(params, self.tokenizer, self.eos_ids, self.max_model_len)
+        return StopChecker(params, self.tokenizer, self.eos_ids, self.max_model_len, self.stop_limits)
 
     def add(self, req: Request) -> None:
         """Queue a request to prefill here (its pages are allocated when it is admitted)."""
@@ -148,8 +151,9 @@ class EngineCore:
 
     def accept_token(self, req: Request, token: int, logprobs: dict[int, float] | None) -> TokenEvent:
         """Append `token` (and its logprobs) to `req`, run its stop checks, and end it when it
-        stops: a finished request's pages go back to the pool here; a hand-off request is
-        detached with its pages kept after its first token."""
+        stops (or its stop check ran past the budget: "error"): a finished request's pages go
+        back to the pool here; a hand-off request is detached with its pages kept after its
+        first token."""
         req.output_token_ids.append(token)
         if logprobs is not None:
             req.logprobs.append(logprobs)

@@ -22,6 +22,7 @@ from engine.params import SamplingParams
 from engine.request import Request, RequestOutput
 from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
+from engine.validate import Problem, RequestError
 
 Prompt = str | Sequence[int]
 
@@ -88,7 +89,9 @@ class LLM:
         """Generate for every prompt (text or token ids) with continuous batching.
 
         Returns one output per prompt, in order.  Raises ValueError, adding nothing, when
-        any prompt or parameter is invalid.
+        any prompt or parameter is invalid; raises RequestError (INVALID_REQUEST) once every
+        request has ended when a request's stop_regex ran past its per-token budget (the
+        message names the pattern; `step` returns such a request with finish_reason "error").
         """
         batch: list[Prompt] = [prompts] if _is_one_prompt(prompts) else list(prompts)  # type: ignore[list-item,arg-type]
         params = params or SamplingParams()
@@ -102,6 +105,9 @@ class LLM:
         while self.scheduler.has_work():
             for out in self.step():
                 done[out.request_id] = out
+        for req in reqs:
+            if req.stopper is not None and req.stopper.error is not None:
+                raise RequestError(Problem.INVALID_REQUEST, req.stopper.error)
         return [done[r.request_id] for r in reqs]
 
     def chat(self, messages: list[dict] | list[list[dict]],

@@ -1,4 +1,5 @@
-"""Tokenizer (tokenizer.json through `tokenizers`) and chat template (jinja2)."""
+"""Tokenizer (tokenizer.json through `tokenizers`), chat template (jinja2), and the incremental
+detokenizer that keeps a request's output text as it grows."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from typing import Any, NoReturn
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
+
+REPLACEMENT = "\ufffd"   # what decoding shows for an incomplete (or invalid) UTF-8 sequence
+MAX_PENDING_TOKENS = 8   # a UTF-8 character has at most 4 bytes: more pending ids than this are garbage
 
 
 class Tokenizer:
@@ -53,6 +57,86 @@ class Tokenizer:
                 raise ValueError(f"message {i} must be a dict with string 'role' and 'content'")
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+class IncrementalDetokenizer:
+    """The text of a growing sequence of token ids, decoding only a few recent ids per token
+    (as vLLM's `detokenize_incrementally`), so that a token costs the same at any output length.
+
+        ids:  [ ...... committed ...... | context | pending ]
+                                        ^prefix   ^read
+
+    ids[:read] are committed: their text is final.  Each `push` decodes ids[prefix:] and drops
+    the text of the context ids[prefix:read] (decoded when they were committed): the context
+    gives decoders whose output depends on the previous token (a leading space) what they need.
+    The new ids are committed unless their text ends in an incomplete character (U+FFFD): then
+    they stay pending, and `length`/`slice` show them decoded as they are, exactly as decoding
+    every id at once would (its result is the committed text plus the pending ids' text).  After
+    MAX_PENDING_TOKENS pending ids they are committed as they are (their bytes cannot complete a
+    character; only output that is not UTF-8 at all gets there).
+
+    The committed text is kept as chunks plus a tail of at least `keep` characters, so appending
+    and reading the last `keep` characters cost O(keep), not O(output).  `decode_calls` and
+    `decoded_ids` count the tokenizer's work (tests bound them per token)."""
+
+    def __init__(self, tokenizer: Tokenizer, keep: int = 4096):
+        self.tokenizer, self.keep = tokenizer, keep
+        self.ids: list[int] = []
+        self._prefix = self._read = 0
+        self._prefix_len = 0            # len(decode(ids[prefix:read]))
+        self._chunks: list[str] = []    # committed text before the tail
+        self._tail, self._tail_start = "", 0
+        self._pending = ""              # the text of ids[read:] (may end in U+FFFD)
+        self.decode_calls = self.decoded_ids = 0
+
+    def push(self, token: int) -> None:
+        """Append one id and decode what it changes."""
+        self.ids.append(token)
+        text = self._decode(self.ids[self._prefix:])
+        new = text[self._prefix_len:]
+        if new.endswith(REPLACEMENT) and len(self.ids) - self._read < MAX_PENDING_TOKENS:
+            self._pending = new
+            return
+        self._commit(new)
+        self._prefix, self._read, self._pending = self._read, len(self.ids), ""
+        self._prefix_len = len(self._decode(self.ids[self._prefix:self._read]))
+
+    @property
+    def length(self) -> int:
+        """Characters of text (committed and pending)."""
+        return self.committed + len(self._pending)
+
+    @property
+    def committed(self) -> int:
+        """Characters of final text (the pending ids' text may still change)."""
+        return self._tail_start + len(self._tail)
+
+    def slice(self, start: int, end: int | None = None) -> str:
+        """text[start:end]: O(length of the result) when `start` lies in the last `keep`
+        committed characters or after (every read of the stop checks), O(output) otherwise."""
+        if start >= self._tail_start:
+            return (self._tail + self._pending)[start - self._tail_start:end if end is None
+                                                else end - self._tail_start]
+        return self.text()[start:end]
+
+    def text(self) -> str:
+        """The whole text (O(output): for the end of a request)."""
+        if self._chunks:
+            self._tail, self._tail_start = "".join(self._chunks) + self._tail, 0
+            self._chunks = []
+        return self._tail + self._pending
+
+    def _commit(self, new: str) -> None:
+        self._tail += new
+        if len(self._tail) > 2 * self.keep:        # move all but the last `keep` into a chunk
+            cut = len(self._tail) - self.keep
+            self._chunks.append(self._tail[:cut])
+            self._tail, self._tail_start = self._tail[cut:], self._tail_start + cut
+
+    def _decode(self, ids: list[int]) -> str:
+        self.decode_calls += 1
+        self.decoded_ids += len(ids)
+        return self.tokenizer.decode(ids)
 
 
 def _token_text(tok: str | dict[str, Any] | None) -> str | None:
