@@ -8,6 +8,7 @@ A request's life here:
     commit       (receiver callback, posted) the transfer is released and the request joins the
                  core with prefill's first token                           -> Tokens event
     after_run    the core's token path appended a token                    -> Tokens; Finish at a stop
+                 (a stop check past its budget: the core freed the pages)  -> Error INVALID_REQUEST
     any failure  (abort, failed or expired transfer, failed step): receiver.release, then the
                  pages are freed                                           -> Error event
 """
@@ -35,8 +36,9 @@ from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import Reservation, State
 from proto import worker_pb2 as wpb
 from worker.checks import check_request_id, new_request
-from worker.config import MAX_REQUEST_TIMEOUT_S
+from worker.config import MAX_REQUEST_TIMEOUT_S, STEP_DEADLINE_S
 from worker.convert import finish_to_proto, logprobs_to_proto
+from worker.stats import LoopWatch
 from worker.types import ErrorCode, WorkerError
 
 
@@ -77,9 +79,11 @@ class DecodeRequest:
 
 class DecodeEngine:
     def __init__(self, core: EngineCore, secret: bytes, transfer_timeout_s: float, lock: threading.RLock,
-                 wake: threading.Event, max_timeout_s: float = MAX_REQUEST_TIMEOUT_S):
+                 wake: threading.Event, max_timeout_s: float = MAX_REQUEST_TIMEOUT_S,
+                 step_deadline_s: float = STEP_DEADLINE_S):
         self.core, self.pool, self.lock, self.wake = core, core.pool, lock, wake
         self.max_timeout_s = max_timeout_s    # a caller's timeout_s above this is clamped to it
+        self.watch = LoopWatch(step_deadline_s)   # beaten by drain(): Health reads it
         self.receiver = TransferReceiver(core.pool, secret, transfer_timeout_s,
                                          on_failed=lambda r: self._post(TransferFailed(r.request_id, r.transfer_id)),
                                          on_committed=lambda r: self._post(Committed(r.request_id, r.transfer_id)))
@@ -148,7 +152,9 @@ class DecodeEngine:
 
     # ---- the loop's side (RoleEngine) ------------------------------------------------
     def drain(self) -> bool:
-        """Expire idle transfers, then handle commits, failures and aborts."""
+        """Expire idle transfers, then handle commits, failures and aborts.  (First in every
+        loop iteration: it beats the watch Health reads.)"""
+        self.watch.beat()
         self.receiver.expire()
         did = False
         while not self._inbox.empty():
@@ -207,9 +213,14 @@ class DecodeEngine:
 
     def _stream(self, dreq: DecodeRequest, event: TokenEvent) -> None:
         """Send the token (and the text that became safe to show) to the caller; the finish
-        with the usage when the token path ended the request (its pages are already free)."""
+        with the usage when the token path ended the request (its pages are already free), or
+        the error when its stop check ran past the budget (nothing more of it is sent)."""
         req = dreq.req
         assert req.stopper is not None
+        if event.finish_reason == "error":
+            assert req.stopper.error is not None
+            self._ended(dreq, WorkerError(ErrorCode.INVALID_REQUEST, req.stopper.error))
+            return
         msg = wpb.Tokens(token_ids=[event.token], text=req.stopper.delta())
         if event.logprobs is not None:
             msg.logprobs.append(logprobs_to_proto(event.token, event.logprobs))
@@ -234,8 +245,13 @@ class DecodeEngine:
             self.receiver.release(dreq.reservation.transfer_id)
             if not self.core.abort(req):
                 self.core.free(req.request_id)       # reserved, not admitted yet
+            self._ended(dreq, error)
+
+    def _ended(self, dreq: DecodeRequest, error: WorkerError) -> None:
+        """The request's pages are free: forget it and send its error."""
+        with self.lock:
             dreq.done = True
-            del self.requests[req.request_id]
+            del self.requests[dreq.req.request_id]
         self.counts["failed"] += 1
         dreq.events.put(wpb.GenerateResponse(error=error.to_proto()))
 

@@ -89,7 +89,8 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         return wpb.AbortReply(found=found)
 
     def Health(self, request: wpb.HealthRequest, context: grpc.ServicerContext) -> wpb.HealthReply:
-        return health(self.engine.core, self.role)
+        """Not ready while the worker loop has not finished a step within its deadline."""
+        return health(self.engine.core, self.role, self.engine.watch.stalled_s())
 
     def Stats(self, request: wpb.StatsRequest, context: grpc.ServicerContext) -> wpb.StatsReply:
         e = self.engine

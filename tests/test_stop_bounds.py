@@ -102,9 +102,9 @@ def test_a_catastrophic_regex_ends_its_request_with_an_error(shipped_llm):
     want = shipped_llm.generate(["def add(a, b):"], good)[0]
     with pytest.raises(RequestError, match=r"stop_regex '\(\?:\.\|\.\)\+\(\?!\)' exceeded the stop-check "
                                            r"budget of 50 ms per token") as e:
-        shipped_llm.generate(["import os\n", "def add(a, b):"], [bad, good])
+        shipped_llm.generate(["The quick brown fox", "def add(a, b):"], [bad, good])
     assert e.value.code == "INVALID_REQUEST"
-    bad_req = shipped_llm.add_request("import os\n", bad)
+    bad_req = shipped_llm.add_request("The quick brown fox", bad)
     good_req = shipped_llm.add_request("def add(a, b):", good)
     outs = {}
     for _ in range(300):

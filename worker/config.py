@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import SHIPPED_MODEL, EngineConfig, parse_dtype
+from engine.stop import STOP_BUDGET_S, STOP_WINDOW_CHARS, StopLimits
 from kv_transfer.frame import check_secret
 from kv_transfer.tls import TlsIdentity
 from kv_transfer.transport.base import TransportConfig
 
 MAX_REQUEST_TIMEOUT_S = 600.0   # the longest a Generate may ask its reservation to wait (the gateway's default)
+STEP_DEADLINE_S = 30.0          # a loop iteration longer than this: Health says not ready
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,9 @@ class WorkerConfig:
     transfer_port: int = 0
     transfer_timeout_s: float = 30.0      # a reservation that receives nothing for this long ends
     max_request_timeout_s: float = MAX_REQUEST_TIMEOUT_S   # a Generate's timeout_s is clamped to this
+    step_deadline_s: float = STEP_DEADLINE_S    # Health is not ready while one loop iteration runs longer
+    stop_window_chars: int = STOP_WINDOW_CHARS  # a stop_regex is searched in this many trailing characters
+    stop_budget_s: float = STOP_BUDGET_S        # one token's stop checks; past it the request ends (error)
     layer_group: int = 2                  # prefill sends every `layer_group` layers as computed
     verify_experts: bool = False          # check resident expert slots before each use (guard mode)
     decode_peers: tuple[str, ...] = ()    # (prefill, as a plain process) the decode transfer endpoints it may push to
@@ -47,6 +52,9 @@ class WorkerConfig:
             raise ValueError(f"transfer_timeout_s={self.transfer_timeout_s} must be > 0")
         if not 0 < self.max_request_timeout_s < float("inf"):
             raise ValueError(f"max_request_timeout_s={self.max_request_timeout_s} must be > 0 and finite")
+        if not 0 < self.step_deadline_s < float("inf"):
+            raise ValueError(f"step_deadline_s={self.step_deadline_s} must be > 0 and finite")
+        self.stop_limits                  # raises ValueError naming a bad stop window or budget
         if self.layer_group < 1:
             raise ValueError(f"layer_group={self.layer_group} must be >= 1")
         check_secret(self.secret)         # every worker of a cluster gets the same one at start-up
@@ -54,6 +62,11 @@ class WorkerConfig:
     @property
     def public_host(self) -> str:
         return self.advertise_host or self.host
+
+    @property
+    def stop_limits(self) -> StopLimits:
+        """The regex window and per-token budget of every request's stop checks (`engine.stop`)."""
+        return StopLimits(window_chars=self.stop_window_chars, budget_s=self.stop_budget_s)
 
     @property
     def transport(self) -> TransportConfig:

@@ -39,7 +39,9 @@ class RoleEngine(Protocol):
 
     def drain(self) -> bool:
         """Handle what other threads posted (commits, failures, aborts, ended pushes).  Runs on
-        the loop's thread.  Returns whether it did anything."""
+        the loop's thread, first in every iteration (at least every `idle_wait_s` while idle),
+        so a role may read its calls as the loop's heartbeat (`worker.stats.LoopWatch`).
+        Returns whether it did anything."""
         ...
 
     def before_run(self, batch: ScheduledBatch) -> LayerHook | None:

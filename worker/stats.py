@@ -1,14 +1,55 @@
-"""The `Stats` and `Health` replies of a worker, read from its engine."""
+"""The `Stats` and `Health` replies of a worker, read from its engine, and the watch that tells
+Health whether the worker's loop still makes progress."""
 
 from __future__ import annotations
 
+import logging
+import time
+from typing import Callable
+
 from engine.core import EngineCore
 from proto import worker_pb2 as wpb
+from worker.config import STEP_DEADLINE_S
 from worker.types import Role
 
+log = logging.getLogger("tandem.worker")
 
-def health(core: EngineCore, role: Role) -> wpb.HealthReply:
-    return wpb.HealthReply(ready=True, role=role.value, model=str(core.config.model),
+
+class LoopWatch:
+    """When the worker loop last began an iteration, as a role sees it.  The loop calls every
+    role's `drain` first in each iteration (`worker.loop`), and iterates at least every
+    `idle_wait_s` while idle: a role that calls `beat` there knows how long the current
+    iteration (one step) has run.  Longer than `deadline_s`, the worker is stalled (a step that
+    does not end, or a loop that stopped) and Health says not ready, so the gateway stops
+    routing to it; the next iteration makes it ready again."""
+
+    def __init__(self, deadline_s: float = STEP_DEADLINE_S, clock: Callable[[], float] = time.monotonic):
+        self.deadline_s, self.clock = deadline_s, clock
+        self._last = clock()
+        self._stalled = False
+
+    def beat(self) -> None:
+        """(the loop's thread) an iteration begins."""
+        self._last = self.clock()
+        if self._stalled:
+            self._stalled = False
+            log.warning("the worker loop makes progress again: ready")
+
+    def stalled_s(self) -> float | None:
+        """Seconds since the current iteration began when that is over the deadline, else None."""
+        since = self.clock() - self._last
+        if since <= self.deadline_s:
+            return None
+        if not self._stalled:
+            self._stalled = True
+            log.error("the worker loop has not finished a step for %.1f s (deadline %.1f s): not ready",
+                      since, self.deadline_s)
+        return since
+
+
+def health(core: EngineCore, role: Role, stalled_s: float | None = None) -> wpb.HealthReply:
+    """`stalled_s` (see `LoopWatch.stalled_s`): not None makes the reply not ready."""
+    return wpb.HealthReply(ready=stalled_s is None, role=role.value, model=str(core.config.model),
                            max_model_len=core.max_model_len, kv_capacity_tokens=core.pool.capacity_tokens,
                            paged_experts_num_resident=core.config.paged_experts_num_resident or 0)
 
