@@ -74,7 +74,9 @@ class StopChecker:
         self._regexes = [regex.compile(p) for p in params.stop_regex]
         self._watch = bool(params.stop or self._regexes)   # the text is needed at every token
         self._longest = max((len(s) for s in params.stop), default=0)
-        self.detok = IncrementalDetokenizer(tokenizer, keep=2 * (limits.window_chars + self._longest) + 64)
+        # every read reaches back at most the window (regexes) or all stop strings (the hold-back)
+        keep = limits.window_chars + sum(len(s) for s in params.stop) + 256
+        self.detok = IncrementalDetokenizer(tokenizer, keep)
         self.work = StopWork()
         self.token_ids: list[int] = []
         self.cut: int | None = None          # the final text ends here (a stop string / regex)

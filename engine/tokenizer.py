@@ -114,10 +114,13 @@ class IncrementalDetokenizer:
     def slice(self, start: int, end: int | None = None) -> str:
         """text[start:end]: O(length of the result) when `start` lies in the last `keep`
         committed characters or after (every read of the stop checks), O(output) otherwise."""
-        if start >= self._tail_start:
-            return (self._tail + self._pending)[start - self._tail_start:end if end is None
-                                                else end - self._tail_start]
-        return self.text()[start:end]
+        if start < self._tail_start:
+            return self.text()[start:end]
+        s, e = start - self._tail_start, (self.length if end is None else end) - self._tail_start
+        n = len(self._tail)
+        if e <= n:
+            return self._tail[s:e]
+        return self._tail[s:] + self._pending[max(0, s - n):e - n]
 
     def text(self) -> str:
         """The whole text (O(output): for the end of a request)."""
