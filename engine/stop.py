@@ -65,6 +65,9 @@ class StopBudgetExceeded(Exception):
 
 
 class StopChecker:
+    """One request's stop conditions and output text (see the module docstring).  The token
+    path calls `append` once per token; the streaming side reads `delta`; `final_text` at the end."""
+
     def __init__(self, params: SamplingParams, tokenizer: Tokenizer, eos_ids: frozenset[int],
                  max_model_len: int, limits: StopLimits = StopLimits(),
                  clock: Callable[[], float] = time.perf_counter):
