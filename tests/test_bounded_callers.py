@@ -14,6 +14,7 @@ from decode_worker.engine import DecodeEngine
 from decode_worker.server import start_decode_worker
 from engine.params import SamplingParams
 from kv_transfer import auth
+from kv_transfer.frame import PROTOCOL_VERSION
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import State
 from kv_transfer.transport import TransportConfig, framing, grpc_stream
@@ -114,7 +115,7 @@ class Stalled:
 
     def __init__(self, server: GrpcTransferServer, transfer_id: bytes, messages: tuple[bytes, ...] = ()):
         self.gate = threading.Event()
-        hello = pb.Hello(versions=[1], transfer_id=transfer_id)
+        hello = pb.Hello(versions=[PROTOCOL_VERSION], transfer_id=transfer_id)
         first = [framing.encode(pb.PushMessage(hello=hello)), *messages]
         ch = auth.channel(f"127.0.0.1:{server.port}", SECRET)
         push = ch.stream_unary(grpc_stream.PUSH, request_serializer=None,
@@ -163,7 +164,7 @@ def test_streams_over_the_cap_are_refused_and_a_handshake_still_answers(served):
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert server.watch.refused == 1
         stub = pb_grpc.KvTransferStub(auth.channel(f"127.0.0.1:{server.port}", SECRET))
-        assert stub.Handshake(pb.Hello(versions=[1]), timeout=10).version == 1
+        assert stub.Handshake(pb.Hello(versions=[PROTOCOL_VERSION]), timeout=10).version == PROTOCOL_VERSION
     finally:
         for s in stalled:
             s.end()

@@ -11,6 +11,7 @@ import pytest
 
 from engine.params import SamplingParams
 from kv_transfer import auth
+from kv_transfer.frame import PROTOCOL_VERSION
 from proto import kv_transfer_pb2 as kpb
 from proto import worker_pb2 as wpb
 from tests.workers import SECRET, channel, module_worker, start_decode, start_prefill, wait_idle
@@ -116,7 +117,7 @@ def test_the_transfer_service_refuses_a_stream_without_credentials(decode):
     state, free = decode.receiver.get(tid).state, decode.core.pool.num_free
     refused = decode.counts()["unauthenticated"]
     ch = grpc.insecure_channel(target)
-    hello = kpb.Hello(versions=[1], sender="forger", streams=1, transfer_id=tid)
+    hello = kpb.Hello(versions=[PROTOCOL_VERSION], sender="forger", streams=1, transfer_id=tid)
     handshake = ch.unary_unary(KV + "Handshake", request_serializer=kpb.Hello.SerializeToString,
                                response_deserializer=kpb.HelloReply.FromString)
     push = ch.stream_unary(KV + "Push", request_serializer=kpb.PushMessage.SerializeToString,
