@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from kv_transfer.frame import PROTOCOL_VERSION
 from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import State
@@ -116,7 +117,7 @@ def _frames_bytes(t, shm_name: str) -> tuple[bytes, bytes]:
         frames.append(pb.Frame(header=header, payload_offset=len(ring), payload_length=len(payload)))
         ring += payload
     size = max(len(ring), 1 << 16)
-    msgs = [pb.PushMessage(hello=pb.Hello(versions=[1], sender="intruder", shm_name=shm_name, shm_size=size,
+    msgs = [pb.PushMessage(hello=pb.Hello(versions=[PROTOCOL_VERSION], sender="intruder", shm_name=shm_name, shm_size=size,
                                           transfer_id=t.res.transfer_id)),
             pb.PushMessage(frames=pb.Frames(frames=frames)),
             pb.PushMessage(commit=t.commit)]
