@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from kv_transfer.frame import PROTOCOL_VERSION
 from kv_transfer.errors import Refusal, TransferRefused
+from kv_transfer.frame import PROTOCOL_VERSION
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import State
 from kv_transfer.transport import TransportConfig, connect, shm, shm_server
@@ -117,8 +117,8 @@ def _frames_bytes(t, shm_name: str) -> tuple[bytes, bytes]:
         frames.append(pb.Frame(header=header, payload_offset=len(ring), payload_length=len(payload)))
         ring += payload
     size = max(len(ring), 1 << 16)
-    msgs = [pb.PushMessage(hello=pb.Hello(versions=[PROTOCOL_VERSION], sender="intruder", shm_name=shm_name, shm_size=size,
-                                          transfer_id=t.res.transfer_id)),
+    msgs = [pb.PushMessage(hello=pb.Hello(versions=[PROTOCOL_VERSION], sender="intruder", shm_name=shm_name,
+                                          shm_size=size, transfer_id=t.res.transfer_id)),
             pb.PushMessage(frames=pb.Frames(frames=frames)),
             pb.PushMessage(commit=t.commit)]
     wire = b"".join(_LEN.pack(len(b := m.SerializeToString())) + b for m in msgs)
