@@ -36,9 +36,8 @@ from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import Reservation, State
 from proto import worker_pb2 as wpb
 from worker.checks import check_request_id, new_request
-from worker.config import MAX_REQUEST_TIMEOUT_S, STEP_DEADLINE_S
+from worker.config import MAX_REQUEST_TIMEOUT_S
 from worker.convert import finish_to_proto, logprobs_to_proto
-from worker.stats import LoopWatch
 from worker.types import ErrorCode, WorkerError
 
 
@@ -79,11 +78,9 @@ class DecodeRequest:
 
 class DecodeEngine:
     def __init__(self, core: EngineCore, secret: bytes, transfer_timeout_s: float, lock: threading.RLock,
-                 wake: threading.Event, max_timeout_s: float = MAX_REQUEST_TIMEOUT_S,
-                 step_deadline_s: float = STEP_DEADLINE_S):
+                 wake: threading.Event, max_timeout_s: float = MAX_REQUEST_TIMEOUT_S):
         self.core, self.pool, self.lock, self.wake = core, core.pool, lock, wake
         self.max_timeout_s = max_timeout_s    # a caller's timeout_s above this is clamped to it
-        self.watch = LoopWatch(step_deadline_s)   # beaten by drain(): Health reads it
         self.receiver = TransferReceiver(core.pool, secret, transfer_timeout_s,
                                          on_failed=lambda r: self._post(TransferFailed(r.request_id, r.transfer_id)),
                                          on_committed=lambda r: self._post(Committed(r.request_id, r.transfer_id)))
@@ -152,9 +149,7 @@ class DecodeEngine:
 
     # ---- the loop's side (RoleEngine) ------------------------------------------------
     def drain(self) -> bool:
-        """Expire idle transfers, then handle commits, failures and aborts.  (First in every
-        loop iteration: it beats the watch Health reads.)"""
-        self.watch.beat()
+        """Expire idle transfers, then handle commits, failures and aborts."""
         self.receiver.expire()
         did = False
         while not self._inbox.empty():

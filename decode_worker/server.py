@@ -12,6 +12,7 @@ from kv_transfer.auth import Verifier
 from worker.config import WorkerConfig
 from worker.loop import WorkerLoop
 from worker.server import WorkerHandle, build_core, grpc_server
+from worker.stats import LoopWatch
 from worker.types import Role
 
 
@@ -31,8 +32,9 @@ def start_decode_worker(config: WorkerConfig) -> WorkerHandle:
     auth = Verifier(config.secret)      # one per worker: its RPC and its transfer server
     transfer = transfer_server(config, engine, auth)
     server, address = grpc_server(config, auth)
-    add_to_server(DecodeServicer(engine, transfer.endpoint, auth=auth), server)
-    loop = WorkerLoop(core, [engine], lock, wake).start()
+    watch = LoopWatch(config.step_deadline_s)
+    add_to_server(DecodeServicer(engine, transfer.endpoint, auth=auth, watch=watch), server)
+    loop = WorkerLoop(core, [engine], lock, wake, watch=watch).start()
     server.start()
     return WorkerHandle(Role.DECODE, address, core, lock, server, loop, [engine], [transfer.stop],
                         receiver=engine.receiver, auth=auth, transfer_endpoint=transfer.endpoint)

@@ -13,7 +13,7 @@ from kv_transfer.auth import Verifier
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from worker.convert import params_from_proto
-from worker.stats import health, stats
+from worker.stats import LoopWatch, health, stats
 from worker.types import ErrorCode, Role, WorkerError
 
 POLL_S = 0.5     # how often a stream waiting for tokens checks that its client is still there
@@ -34,10 +34,12 @@ class LocalPrefill(Protocol):
 
 class DecodeServicer(wpb_grpc.DecodeServiceServicer):
     def __init__(self, engine: DecodeEngine, transfer_endpoint: str, role: Role = Role.DECODE,
-                 prefill: LocalPrefill | None = None, auth: Verifier | None = None):
+                 prefill: LocalPrefill | None = None, auth: Verifier | None = None,
+                 watch: LoopWatch | None = None):
         self.engine, self.endpoint, self.role = engine, transfer_endpoint, role
         self.prefill = prefill
         self.auth = auth                  # its refusals are counted in Stats
+        self.watch = watch                # the worker loop's: Health is not ready while it is stalled
 
     def Generate(self, request: wpb.GenerateRequest, context: grpc.ServicerContext
                  ) -> Iterator[wpb.GenerateResponse]:
@@ -90,7 +92,7 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
 
     def Health(self, request: wpb.HealthRequest, context: grpc.ServicerContext) -> wpb.HealthReply:
         """Not ready while the worker loop has not finished a step within its deadline."""
-        return health(self.engine.core, self.role, self.engine.watch.stalled_s())
+        return health(self.engine.core, self.role, self.watch.stalled_s() if self.watch else None)
 
     def Stats(self, request: wpb.StatsRequest, context: grpc.ServicerContext) -> wpb.StatsReply:
         e = self.engine

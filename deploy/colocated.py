@@ -17,6 +17,7 @@ from worker.config import WorkerConfig
 from worker.loop import WorkerLoop
 from worker.peers import KnownPeers
 from worker.server import WorkerHandle, build_core, grpc_server
+from worker.stats import LoopWatch
 from worker.types import Role
 
 
@@ -30,9 +31,10 @@ def start_colocated_worker(config: WorkerConfig) -> WorkerHandle:
                             owner_suffix="#prefill")     # pushes to its own decode side only
     auth = Verifier(config.secret)
     server, address = grpc_server(config, auth)
-    add_to_server(DecodeServicer(decode, transfer.endpoint, role=Role.COLOCATED, prefill=prefill, auth=auth),
-                  server)
-    loop = WorkerLoop(core, [prefill, decode], lock, wake).start()
+    watch = LoopWatch(config.step_deadline_s)
+    add_to_server(DecodeServicer(decode, transfer.endpoint, role=Role.COLOCATED, prefill=prefill, auth=auth,
+                                 watch=watch), server)
+    loop = WorkerLoop(core, [prefill, decode], lock, wake, watch=watch).start()
     server.start()
     return WorkerHandle(Role.COLOCATED, address, core, lock, server, loop, [prefill, decode], [transfer.stop],
                         receiver=decode.receiver, auth=auth, transfer_endpoint=transfer.endpoint)

@@ -12,6 +12,7 @@ from worker.config import WorkerConfig
 from worker.loop import WorkerLoop
 from worker.peers import KnownPeers
 from worker.server import WorkerHandle, build_core, grpc_server
+from worker.stats import LoopWatch
 from worker.types import Role
 
 
@@ -23,7 +24,8 @@ def start_prefill_worker(config: WorkerConfig, peers: Callable[[str], bool] | No
                            config.layer_group, config.transport)
     auth = Verifier(config.secret)
     server, address = grpc_server(config, auth)
-    add_to_server(PrefillServicer(engine, auth), server)
-    loop = WorkerLoop(core, [engine], lock, wake).start()
+    watch = LoopWatch(config.step_deadline_s)
+    add_to_server(PrefillServicer(engine, auth, watch), server)
+    loop = WorkerLoop(core, [engine], lock, wake, watch=watch).start()
     server.start()
     return WorkerHandle(Role.PREFILL, address, core, lock, server, loop, [engine], auth=auth)

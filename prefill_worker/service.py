@@ -9,16 +9,17 @@ from prefill_worker.engine import PrefillEngine
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from worker.convert import params_from_proto
-from worker.stats import health, stats
+from worker.stats import LoopWatch, health, stats
 from worker.types import ErrorCode, Role, WorkerError
 
 POLL_S = 0.5
 
 
 class PrefillServicer(wpb_grpc.PrefillServiceServicer):
-    def __init__(self, engine: PrefillEngine, auth: Verifier | None = None) -> None:
+    def __init__(self, engine: PrefillEngine, auth: Verifier | None = None, watch: LoopWatch | None = None) -> None:
         self.engine = engine
         self.auth = auth                  # its refusals are counted in Stats
+        self.watch = watch                # the worker loop's: Health is not ready while it is stalled
 
     def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillReply:
         """Prefill, push the pages and the commit to the decode worker; reply once the push was
@@ -41,7 +42,8 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
                                 frames=job.frames)
 
     def Health(self, request: wpb.HealthRequest, context: grpc.ServicerContext) -> wpb.HealthReply:
-        return health(self.engine.core, Role.PREFILL)
+        """Not ready while the worker loop has not finished a step within its deadline."""
+        return health(self.engine.core, Role.PREFILL, self.watch.stalled_s() if self.watch else None)
 
     def Stats(self, request: wpb.StatsRequest, context: grpc.ServicerContext) -> wpb.StatsReply:
         e = self.engine

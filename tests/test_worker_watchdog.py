@@ -83,10 +83,11 @@ def wait_for(ready: bool, servicer: DecodeServicer, limit_s: float = 20.0) -> bo
 def test_health_is_not_ready_while_a_step_runs_past_the_deadline():
     core = build_core(config(kv_cache_tokens=1024, max_model_len=1024))
     lock, wake = threading.RLock(), threading.Event()
-    engine = DecodeEngine(core, SECRET, 30.0, lock, wake, step_deadline_s=0.3)
-    servicer = DecodeServicer(engine, "local://watchdog")
+    engine = DecodeEngine(core, SECRET, 30.0, lock, wake)
+    watch = LoopWatch(deadline_s=0.3)
+    servicer = DecodeServicer(engine, "local://watchdog", watch=watch)
     slow = SlowStep()
-    loop = WorkerLoop(core, [engine, slow], lock, wake, idle_wait_s=0.01).start()
+    loop = WorkerLoop(core, [engine, slow], lock, wake, idle_wait_s=0.01, watch=watch).start()
     try:
         assert wait_for(True, servicer)
         slow.armed.set()
@@ -138,3 +139,15 @@ def test_a_catastrophic_regex_ends_only_its_own_request(workers, shipped_llm):
     wait_idle(decode, prefill)
     assert decode.roles[0].counts["failed"] >= 1
     assert wpb_grpc.DecodeServiceStub(dch).Health(wpb.HealthRequest(), timeout=10).ready
+
+
+def test_a_workers_stop_limits_and_step_deadline_come_from_its_config():
+    decode = start_decode(config(kv_cache_tokens=1024, max_model_len=1024, stop_window_chars=64, stop_budget_s=0.2,
+                                 step_deadline_s=7.0))
+    prefill = start_prefill(config(kv_cache_tokens=1024, max_model_len=1024, step_deadline_s=9.0))
+    try:
+        assert (decode.core.stop_limits.window_chars, decode.core.stop_limits.budget_s) == (64, 0.2)
+        assert decode.loop.watch.deadline_s == 7.0 and prefill.loop.watch.deadline_s == 9.0
+    finally:
+        decode.stop()
+        prefill.stop()

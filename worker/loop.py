@@ -22,6 +22,7 @@ from typing import Protocol
 from engine.core import EngineCore, LayerHook, TokenEvent
 from engine.scheduler import ScheduledBatch
 from kv_transfer.hooks import TransferHooks
+from worker.stats import LoopWatch
 
 log = logging.getLogger("tandem.worker")
 
@@ -39,8 +40,7 @@ class RoleEngine(Protocol):
 
     def drain(self) -> bool:
         """Handle what other threads posted (commits, failures, aborts, ended pushes).  Runs on
-        the loop's thread, first in every iteration (at least every `idle_wait_s` while idle),
-        so a role may read its calls as the loop's heartbeat (`worker.stats.LoopWatch`).
+        the loop's thread, first in every iteration (at least every `idle_wait_s` while idle).
         Returns whether it did anything."""
         ...
 
@@ -71,9 +71,12 @@ class WorkerLoop:
     """Steps `core` for `roles` until stopped; sleeps on `wake` (set by whoever posts work)."""
 
     def __init__(self, core: EngineCore, roles: list[RoleEngine], lock: threading.RLock,
-                 wake: threading.Event, idle_wait_s: float = 0.05):
+                 wake: threading.Event, idle_wait_s: float = 0.05, watch: LoopWatch | None = None):
+        """`watch`: beaten at the start of every iteration (Health reads it to tell a stalled
+        loop: a step that does not end, or a loop that stopped)."""
         self.core, self.roles, self.lock, self.wake = core, roles, lock, wake
         self.idle_wait_s = idle_wait_s
+        self.watch = watch or LoopWatch()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="worker-loop", daemon=True)
 
@@ -83,6 +86,7 @@ class WorkerLoop:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self.watch.beat()
             try:
                 did = self.step()
             except Exception:

@@ -93,7 +93,7 @@ def build_core(config: WorkerConfig, interleave: bool = False) -> EngineCore:
     Raises ValueError naming the setting to change when the KV pool cannot hold one request of
     the full context (ExpertCheckError from a failed independence check)."""
     tokens = kv_tokens_for_fraction(config) if config.mem_fraction is not None else None
-    core = EngineCore(config.engine_config(tokens), interleave=interleave)
+    core = EngineCore(config.engine_config(tokens), interleave=interleave, stop_limits=config.stop_limits)
     if config.verify_experts:
         core.verify_experts()
     if core.pool.capacity_tokens < core.max_model_len:
