@@ -151,3 +151,12 @@ def test_a_workers_stop_limits_and_step_deadline_come_from_its_config():
     finally:
         decode.stop()
         prefill.stop()
+
+
+def test_health_names_the_model_without_its_path():
+    handle = start_decode(config(kv_cache_tokens=1024, max_model_len=1024))
+    try:
+        reply = wpb_grpc.DecodeServiceStub(channel(handle.address)).Health(wpb.HealthRequest(), timeout=30)
+        assert reply.model == "tiny-moe" and "/" not in reply.model
+    finally:
+        handle.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Callable
 
 from engine.core import EngineCore
@@ -49,7 +50,8 @@ class LoopWatch:
 
 def health(core: EngineCore, role: Role, stalled_s: float | None = None) -> wpb.HealthReply:
     """`stalled_s` (see `LoopWatch.stalled_s`): not None makes the reply not ready."""
-    return wpb.HealthReply(ready=stalled_s is None, role=role.value, model=str(core.config.model),
+    # the checkpoint's directory name, not its path: Health tells callers nothing about the host
+    return wpb.HealthReply(ready=stalled_s is None, role=role.value, model=Path(str(core.config.model)).name,
                            max_model_len=core.max_model_len, kv_capacity_tokens=core.pool.capacity_tokens,
                            paged_experts_num_resident=core.config.paged_experts_num_resident or 0)
 
