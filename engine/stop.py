@@ -19,7 +19,11 @@ Every token's check is bounded, whatever the request asks (issue 16):
 - the whole check of one token (detokenizing, strings, regexes, hold-back) has a budget of
   `StopLimits.budget_s`: every regex search gets what is left of it as its timeout.  A pattern
   that runs past it ends the request: `append` returns "error" and `error` says which pattern
-  and what budget.  The pattern is not retried and nothing waits for it.
+  and what budget.  The pattern is not retried and nothing waits for it;
+- over the request, the checks may cost at most `StopLimits.mean_budget_s` per token on average
+  (from the `grace_tokens`-th token on): patterns that stay under the per-token budget but cost
+  milliseconds every token, in many requests at once, would otherwise slow every step of the
+  worker for everyone.  Such a request ends the same way.
 `work` counts what the checks examined (characters searched, tokenizer decode calls), so tests
 bound the work per token instead of its time.
 """
@@ -37,6 +41,8 @@ from engine.tokenizer import REPLACEMENT, IncrementalDetokenizer, Tokenizer
 
 STOP_WINDOW_CHARS = 1024     # a stop_regex sees this many trailing characters of the output
 STOP_BUDGET_S = 0.05         # the whole stop check of one token of one request
+STOP_MEAN_BUDGET_S = 0.005   # ... and on average over its tokens (a check at the caps costs ~1 ms)
+STOP_GRACE_TOKENS = 8        # the average is enforced from this many tokens on
 
 
 @dataclass(frozen=True)
@@ -44,8 +50,14 @@ class StopLimits:
     """How much a request's stop checks may look at and spend per token."""
     window_chars: int = STOP_WINDOW_CHARS
     budget_s: float = STOP_BUDGET_S
+    mean_budget_s: float = STOP_MEAN_BUDGET_S
+    grace_tokens: int = STOP_GRACE_TOKENS
 
     def __post_init__(self) -> None:
+        if not 0 < self.mean_budget_s < float("inf"):
+            raise ValueError(f"stop mean_budget_s={self.mean_budget_s} must be > 0 and finite")
+        if self.grace_tokens < 1:
+            raise ValueError(f"stop grace_tokens={self.grace_tokens} must be >= 1")
         if self.window_chars < 1:
             raise ValueError(f"stop window_chars={self.window_chars} must be >= 1")
         if not 0 < self.budget_s < float("inf"):
@@ -58,6 +70,7 @@ class StopWork:
     `bench.engine`)."""
     tokens: int = 0              # tokens checked
     chars: int = 0               # characters handed to a search (find, regex, hold-back)
+    seconds: float = 0.0         # time spent in the checks (by the checker's clock)
 
 
 class StopBudgetExceeded(Exception):
@@ -97,12 +110,26 @@ class StopChecker:
         `error`) or None to go on."""
         self.token_ids.append(token)
         self.work.tokens += 1
+        start = self.clock()
         try:
-            reason = self._check(token, num_tokens, self.clock() + self.limits.budget_s)
+            reason = self._check(token, num_tokens, start + self.limits.budget_s)
         except StopBudgetExceeded as e:
             reason, self.error = "error", str(e)
+        if self._watch:
+            self.work.seconds += self.clock() - start
+            reason = self._over_mean() or reason
         self.finish_reason = reason
         return reason
+
+    def _over_mean(self) -> str | None:
+        """"error" (and why) when the checks have cost more than the mean budget per token."""
+        n, lim = self.work.tokens, self.limits
+        if n < lim.grace_tokens or self.work.seconds <= lim.mean_budget_s * n or self.error:
+            return None
+        self.error = (f"the stop checks (stop / stop_regex) cost {self.work.seconds / n * 1000:.1f} ms per token "
+                      f"over {n} tokens, over the limit of {lim.mean_budget_s * 1000:g} ms per token on average: "
+                      "use fewer or simpler stop strings and patterns")
+        return "error"
 
     @property
     def text(self) -> str:

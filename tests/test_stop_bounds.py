@@ -100,8 +100,9 @@ def test_a_catastrophic_regex_ends_its_request_with_an_error(shipped_llm):
     bad = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True, stop_regex=[CATASTROPHIC])
     good = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     want = shipped_llm.generate(["def add(a, b):"], good)[0]
-    with pytest.raises(RequestError, match=r"stop_regex '\(\?:\.\|\.\)\+\(\?!\)' exceeded the stop-check "
-                                           r"budget of 50 ms per token") as e:
+    # ended by the per-token budget, or before that by the mean budget (its cost doubles per character)
+    ended = r"stop_regex '\(\?:\.\|\.\)\+\(\?!\)' exceeded the stop-check budget of 50 ms per token"
+    with pytest.raises(RequestError, match=ended + "|over the limit of 5 ms per token on average") as e:
         shipped_llm.generate(["The quick brown fox", "def add(a, b):"], [bad, good])
     assert e.value.code == "INVALID_REQUEST"
     bad_req = shipped_llm.add_request("The quick brown fox", bad)
@@ -123,6 +124,29 @@ def test_the_budget_covers_the_whole_check(shipped_llm):
     assert checker.append(shipped_llm.tokenizer.encode("hello")[0], 1) == "error"
     assert "stop_regex 'never' exceeded the stop-check budget of 5000 ms" in str(checker.error)
     assert checker.delta() == ""
+
+
+@pytest.mark.parametrize("ms_per_token, ends", [(6.0, True), (4.0, False)])
+def test_checks_that_cost_more_than_the_mean_budget_end_the_request(shipped_llm, ms_per_token, ends):
+    """Under the per-token budget every time, but over the 5 ms mean: the request ends once the
+    grace tokens are past; at 4 ms per token it runs to its length."""
+    now = [0.0]
+    params = SamplingParams(max_tokens=20, ignore_eos=True, stop_regex=["never"])
+    checker = StopChecker(params, shipped_llm.tokenizer, shipped_llm.eos_ids, 4096, StopLimits(budget_s=5.0),
+                          clock=lambda: now[0])
+    check = checker._check
+
+    def costly_check(*args):       # each token's check takes ms_per_token by the checker's clock
+        now[0] += ms_per_token / 1000
+        return check(*args)
+
+    checker._check = costly_check
+    token = shipped_llm.tokenizer.encode("hello")[0]
+    reasons = [checker.append(token, 1 + i) for i in range(20)]
+    if ends:
+        assert reasons.index("error") == StopLimits().grace_tokens - 1 and "on average" in str(checker.error)
+    else:
+        assert reasons[:-1] == [None] * 19 and reasons[-1] == "length" and checker.error is None
 
 
 STOPS = ["\n", "ret", "(self", "  ", "x = ", "ab", "json"]
