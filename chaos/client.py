@@ -32,7 +32,13 @@ class Outcome:
     error: str = ""
     finish: str | None = None
     started: float = 0.0
+    first: float = 0.0          # when the first token arrived (0: none did)
     ended: float = 0.0
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from sending to the first token (a whole response: to its end)."""
+        return self.first - self.started if self.first else None
 
 
 async def send(url: str, api_key: str, model: str, out: Outcome, timeout_s: float) -> Outcome:
@@ -96,6 +102,8 @@ async def _read_events(chunks: AsyncIterator[bytes], out: Outcome, writer: async
                 out.outcome, out.error = "error", f"{msg['error'].get('code')}: {msg['error'].get('message')}"
                 return
             for choice in msg.get("choices", []):
+                if choice.get("token_ids") and not out.first:
+                    out.first = time.monotonic()
                 out.token_ids += choice.get("token_ids") or []
                 out.text += choice.get("text") or ""
                 out.finish = choice.get("finish_reason") or out.finish
@@ -117,3 +125,4 @@ def _whole(raw: bytes, out: Outcome) -> None:
     out.token_ids, out.text, out.finish = choice.get("token_ids") or [], choice.get("text") or "", \
         choice.get("finish_reason")
     out.outcome = "ok" if out.finish else "silent"
+    out.first = time.monotonic() if out.token_ids else 0.0

@@ -3,7 +3,8 @@
 - reference equality: every completed response's tokens equal the single-process `LLM`'s
   greedy output for the same prompt run alone; a response cut short (an explicit error,
   or the client hanging up) must be a prefix of it;
-- canaries: no response contains another request's canary.
+- canaries: no response contains another request's canary (nor does anything a hostile
+  scenario's attacker was sent).
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ def judge(results: list[ScenarioResult], reference: Reference) -> None:
     """Count corrupted responses and canary leaks into each scenario's result."""
     owner = {o.job.canary: o.job.index for r in results for o in r.outcomes}
     for r in results:
+        for text in r.other_texts:          # an attacker's responses: no request's canary may be there
+            foreign = [c for c in CANARY.findall(text) if c in owner]
+            if foreign:
+                r.leaks += 1
+                _say(r, f"the attacker was sent the canary of request {owner[foreign[0]]}")
         for o in r.outcomes:
             if o.job.expect_reject or not (o.token_ids or o.text):
                 continue

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from chaos.scenarios import Scenario
@@ -19,6 +19,8 @@ from engine import corpus
 from engine.tokenizer import Tokenizer
 
 TENANTS = ("acme", "globex", "initech", "umbrella")
+ATTACKER = "umbrella"           # the hostile scenarios' attacker; the other tenants are its victims
+VICTIMS = tuple(t for t in TENANTS if t != ATTACKER)
 CANARY = re.compile(r"canary [0-9a-f]{10}")
 
 
@@ -60,6 +62,11 @@ class PromptMaker:
             ids = ids + self.text_ids[start:start + length - len(ids)]
         return Job(self.n, scenario, TENANTS[self.n % len(TENANTS)], canary, ids, max_tokens, **kw)
 
+    def again(self, job: Job) -> Job:
+        """The same request (prompt, canary, tenant, behaviour) under a new index."""
+        self.n += 1
+        return replace(job, index=self.n)
+
 
 def jobs_for(maker: PromptMaker, scenario: Scenario, n: int, limit: int) -> list[Job]:
     """The scenario's `n` requests; `limit` is the cluster's prompt + max_tokens limit."""
@@ -71,6 +78,9 @@ def jobs_for(maker: PromptMaker, scenario: Scenario, n: int, limit: int) -> list
         client = scenario.client
         if client == "normal" and scenario.driver == "kill_decode":
             out.append(maker.job(scenario.name, length, 48))
+        elif client == "victim":          # a hostile scenario's other tenants: streamed, for their TTFT
+            job = maker.job(scenario.name, length, mt)
+            out.append(replace(job, tenant=VICTIMS[job.index % len(VICTIMS)]))
         elif client == "normal":
             out.append(maker.job(scenario.name, length, mt, stream=rng.random() < 0.5))
         elif client == "disconnect":

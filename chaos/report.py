@@ -29,7 +29,9 @@ class ScenarioResult:
     seconds: float = 0.0
     violations: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    figures: dict[str, float | None] = field(default_factory=dict)   # measurements (hostile: TTFT, RSS)
     outcomes: list[Outcome] = field(default_factory=list, repr=False)
+    other_texts: list[str] = field(default_factory=list, repr=False)  # what an attacker was sent: no canary
 
     def tally(self, outs: list[Outcome]) -> None:
         self.requests = len(outs)
@@ -67,7 +69,7 @@ class ScenarioResult:
         return not (self.violations or self.leaks or self.corrupted or self.pages_leaked)
 
     def as_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k != "outcomes"}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("outcomes", "other_texts")}
         d["faults_detected"] = None if self.tolerated else self.faults_detected
         d["ok"] = self.ok
         return d
@@ -93,6 +95,8 @@ def totals(results: list[ScenarioResult], seed: int, seconds: float) -> dict:
         "ok": all(r.ok for r in results),
         "seed": seed,
         "seconds": round(seconds, 1),
+        "hostile_ttft": {r.name: {k: v for k, v in r.figures.items() if k.startswith("ttft")}
+                         for r in results if r.group == "hostile"},
         "scenarios": [r.as_dict() for r in results],
     }
 

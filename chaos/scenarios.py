@@ -6,7 +6,9 @@ decode workers' refusal logs).  Scenarios without `expect` hold faults that are 
 frames: they are checked by their own rule (see `detects`) and by the oracles every
 scenario shares (reference equality, canaries, pool accounting).  An `attack`
 (chaos.attacks) runs around the scenario's requests and keeps its own account (the trust
-group: a rogue client without the secret, stalled Push streams).
+group: a rogue client without the secret, stalled Push streams).  A hostile scenario's requests
+are the other tenants' (`victim`): they run once without the attack (the TTFT baseline), then
+again beside it, and both runs are judged.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ LATE = ("EXPIRED", "AFTER_FAILURE", "UNKNOWN_TRANSFER")
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    group: str                       # transfer | pool | process | admission | trust
+    group: str                       # transfer | pool | process | admission | trust | hostile
     about: str
     point: str | None = None         # injector point armed for the scenario
     role: Role | None = None         # PREFILL (sender faults) or DECODE (receiver / pool faults)
@@ -30,9 +32,10 @@ class Scenario:
     per_frame: float = 0.5           # chance per frame while the armed count lasts
     seconds: float = 0.0
     after: int = 0                   # frames each injector lets pass before it may fire
-    client: str = "normal"           # normal | disconnect | storm | over_by_one | far_over | at_limit
+    client: str = "normal"           # normal | victim | disconnect | storm | over_by_one | far_over | at_limit
     driver: str | None = None        # kill_prefill | kill_decode | corrupt_expert
-    attack: str | None = None        # rogue_client | stalled_streams (chaos.attacks: around the requests)
+    attack: str | None = None        # rogue_client | stalled_streams (chaos.attacks: around the requests),
+                                     # or a hostile tenant (chaos.hostile, chaos.bombs: beside them)
     weight: float = 1.0              # share of --requests, relative to the other scenarios
 
     @property
@@ -78,6 +81,14 @@ SCENARIOS: tuple[Scenario, ...] = (
              "prompt of the same length", "misbind", Role.PREFILL, ("PROMPT_MISMATCH",)),
     Scenario("stalled_streams", "trust", "a worker holding the secret stalls max_push_streams + 8 Push "
              "streams on a decode worker's receiver", attack="stalled_streams", weight=0.6),
+    Scenario("redos", "hostile", "one tenant sends catastrophic stop_regex patterns, huge expansions and stop "
+             "lists over and at the caps while the others run", client="victim", attack="redos", weight=0.5),
+    Scenario("slow_reader", "hostile", "one tenant opens streams and never reads them (small receive window)",
+             client="victim", attack="slow_reader", weight=0.5),
+    Scenario("chunked_bomb", "hostile", "one client sends 64 MiB request bodies, chunked with and without an API "
+             "key", client="victim", attack="chunked_bomb", weight=0.5),
+    Scenario("kv_hog", "hostile", "one tenant floods long chat requests without max_tokens",
+             client="victim", attack="kv_hog", weight=0.5),
     Scenario("over_by_one", "admission", "prompt_tokens + max_tokens one over the limit",
              client="over_by_one", weight=0.4),
     Scenario("far_over", "admission", "a prompt far over the limit", client="far_over", weight=0.4),

@@ -25,7 +25,7 @@ def test_every_scenario_injects_and_nothing_leaks():
         assert row["ok"] and row["requests"] >= 2, row
         if s.name != "at_limit":
             assert row["faults_injected"] >= 1, row            # the scenario really did something
-        if not row["tolerated"]:
+        if not row["tolerated"] and s.group != "hostile":    # a hostile row counts what was held back
             assert row["faults_detected"] == row["faults_injected"], row
     transfer = [rows[s.name] for s in SCENARIOS if s.group == "transfer"]
     assert report["transfer_faults_injected"] == sum(r["faults_injected"] for r in transfer) >= len(transfer)
