@@ -105,6 +105,22 @@ def run(args: argparse.Namespace, scenarios: list[Scenario], seed: int) -> tuple
 
 
 def _summary(t: dict[str, Any]) -> str:
+    return _counts(t) + "".join(f"\n{line}" for line in _ttft_lines(t.get("hostile_ttft", {})))
+
+
+def _ttft_lines(ttft: dict[str, dict[str, float | None]]) -> list[str]:
+    """The other tenants' TTFT p99 without and beside each hostile attack (issue 16: at most 3x)."""
+    if not ttft:
+        return []
+
+    def ms(x: float | None) -> str:
+        return "n/a" if x is None else f"{x * 1000:.0f} ms"
+    return ["other tenants' TTFT p99 without -> beside the attack (target <= 3x): " + "; ".join(
+        f"{name} {ms(f.get('ttft_p99_baseline_s'))} -> {ms(f.get('ttft_p99_attack_s'))}"
+        + (f" ({f['ttft_ratio']:.2f}x)" if f.get("ttft_ratio") is not None else "") for name, f in ttft.items())]
+
+
+def _counts(t: dict[str, Any]) -> str:
     return (f"\n{t['requests']} requests ({t['completed']} completed, {t['failed_explicitly']} failed "
             f"explicitly, {t['aborted']} aborted, {t['silent']} silent); {t['faults_injected']} faults "
             f"injected, {t['faults_detected']} detected, {t['faults_tolerated']} tolerated; transfer faults "
