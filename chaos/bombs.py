@@ -23,7 +23,17 @@ from urllib.parse import urlparse
 
 from chaos.attacker import HostileAttack
 from chaos.cluster import ChaosCluster
-from chaos.gauges import Peaks, gateway_pid, gateway_setting, memory_mib, metric, reset_peak, scrape, server_sockets
+from chaos.gauges import (
+    Peaks,
+    gateway_connections,
+    gateway_pid,
+    gateway_setting,
+    memory_mib,
+    metric,
+    reset_peak,
+    scrape,
+    server_sockets,
+)
 from chaos.hostile import PROMPT
 from chaos.report import ScenarioResult
 
@@ -38,6 +48,7 @@ class SlowReader(HostileAttack):
     def __init__(self, cluster: ChaosCluster, key: str, model: str) -> None:
         super().__init__(cluster, key, model)
         self.idle_s = float(gateway_setting(cluster, "stream_idle_timeout_s") or 30.0)
+        self.max_connections = gateway_setting(cluster, "max_connections")
         self.finish_wait_s = self.idle_s + 150
         u = urlparse(cluster.url)
         self.host, self.port = u.hostname or "127.0.0.1", int(u.port or 80)
@@ -69,6 +80,7 @@ class SlowReader(HostileAttack):
     async def attack(self) -> None:
         f = self.facts
         stalled0 = metric(scrape(self.url), STALLED)
+        f["connections_before"] = gateway_connections(self.cluster)
         socks = [self._open() for _ in range(self.SOCKETS)]
         peers = [s.getsockname()[1] for s in socks]
         self.launched.set()
@@ -84,6 +96,7 @@ class SlowReader(HostileAttack):
             f["closed_s"] = None if closed is None else time.monotonic() - t0
             await asyncio.sleep(2.0)
             f["after_close"] = server_sockets(self.port, peers)
+            f["connections_after_close"] = gateway_connections(self.cluster)
             f["stalled"] = metric(scrape(self.url), STALLED) - stalled0
             self.ends = [await self._drain(s) for s in socks]
         finally:
@@ -117,7 +130,9 @@ class SlowReader(HostileAttack):
             f"{sorted(q for _, q in at_release.values())} bytes); the gateway closed {f.get('stalled', 0):.0f} after "
             f"{_s(f.get('closed_s'))} (stream_idle_timeout_s {self.idle_s:g}); the client then read "
             + ", ".join(f"{e['bytes']} B {'with' if e['done'] else 'without'} [DONE] ({e['end']})" for e in self.ends)
-            + f"; server side 2 s after the close: {sorted(v[0] for v in f.get('after_close', {}).values()) or 'gone'}")
+            + f"; server side 2 s after the close: {sorted(v[0] for v in f.get('after_close', {}).values()) or 'gone'}"
+            + f"; uvicorn's open connections {f.get('connections_before')} before, "
+              f"{f.get('connections_after_close')} after the close")
         if not f.get("running_seen"):
             res.violations.append("slow_reader: the attacker's streams never showed as running in /metrics")
         if f.get("released_s") is None or f.get("stalled_at_release", 0) or held < n:
@@ -133,8 +148,10 @@ class SlowReader(HostileAttack):
         if lingering:
             res.violations.append(f"slow_reader: {len(lingering)} connections closed for idleness are still "
                                   f"ESTABLISHED on the gateway's side with unsent bytes queued "
-                                  f"{sorted(q for _, q in lingering.values())}: the gateway holds them (and their "
-                                  f"place under max_connections) until the client reads")
+                                  f"{sorted(q for _, q in lingering.values())} (uvicorn counts "
+                                  f"{f.get('connections_after_close')} open connections, "
+                                  f"{f.get('connections_before')} before the attack, against max_connections "
+                                  f"{self.max_connections}): the gateway holds them until the client reads")
         res.faults_detected = n if not res.violations else min(cut, held)
 
 

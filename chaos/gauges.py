@@ -151,6 +151,18 @@ def gateway_setting(cluster: ChaosCluster, name: str) -> Any:
         return None
 
 
+def gateway_connections(cluster: ChaosCluster) -> int | None:
+    """The connections the (first) gateway's uvicorn server counts now (what its
+    limit_concurrency, the gateway's max_connections, compares with); None when unreadable."""
+    def count(actor: Any) -> int:
+        return len(actor.server._server.server_state.connections)
+    try:
+        n: int = ray.get(cluster.deployment.gateways[0].__ray_call__.remote(count), timeout=30)
+        return n
+    except Exception:   # noqa: BLE001  (another server inside: no reading, not a failure)
+        return None
+
+
 def memory_mib(pid: int) -> dict[str, float]:
     """{"rss", "peak"} of a local process in MiB (VmRSS, VmHWM); empty when unreadable."""
     try:
