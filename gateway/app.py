@@ -8,13 +8,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.exceptions import HTTPException
 
 from engine.config import SHIPPED_MODEL, ModelConfig
 from engine.tokenizer import Tokenizer
@@ -22,14 +24,17 @@ from gateway.admission import AdmissionQueue, Rejected
 from gateway.completions import CompletionHandler
 from gateway.config import GatewayConfig, KeyTable
 from gateway.fairness import ClusterKv
+from gateway.limits import BodyLimit, SendDeadline, quiet_idle_closes
 from gateway.metrics import Metrics
 from gateway.openai_format import error_body
+from gateway.prompts import PromptEncoder
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routing import WorkerPool
 from worker.types import ErrorCode, Role
 
 log = logging.getLogger("tandem.gateway")
 Discover = Callable[[], dict[str, list[str]]]     # () -> {role: [address]}: a worker registry
+T = TypeVar("T")
 
 
 class Gateway:
@@ -41,6 +46,9 @@ class Gateway:
         self.draining = False
         path = config.model or SHIPPED_MODEL
         self.tokenizer = Tokenizer(path)
+        self.encoder = PromptEncoder(path, self.tokenizer)
+        # tokenising, chat templates and stop-pattern checks run here, never on the event loop
+        self.executor = ThreadPoolExecutor(config.prepare_threads, thread_name_prefix="gateway-prepare")
         self.model_config = ModelConfig.from_path(path)
         self.vocab_size = self.model_config.vocab_size
         self.pool = WorkerPool(config.decode_workers, config.prefill_workers, config.colocated_workers,
@@ -52,6 +60,17 @@ class Gateway:
         self.metrics.watch(self.queue)
         self.completions = CompletionHandler(self)
         self.keys = KeyTable(config.api_keys)
+        self.admin_keys = KeyTable({k: "admin" for k in config.admin_keys})
+
+    async def prepare(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on a preparation thread (at most `prepare_threads` at once)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def admin(self, request: Request) -> None:
+        """Raises Rejected 401 unless admin keys are configured and the request bears one."""
+        if self.admin_keys.tenant(_bearer(request)) is None:
+            raise Rejected(401, "invalid_admin_key", "this endpoint needs an admin key "
+                           "(send Authorization: Bearer ADMIN_KEY)")
 
     def context_len(self) -> int:
         """The context of the workers (their --max-model-len), else the model's."""
@@ -94,12 +113,20 @@ def create_app(config: GatewayConfig, discover: Discover | None = None) -> FastA
             yield
         finally:
             task.cancel()
+            gw.executor.shutdown(wait=False, cancel_futures=True)
             await gw.pool.close()
 
     app = FastAPI(title="Tandem", lifespan=lifespan)
     app.state.gateway = gw
 
-    app.add_middleware(BodyLimit, gw=gw)
+    def refused_body() -> None:
+        gw.metrics.rejected.labels("body_too_large").inc()
+        gw.metrics.requests.labels("rejected").inc()
+
+    # outermost last: the deadline covers every send, the body limit comes before everything else
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes, on_refusal=refused_body)
+    app.add_middleware(SendDeadline, timeout_s=config.stream_idle_timeout_s, registry=gw.metrics.registry)
+    quiet_idle_closes()
 
     @app.exception_handler(Rejected)
     async def rejected(request: Request, e: Rejected) -> Response:
@@ -114,10 +141,18 @@ def create_app(config: GatewayConfig, discover: Discover | None = None) -> FastA
         return JSONResponse(error_body(f"{where}: {first.get('msg', 'invalid request')}", "invalid_request_error",
                                        "schema", where or None), status_code=422)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> Response:
+        # the framework's own refusals (no such route, a body it could not read) in the OpenAI shape
+        return JSONResponse(error_body(str(e.detail), "invalid_request_error", f"http_{e.status_code}"),
+                            status_code=e.status_code, headers=e.headers)
+
     @app.exception_handler(Exception)
     async def crashed(request: Request, e: Exception) -> Response:
-        log.exception("unhandled error")
-        body = error_body("internal error in the gateway", "server_error", ErrorCode.INTERNAL)
+        error_id = uuid.uuid4().hex
+        log.exception("unhandled error %s in %s %s", error_id, request.method, request.url.path)
+        body = error_body(f"internal error in the gateway (error id {error_id})", "server_error",
+                          ErrorCode.INTERNAL)
         return JSONResponse(body, status_code=500)
 
     def tenant(request: Request) -> str:
@@ -143,14 +178,20 @@ def create_app(config: GatewayConfig, discover: Discover | None = None) -> FastA
         return JSONResponse({"status": "unavailable", "detail": "needs one prefill and one decode worker "
                              "(or one colocated worker) answering"}, status_code=503)
 
-    @app.get("/metrics")
+    def admin(request: Request) -> None:
+        if config.admin_keys:
+            gw.admin(request)
+        elif request.url.path != "/metrics":        # no admin keys: server_info as any API call
+            gw.tenant(request)
+
+    @app.get("/metrics", dependencies=[Depends(admin)])
     async def metrics() -> Response:
         gw.metrics.queue.set(gw.queue.waiting)
         gw.metrics.running.set(gw.queue.running)
         return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/server_info", response_model=None)
-    async def server_info(tenant: str = Depends(tenant)) -> dict[str, Any]:
+    @app.get("/v1/server_info", response_model=None, dependencies=[Depends(admin)])
+    async def server_info() -> dict[str, Any]:
         return {"model": config.served_model_name, "context_length": gw.context_len(),
                 "workers": [{"address": w.address, "role": w.role, "healthy": w.healthy,
                              "kv_capacity_tokens": w.health.kv_capacity_tokens if w.health else None,
@@ -160,28 +201,15 @@ def create_app(config: GatewayConfig, discover: Discover | None = None) -> FastA
     return app
 
 
-class BodyLimit:
-    """Answers 413 to a body announced over the limit, before it is read.  A plain ASGI
-    middleware: it leaves `receive` alone, so handlers still see a client disconnect."""
-
-    def __init__(self, app: ASGIApp, gw: Gateway):
-        self.app, self.gw = app, gw
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        limit = self.gw.config.max_body_bytes
-        size = dict(scope.get("headers") or []).get(b"content-length", b"") if scope["type"] == "http" else b""
-        if size.isdigit() and int(size) > limit:
-            response = _rejected(self.gw, Rejected(413, "body_too_large", f"request body of {int(size)} bytes "
-                                                   f"exceeds the limit of {limit} bytes"))
-            await response(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-
 def _rejected(gw: Gateway, e: Rejected) -> JSONResponse:
     gw.metrics.rejected.labels(e.reason).inc()
     gw.metrics.requests.labels("rejected").inc()
     kind = "invalid_request_error" if e.status < 500 else "server_error"
     if e.status == 401:
         kind = "authentication_error"
-    return JSONResponse(error_body(e.message, kind, e.reason), status_code=e.status)
+    return JSONResponse(error_body(e.message, kind, e.reason, getattr(e, "param", None)), status_code=e.status)
+
+
+def _bearer(request: Request) -> str:
+    auth = request.headers.get("authorization", "")
+    return auth[7:].strip() if auth.lower().startswith("bearer ") else ""

@@ -1,28 +1,29 @@
-"""Serving one chat or text completion request: tokenize once, check it against the context
-and the decode workers' KV capacity (400 before any worker is contacted), admit it through
-the queue, forward every choice, and answer as JSON or as server-sent events."""
+"""Serving one chat or text completion request: check its fields (400 naming the field),
+tokenize once off the event loop, check it against the context and the decode workers' KV
+capacity (400 before any worker is contacted), admit it through the queue, forward every
+choice, and answer as JSON or as server-sent events.  A failure past the gateway reaches the
+client as a code, a short message and the request id; its details go to the log."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse, Response
 
 from engine.params import SamplingParams
 from gateway.admission import Rejected
 from gateway.fairness import reserved_tokens, share_key
 from gateway.forward import ForwardError, cancelling, forward
-from gateway.openai_format import ChoiceState, Formatter, error_body, prompt_tokens
+from gateway.openai_format import ChoiceState, Formatter, error_body, prompt_tokens, public_message
+from gateway.prompts import PromptTooLong
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
-from proto import worker_pb2 as wpb
+from gateway.streaming import DoneEvent, ErrorEvent, Event, EventStream, Generation, TokensEvent, sse
 from worker.types import ErrorCode
 
 if TYPE_CHECKING:
@@ -41,66 +42,66 @@ class Job:
     params: SamplingParams
 
 
-# What a choice's forwarding task reports to the response, in order: TokensEvent..., then
-# DoneEvent or ErrorEvent.
-@dataclass(frozen=True)
-class TokensEvent:
-    state: ChoiceState
-    tokens: wpb.Tokens
-
-
-@dataclass(frozen=True)
-class DoneEvent:
-    state: ChoiceState
-
-
-@dataclass(frozen=True)
-class ErrorEvent:
-    error: ForwardError
-    state: ChoiceState | None         # None: the choice failed before any token was streamed
-
-
-Event = TokensEvent | DoneEvent | ErrorEvent
-
-
 class CompletionHandler:
     def __init__(self, gw: Gateway):
         self.gw = gw                  # the Gateway: config, tokenizer, pool, queue, metrics
 
     # ---- request -> jobs ------------------------------------------------------------
-    def prompts(self, body: Body) -> list[list[int]]:
-        try:
-            return self._prompts(body)
-        except (TypeError, ValueError, UnicodeError) as e:
-            raise Rejected(400, "invalid_request", f"the prompt cannot be tokenized: {e}") from None
-
-    def _prompts(self, body: Body) -> list[list[int]]:
-        tok = self.gw.tokenizer
-        if isinstance(body, ChatCompletionRequest):
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            return [tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))]
-        p = body.prompt
-        if isinstance(p, str):
-            return [tok.encode(p)]
-        if p and all(isinstance(x, int) for x in p):
-            return [[x for x in p if isinstance(x, int)]]
-        return [tok.encode(x) if isinstance(x, str) else list(x) for x in p if not isinstance(x, int)]
-
-    def jobs(self, body: Body) -> list[Job]:
-        """Raises Rejected (400, 404) naming what is wrong; contacts no worker."""
+    def check(self, body: Body) -> None:
+        """The cheap checks, on the event loop: model, options, integer ranges.  Raises
+        Rejected (404, 400 naming the field)."""
         gw = self.gw
         if body.model != gw.config.served_model_name:
             raise Rejected(404, "model_not_found", f"the model {body.model!r} does not exist; this server "
                            f"serves {gw.config.served_model_name!r}")
+        if (bad := body.out_of_range(gw.vocab_size)) is not None:
+            raise InvalidField(bad[0], bad[1])
         if (why := body.unsupported()) is not None:
             raise Rejected(400, "unsupported", why)
-        prompts = self.prompts(body)
+
+    def prompts(self, body: Body, context: int) -> list[list[int]]:
+        """Token ids of each prompt; raises Rejected 400 for a prompt that cannot be tokenized
+        or is, from its length in bytes or tokens, longer than `context`."""
+        try:
+            return self._prompts(body, context)
+        except PromptTooLong as e:
+            raise Rejected(400, "context_length", str(e)) from None
+        except (TypeError, ValueError, UnicodeError) as e:
+            raise Rejected(400, "invalid_request", f"the prompt cannot be tokenized: {e}") from None
+
+    def _prompts(self, body: Body, context: int) -> list[list[int]]:
+        tok, enc = self.gw.tokenizer, self.gw.encoder
+        if isinstance(body, ChatCompletionRequest):
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            text = tok.apply_chat_template(messages, add_generation_prompt=True)
+            enc.check(text, context, "conversation")
+            return [enc.encode(text)]
+        p = body.prompt
+        items: list[str | list[int]]
+        if isinstance(p, str):
+            items = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            items = [[x for x in p if isinstance(x, int)]]
+        else:
+            items = [x for x in p if not isinstance(x, int)]
+        out = []
+        for x in items:
+            if isinstance(x, str):
+                enc.check(x, context)
+                out.append(enc.encode(x))
+            else:
+                out.append(list(x))         # its length is checked with max_tokens (_max_tokens)
+        return out
+
+    def jobs(self, body: Body, context: int, capacity: int) -> list[Job]:
+        """Tokenizes the prompts and builds each choice's sampling parameters (compiling its
+        stop patterns): the expensive part, run on a preparation thread.  Raises Rejected (400)
+        naming what is wrong; contacts no worker."""
+        gw = self.gw
+        prompts = self.prompts(body, context)
         if not prompts or len(prompts) * body.n > gw.config.max_n:
             raise Rejected(400, "too_many_choices", f"{len(prompts)} prompt(s) x n={body.n} choices exceeds "
                            f"the limit of {gw.config.max_n} per request")
-        context, capacity = gw.context_len(), gw.pool.capacity_tokens()
-        if capacity == 0:
-            raise Rejected(503, "no_workers", "no decode worker is ready")
         jobs: list[Job] = []
         for group, ids in enumerate(prompts):
             self._check_ids(ids)
@@ -145,44 +146,48 @@ class CompletionHandler:
         gw = self.gw
         if gw.draining:
             raise Rejected(503, "draining", "the server is shutting down; retry on another replica")
-        jobs = self.jobs(body)
+        self.check(body)
+        context, capacity = gw.context_len(), gw.pool.capacity_tokens()
+        if capacity == 0:
+            raise Rejected(503, "no_workers", "no decode worker is ready")
+        jobs = await gw.prepare(self.jobs, body, context, capacity)
         fmt = Formatter("chat" if isinstance(body, ChatCompletionRequest) else "text",
                         gw.config.served_model_name, gw.tokenizer, body.logprobs_n, body.return_token_ids)
-        stack = AsyncExitStack()
-        await stack.enter_async_context(gw.queue.admit(share_key(request, tenant, bool(gw.keys)),
-                                                       reserved_tokens(jobs)))
+        slot = AsyncExitStack()
+        await slot.enter_async_context(gw.queue.admit(share_key(request, tenant, bool(gw.keys)),
+                                                      reserved_tokens(jobs)))
         events: asyncio.Queue[Event] = asyncio.Queue()
         started = time.monotonic()
         tasks = [asyncio.create_task(self._run(fmt.id, tenant, job, events, started)) for job in jobs]
-        stack.push_async_callback(_cancel, tasks)
+        generation = Generation(slot, tasks)      # the slot goes back when the tasks end
+        watch = asyncio.create_task(_watch_disconnect(request, tasks, events))
         if body.stream:
             # until the first event nothing is written, so a client that left is noticed here
-            watch = asyncio.create_task(_watch_disconnect(request, tasks, events))
             try:
                 first = await events.get()
             except BaseException:
-                await stack.aclose()
+                await generation.close()
                 raise
             finally:
                 watch.cancel()
             if isinstance(first, ErrorEvent) and first.state is None:     # failed before any token
-                await stack.aclose()
-                return self._error(first.error)
+                await generation.close()
+                return self._error(first.error, fmt.id)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = self._sse(fmt, jobs, events, first, include_usage, stack)
-            return StreamingResponse(stream, media_type="text/event-stream",
-                                     background=BackgroundTask(stack.aclose))
-        watch = asyncio.create_task(_watch_disconnect(request, tasks, events))
+            states = [j.state for j in jobs]
+            stream = sse(fmt, states, events, first, include_usage, lambda e: self._error_body(e, fmt.id),
+                         lambda: self._count(jobs, "ok"))
+            return EventStream(stream, on_close=generation.close)
         try:
             done = 0
             while done < len(jobs):
                 event = await events.get()
                 if isinstance(event, ErrorEvent):
-                    return self._error(event.error)
+                    return self._error(event.error, fmt.id)
                 done += isinstance(event, DoneEvent)
         finally:
             watch.cancel()
-            await stack.aclose()
+            await generation.close()
         self._count(jobs, "ok")
         return JSONResponse(fmt.response([j.state for j in jobs]))
 
@@ -212,43 +217,10 @@ class CompletionHandler:
                 raise                         # the response itself was cancelled
             await events.put(ErrorEvent(ForwardError(ErrorCode.DECODE_FAILED, "the call was cut"),
                                         state if state.token_ids else None))
-        except Exception as e:  # never leave the response waiting: a bug becomes an explicit 500
-            log.exception("forwarding failed")
-            await events.put(ErrorEvent(ForwardError(ErrorCode.INTERNAL, f"gateway error: {e!r}", 500),
+        except Exception:  # never leave the response waiting: a bug becomes an explicit 500
+            log.exception("request %s: forwarding failed", rid)
+            await events.put(ErrorEvent(ForwardError(ErrorCode.INTERNAL, "gateway error (logged)", 500),
                                         state if state.token_ids else None))
-
-    async def _sse(self, fmt: Formatter, jobs: list[Job], events: asyncio.Queue[Event], first: Event,
-                   include_usage: bool, stack: AsyncExitStack) -> AsyncIterator[str]:
-        gw = self.gw
-        sent_role: set[int] = set()
-        offsets = {j.state.index: 0 for j in jobs}
-        item, done = first, 0
-        try:
-            while True:
-                if isinstance(item, ErrorEvent):
-                    gw.metrics.requests.labels("error").inc()
-                    yield _event(error_body(item.error.message, "server_error", item.error.code.value))
-                    return
-                state = item.state
-                if isinstance(item, TokensEvent) or state.index not in sent_role:
-                    tokens = item.tokens if isinstance(item, TokensEvent) else wpb.Tokens()
-                    yield _event(fmt.chunk(_pending(state), tokens.text, list(tokens.logprobs),
-                                           first=state.index not in sent_role, offset=offsets[state.index],
-                                           ids=list(tokens.token_ids)))
-                    offsets[state.index] += len(tokens.text)
-                    sent_role.add(state.index)
-                if isinstance(item, DoneEvent):
-                    done += 1
-                    yield _event(fmt.chunk(state, "", []))
-                    if done == len(jobs):
-                        break
-                item = await events.get()
-            if include_usage:
-                yield _event(fmt.usage_chunk([j.state for j in jobs]))
-            yield "data: [DONE]\n\n"
-            self._count(jobs, "ok")
-        finally:
-            await stack.aclose()
 
     def _count(self, jobs: list[Job], status: str) -> None:
         m = self.gw.metrics
@@ -256,19 +228,24 @@ class CompletionHandler:
         m.prompt_tokens.inc(prompt_tokens([j.state for j in jobs]))
         m.generated.inc(sum(len(j.state.token_ids) for j in jobs))
 
-    def _error(self, err: ForwardError) -> JSONResponse:
+    def _error_body(self, err: ForwardError, rid: str) -> dict[str, Any]:
+        """The client's view of a failed request (gateway/openai_format.py PUBLIC_MESSAGES);
+        the details go to the log under the request id."""
         self.gw.metrics.requests.labels("error").inc()
-        return JSONResponse(error_body(err.message, "server_error" if err.status >= 500 else "invalid_request_error",
-                                       err.code.value), status_code=err.status)
+        log.warning("request %s failed: %s: %s", rid, err.code.value, err.message)
+        return error_body(public_message(err.code, err.message, rid),
+                          "server_error" if err.status >= 500 else "invalid_request_error", err.code.value)
+
+    def _error(self, err: ForwardError, rid: str) -> JSONResponse:
+        return JSONResponse(self._error_body(err, rid), status_code=err.status)
 
 
-def _pending(state: ChoiceState) -> ChoiceState:
-    """The state as a chunk before the end: no finish reason yet."""
-    return ChoiceState(state.index, state.prompt_tokens, prompt_group=state.prompt_group)
+class InvalidField(Rejected):
+    """A 400 that names the request field at fault (`param` of the error body)."""
 
-
-def _event(body: dict[str, object]) -> str:
-    return f"data: {json.dumps(body)}\n\n"
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(400, "out_of_range", message)
+        self.param = param
 
 
 async def _cancel(tasks: list[asyncio.Task[None]]) -> None:

@@ -45,6 +45,14 @@ class GatewayConfig:
     # the decode workers' total capacity (all of it when the API keys name one tenant), at least one
     # request of the longest allowed length
     tenant_max_kv_tokens: int | None = None
+    # what the front door reads and holds (gateway/limits.py, gateway/prompts.py)
+    stream_idle_timeout_s: float = 30.0      # a client that reads nothing of its response this long is cut off
+    max_header_bytes: int = 16 << 10         # request line + headers (h11_max_incomplete_event_size)
+    max_connections: int = 512               # open connections (uvicorn limit_concurrency; more: 503)
+    prepare_threads: int = 4                 # tokenising, templates, regex checks: off the event loop
+    # Bearer keys for /metrics and /v1/server_info; empty: /metrics is open, /v1/server_info
+    # takes any API key (or none when no keys are configured)
+    admin_keys: tuple[str, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if not (self.decode_workers or self.colocated_workers):
@@ -71,6 +79,13 @@ class GatewayConfig:
                              f"cluster's KV capacity)")
         if not all(k and t for k, t in self.api_keys.items()):
             raise ValueError("an empty API key or tenant would turn authentication off: refused")
+        for name in ("max_header_bytes", "max_connections", "prepare_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.stream_idle_timeout_s <= 0:
+            raise ValueError(f"stream_idle_timeout_s={self.stream_idle_timeout_s} must be > 0")
+        if not all(self.admin_keys):
+            raise ValueError("an empty admin key would let anyone in: refused")
 
 
 def load_api_keys(path: str | Path) -> dict[str, str]:

@@ -10,6 +10,27 @@ from typing import Any
 
 from engine.tokenizer import Tokenizer
 from proto import worker_pb2 as wpb
+from worker.types import ErrorCode
+
+# What a client is told of a request that failed past the gateway, by code: never a worker's
+# address, a gRPC status or another request's id (those stay in the gateway's log, under the
+# request id the client is given).  A refusal of the request itself (INVALID_REQUEST,
+# PROMPT_TOO_LONG) is about what the client sent and keeps the worker's words.
+PUBLIC_MESSAGES = {
+    ErrorCode.KV_FULL: "the decode workers have no room for this request now; retry later",
+    ErrorCode.UNAVAILABLE: "the worker was shutting down; retry",
+    ErrorCode.NO_WORKER: "no worker can take this request now; retry later",
+    ErrorCode.PREFILL_UNAVAILABLE: "no prefill worker could be reached; retry later",
+    ErrorCode.DECODE_UNAVAILABLE: "no decode worker could be reached; retry later",
+    ErrorCode.DECODE_FAILED: "the decode worker failed while generating",
+    ErrorCode.TRANSFER_FAILED: "the prompt's KV cache could not be moved between the workers",
+    ErrorCode.UNKNOWN_PEER: "the prompt's KV cache could not be moved between the workers",
+    ErrorCode.TIMEOUT: "the request ran past its timeout",
+    ErrorCode.CANCELLED: "the request was cancelled",
+    ErrorCode.ABORTED: "the request was aborted",
+    ErrorCode.INTERNAL: "internal error",
+}
+CLIENT_CODES = frozenset({ErrorCode.INVALID_REQUEST, ErrorCode.PROMPT_TOO_LONG})
 
 
 @dataclass
@@ -48,6 +69,13 @@ def usage(prompt: int, completion: int) -> dict[str, int]:
 
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def public_message(code: ErrorCode, detail: str, request_id: str) -> str:
+    """What the client is told of a failed request (see PUBLIC_MESSAGES), with its request id."""
+    if code in CLIENT_CODES:
+        return detail
+    return f"{PUBLIC_MESSAGES.get(code, 'internal error')} (request id {request_id})"
 
 
 def _token(tok: Tokenizer, token_id: int) -> str:

@@ -11,6 +11,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine.params import MAX_LOGPROBS, SamplingParams
 
+INT32_MAX, UINT32_MAX = 2**31 - 1, 2**32 - 1
+MAX_COMPLETION_LOGPROBS = 5          # /v1/completions' logprobs, as OpenAI
+# integer fields of both endpoints and the values accepted (the worker protocol's types bound them)
+INT_RANGES = {"max_tokens": (1, UINT32_MAX), "n": (1, INT32_MAX), "seed": (0, 2**63 - 1),
+              "top_k": (-1, INT32_MAX), "min_tokens": (0, UINT32_MAX)}
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -19,21 +25,21 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = None
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    n: int = Field(default=1, ge=1)
+    n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions (as in vLLM / SGLang)
     top_k: int = -1
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     stop_regex: str | list[str] | None = None
     no_stop_trim: bool = False
@@ -45,6 +51,23 @@ class _Common(BaseModel):
     def logprobs_n(self) -> int | None:
         """Logprobs wanted per token: None for none, N for the chosen token plus the top N
         (each endpoint spells it its own way)."""
+
+    def out_of_range(self, vocab_size: int) -> tuple[str, str] | None:
+        """The first integer field outside what the server accepts, as (field, message), answered
+        with 400 before anything else is done with the request (the wire types are 32-bit)."""
+        for name, (low, high) in self.int_ranges().items():
+            value = getattr(self, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and not low <= value <= high:
+                return name, f"{name}={_show(value)} is out of range: it must be in {low}..{high}"
+        for i, t in enumerate(self.stop_token_ids or ()):
+            if not 0 <= t < vocab_size:
+                return "stop_token_ids", (f"stop_token_ids[{i}]={_show(t)} is not a token of this model's "
+                                          f"vocabulary (0..{vocab_size - 1})")
+        return None
+
+    def int_ranges(self) -> dict[str, tuple[int, int]]:
+        """Field -> (lowest, highest) accepted."""
+        return dict(INT_RANGES)
 
     def unsupported(self) -> str | None:
         """A request option this server cannot honour, named (answered with 400)."""
@@ -71,9 +94,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -90,6 +113,9 @@ class ChatCompletionRequest(_Common):
     def wanted_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def int_ranges(self) -> dict[str, tuple[int, int]]:
+        return {**INT_RANGES, "max_completion_tokens": (1, UINT32_MAX), "top_logprobs": (0, MAX_LOGPROBS)}
+
     @property
     def logprobs_n(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -97,7 +123,7 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -115,6 +141,9 @@ class CompletionRequest(_Common):
     def wanted_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def int_ranges(self) -> dict[str, tuple[int, int]]:
+        return {**INT_RANGES, "logprobs": (0, MAX_COMPLETION_LOGPROBS)}
+
     @property
     def logprobs_n(self) -> int | None:
         return self.logprobs
@@ -124,6 +153,12 @@ class CompletionRequest(_Common):
 # first two per choice, and each endpoint spells logprobs its own way (`logprobs_n`).  Every other
 # field is read from the request field of the same name (tests/test_convert.py checks they exist).
 PER_CHOICE = ("max_tokens", "seed", "logprobs")
+
+
+def _show(value: int) -> str:
+    """An integer for a message, shortened when it is huge."""
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:12]}...({len(text)} digits)"
 
 
 def sampling_params(req: _Common, max_tokens: int, seed: int | None) -> SamplingParams:

@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import uvicorn
 
@@ -25,8 +26,7 @@ class GatewayServer:
         port = config.port or _free_port(config.host)
         self.app = create_app(config, discover)
         self._server = uvicorn.Server(uvicorn.Config(self.app, host=config.host, port=port,
-                                                     log_level="warning", lifespan="on",
-                                                     ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile))
+                                                     log_level="warning", lifespan="on", **uvicorn_limits(config)))
         self.url = f"{'https' if config.ssl_certfile else 'http'}://{config.host}:{port}"
         self._thread = threading.Thread(target=self._server.run, name="gateway", daemon=True)
 
@@ -54,6 +54,17 @@ class GatewayServer:
         self._thread.join(timeout=15)
 
 
+def uvicorn_limits(config: GatewayConfig) -> dict[str, Any]:
+    """uvicorn's settings from the gateway's: TLS, and what one connection may make it hold.
+    The h11 protocol is named (httptools has no header-size setting): a request line and
+    headers longer than `max_header_bytes` are refused with 400 and the connection closed;
+    past `max_connections` open connections (or requests) a new request gets 503.  Bodies in
+    memory at once are then at most max_connections x max_body_bytes."""
+    return {"ssl_certfile": config.ssl_certfile, "ssl_keyfile": config.ssl_keyfile, "http": "h11",
+            "h11_max_incomplete_event_size": config.max_header_bytes,
+            "limit_concurrency": config.max_connections}
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -76,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
                     "to workers started with --tls-dir")
     ap.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM)")
     ap.add_argument("--ssl-keyfile", default=None, help="... and this key (PEM)")
+    ap.add_argument("--admin-key", action="append", default=[], help="a Bearer key for /metrics and "
+                    "/v1/server_info (repeatable; none: /metrics is open)")
+    ap.add_argument("--stream-idle-timeout", type=float, default=30.0,
+                    help="close a response the client has not read for this many seconds")
     args = ap.parse_args(argv)
     keys = api_keys(args.api_keys_file, args.api_key)
     # the workers' secret, hex (as deploy/worker.py reads it): every worker call is authenticated
@@ -85,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
                            colocated_workers=tuple(args.colocated), api_keys=keys,
                            request_timeout_s=args.request_timeout, cluster_secret=secret,
                            tls=TlsIdentity.load(args.tls_dir) if args.tls_dir else None,
-                           ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info",
-                ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
+                           ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+                           admin_keys=tuple(args.admin_key), stream_idle_timeout_s=args.stream_idle_timeout)
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info", **uvicorn_limits(config))
     return 0
 
 
