@@ -17,6 +17,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
 
 from engine.config import SHIPPED_MODEL, ModelConfig
 from engine.tokenizer import Tokenizer
@@ -24,7 +25,7 @@ from gateway.admission import AdmissionQueue, Rejected
 from gateway.completions import CompletionHandler
 from gateway.config import GatewayConfig, KeyTable
 from gateway.fairness import ClusterKv
-from gateway.limits import BodyLimit, SendDeadline, quiet_idle_closes
+from gateway.limits import ABORT, BodyLimit, SendDeadline, connection_abort, quiet_idle_closes
 from gateway.metrics import Metrics
 from gateway.openai_format import error_body
 from gateway.prompts import PromptEncoder
@@ -116,7 +117,7 @@ def create_app(config: GatewayConfig, discover: Discover | None = None) -> FastA
             gw.executor.shutdown(wait=False, cancel_futures=True)
             await gw.pool.close()
 
-    app = FastAPI(title="Tandem", lifespan=lifespan)
+    app = TandemApp(title="Tandem", lifespan=lifespan)
     app.state.gateway = gw
 
     def refused_body() -> None:
@@ -199,6 +200,16 @@ def create_app(config: GatewayConfig, discover: Discover | None = None) -> FastA
                             for w in gw.pool.workers]}
 
     return app
+
+
+class TandemApp(FastAPI):
+    """FastAPI that puts in each request's scope what resets its connection (limits.ABORT), read
+    from the server's own `send` before any middleware wraps it (SendDeadline uses it)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[ABORT] = connection_abort(send)
+        await super().__call__(scope, receive, send)
 
 
 def _rejected(gw: Gateway, e: Rejected) -> JSONResponse:

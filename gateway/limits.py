@@ -11,15 +11,21 @@ still sees a client that disconnects):
   received piece.
 - `SendDeadline` gives every response message a deadline: a client that has not taken what
   was sent (uvicorn's `send` waits on flow control, with no deadline of its own) for that long
-  has its connection closed, and the closing is counted.
+  has its connection reset, and the reset is counted.  A reset, not a close: asyncio closes a
+  socket only once its write buffer has drained, which a client that reads nothing never lets
+  happen, so a closed connection would stay open (and count against uvicorn's connection
+  limit) until the client read.  ASGI has no message for it: `connection_abort` finds it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import json
 import logging
+import socket
+import struct
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter
@@ -31,6 +37,27 @@ log = logging.getLogger("tandem.gateway")
 # line is dropped for those responses only (see `QuietIdleClose`)
 UNFINISHED = "ASGI callable returned without completing response."
 _closing_idle: contextvars.ContextVar[bool] = contextvars.ContextVar("closing_idle", default=False)
+ABORT = "tandem.abort_connection"      # scope key: resets the request's connection (see connection_abort)
+
+
+def connection_abort(send: Send) -> Callable[[], None] | None:
+    """What resets the connection a request came on, from the `send` the server handed the
+    application: uvicorn's is a method of its request cycle, which holds the connection's
+    asyncio transport.  The reset drops what is queued in the transport (`abort`) and in the
+    kernel (SO_LINGER 0: the socket closes with a TCP reset, not after its send queue drains).
+    None under a server that does not work that way: the server then closes as it does."""
+    transport = getattr(getattr(send, "__self__", None), "transport", None)
+    if not isinstance(transport, asyncio.Transport):
+        return None
+    alive = transport
+
+    def reset() -> None:
+        sock = alive.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        alive.abort()
+    return reset
 
 
 class BodyLimit:
@@ -104,10 +131,12 @@ class ClientStalled(Exception):
 
 
 class SendDeadline:
-    """Closes the connection of a client that has not read what it was sent for `timeout_s`
+    """Resets the connection of a client that has not read what it was sent for `timeout_s`
     (a stream the client stopped reading, or a large JSON body it never takes), counting it in
     `tandem_responses_stalled_total`.  The response's own clean-up (`finally` blocks, e.g. the
-    stream's generation and its admission slot) runs as the send raises."""
+    stream's generation and its admission slot) runs as the send raises.  The connection is
+    reset through `scope[ABORT]` (set by the application's outermost layer from the server's
+    own `send`), else left to the server to close."""
 
     def __init__(self, app: ASGIApp, timeout_s: float, registry: CollectorRegistry) -> None:
         self.app, self.timeout_s = app, timeout_s
@@ -139,9 +168,12 @@ class SendDeadline:
     def _closed(self, scope: Scope) -> None:
         self.stalled.inc()
         client = scope.get("client")
-        log.warning("closed the connection of a client that read nothing for %.0fs (%s %s from %s)",
+        log.warning("reset the connection of a client that read nothing for %.0fs (%s %s from %s)",
                     self.timeout_s, scope.get("method"), scope.get("path"), client[0] if client else "?")
-        _closing_idle.set(True)       # returning now leaves the response unfinished: uvicorn closes it
+        _closing_idle.set(True)       # returning now leaves the response unfinished
+        abort = scope.get(ABORT)
+        if abort is not None:
+            abort()
 
 
 class QuietIdleClose(logging.Filter):
