@@ -27,24 +27,37 @@ def cluster():
         yield c
 
 
+# integers past every bound the gateway or the wire has (int32, uint32, int64, uint64 and beyond)
+huge_ints = st.sampled_from([2**31, 2**32, 2**33, 2**40, 2**63, 2**64, 2**80, -2**31 - 1, -2**63, -2**70])
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-10, 600), st.floats(-3, 3), st.just(float("nan")),
-                    st.text(max_size=12), st.lists(st.integers(-5, 5000), max_size=4))
+                    st.text(max_size=12), st.lists(st.integers(-5, 5000), max_size=4), huge_ints,
+                    st.lists(st.integers(0, 5000), min_size=2000, max_size=3000))
 short_text = st.text(max_size=6)
+
+
+def ints(low: int, high: int) -> st.SearchStrategy[int]:
+    return st.one_of(st.integers(low, high), huge_ints)
+
+
 VALUES = {
-    "max_tokens": st.integers(-2, 40), "max_completion_tokens": st.integers(-2, 40),
-    "temperature": st.floats(-1, 3), "top_p": st.floats(-0.5, 1.5), "n": st.integers(0, 10),
-    "stream": st.booleans(), "stop": st.one_of(short_text, st.lists(short_text, max_size=3)),
-    "seed": st.integers(-5, 2**64), "top_k": st.integers(-3, 5000), "min_tokens": st.integers(-1, 50),
-    "stop_token_ids": st.lists(st.integers(-5, 5000), max_size=3),
+    "max_tokens": ints(-2, 40), "max_completion_tokens": ints(-2, 40),
+    "temperature": st.floats(-1, 3), "top_p": st.floats(-0.5, 1.5), "n": ints(0, 10),
+    "stream": st.booleans(), "stop": st.one_of(short_text, st.lists(short_text, max_size=3),
+                                               st.lists(short_text, min_size=500, max_size=1000)),
+    "seed": st.integers(-5, 2**64) | huge_ints, "top_k": ints(-3, 5000), "min_tokens": ints(-1, 50),
+    "stop_token_ids": st.one_of(st.lists(ints(-5, 5000), max_size=3),
+                                st.lists(st.integers(0, 4095), min_size=1000, max_size=3000)),
     "stop_regex": st.one_of(short_text, st.lists(short_text, max_size=2)),
     "no_stop_trim": st.booleans(), "ignore_eos": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "presence_penalty": st.sampled_from([0, 0.5]), "echo": st.booleans(),
 }
-messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "robot"]),
-                                           "content": st.text(max_size=20)}), max_size=3)
+message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "robot"]),
+                                 "content": st.text(max_size=20)})
+messages = st.one_of(st.lists(message, max_size=3), st.lists(message, min_size=300, max_size=600))
 prompts = st.one_of(st.text(max_size=30), st.lists(st.integers(-3, 5000), max_size=8),
-                    st.lists(st.text(max_size=10), max_size=3))
+                    st.lists(st.text(max_size=10), max_size=3), st.lists(ints(0, 4095), max_size=4),
+                    st.lists(st.integers(0, 4095), min_size=1000, max_size=5000))
 
 
 @st.composite
@@ -54,9 +67,9 @@ def bodies(draw, chat: bool):
     body["messages" if chat else "prompt"] = draw(messages if chat else prompts)
     for name in draw(st.lists(st.sampled_from(sorted(VALUES)), max_size=6, unique=True)):
         body[name] = draw(VALUES[name])
-    body["logprobs"] = draw(st.booleans() if chat else st.integers(-1, 7))
+    body["logprobs"] = draw(st.booleans() if chat else ints(-1, 7))
     if chat and draw(st.booleans()):
-        body["top_logprobs"] = draw(st.integers(-1, 25))
+        body["top_logprobs"] = draw(ints(-1, 25))
     if draw(st.integers(0, 4)) == 0:
         body[draw(st.sampled_from(sorted(body)))] = draw(scalars)
     return body
@@ -71,6 +84,7 @@ def test_fuzzed_requests_never_5xx_and_never_hang(cluster, chat, data):
     assert status < 500, (status, got)
     if status != 200:
         assert got["error"]["message"]
+        assert not any(leak in json.dumps(got) for leak in ("127.0.0.1", "Traceback", "/work")), got
 
 
 @pytest.mark.parametrize("raw", [b"", b"{", b"[]", b"null", b'{"model": "tiny-moe", "messages": 3}',
