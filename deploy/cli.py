@@ -27,6 +27,7 @@ from deploy.settings import PLACEMENT_STRATEGIES, ServeSettings
 
 COMMANDS_GROUP = "tandem.commands"
 API_KEYS_ENV = "TANDEM_API_KEYS"     # KEY[:TENANT],KEY[:TENANT],... (not shown by `ps`, unlike --api-key)
+ADMIN_KEYS_ENV = "TANDEM_ADMIN_KEYS"  # KEY,KEY,...: what /metrics and /v1/server_info require
 
 DEMO_PROMPTS = [
     "Repeat after me: tandem-canary-7f3a",
@@ -179,6 +180,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--tenant-max-kv-tokens", type=int, default=None,
                     help="KV tokens one tenant may hold reserved at once (default: half the decode workers' KV; "
                     "all of it when the API keys name one tenant)")
+    sv.add_argument("--stream-idle-timeout", type=float, default=30.0,
+                    help="seconds a client may read nothing of its streamed response before it is reset")
     sv.add_argument("--tls", default="auto", choices=["auto", "on", "off"],
                     help="mutual TLS between workers and gateway with a new cluster CA (auto: when they span "
                     "more than one node)")
@@ -211,7 +214,18 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
         worker_resources=parse_resources(args.worker_resources), gateway_replicas=args.gateway_replicas,
         worker_cores=args.worker_cores, verify_experts=args.verify_experts, tls=args.tls,
         ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, default_max_tokens=args.default_max_tokens,
-        tenant_max_kv_tokens=args.tenant_max_kv_tokens)
+        tenant_max_kv_tokens=args.tenant_max_kv_tokens, stream_idle_timeout_s=args.stream_idle_timeout,
+        admin_keys=admin_keys(os.environ.get(ADMIN_KEYS_ENV)))
+
+
+def admin_keys(env: str | None) -> tuple[str, ...]:
+    """TANDEM_ADMIN_KEYS as keys (never a flag: `ps` would show it); an empty one is refused."""
+    if env is None:
+        return ()
+    keys = tuple(k.strip() for k in env.split(","))
+    if not all(keys):
+        raise ValueError(f"{ADMIN_KEYS_ENV} holds an empty key: it would let anyone in")
+    return keys
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -53,6 +53,8 @@ class ServeSettings:
     ssl_keyfile: str | None = None
     default_max_tokens: int = 1024          # a chat request's max_tokens when it gives none
     tenant_max_kv_tokens: int | None = None  # KV a tenant may hold reserved; None: half the cluster's
+    admin_keys: tuple[str, ...] = field(default=(), repr=False)   # /metrics and /v1/server_info need one
+    stream_idle_timeout_s: float = 30.0     # a response its client does not read this long is reset
 
     def __post_init__(self) -> None:
         if not (Path(self.model) / "config.json").is_file():
@@ -80,6 +82,10 @@ class ServeSettings:
             raise ValueError(f"--default-max-tokens must be >= 1, got {self.default_max_tokens}")
         if self.tenant_max_kv_tokens is not None and self.tenant_max_kv_tokens < 1:
             raise ValueError(f"--tenant-max-kv-tokens must be >= 1, got {self.tenant_max_kv_tokens}")
+        if not all(self.admin_keys):
+            raise ValueError("an empty admin key would let anyone in: refused")
+        if not 0 < self.stream_idle_timeout_s < float("inf"):
+            raise ValueError(f"--stream-idle-timeout must be > 0, got {self.stream_idle_timeout_s}")
         if self.tls not in TLS_MODES:
             raise ValueError(f"--tls {self.tls}: choose one of {', '.join(TLS_MODES)}")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):

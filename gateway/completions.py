@@ -56,8 +56,24 @@ class CompletionHandler:
                            f"serves {gw.config.served_model_name!r}")
         if (bad := body.out_of_range(gw.vocab_size)) is not None:
             raise InvalidField(bad[0], bad[1])
+        self._check_counts(body)
         if (why := body.unsupported()) is not None:
             raise Rejected(400, "unsupported", why)
+
+    def _check_counts(self, body: Body) -> None:
+        """How many messages or prompts the request carries, before any is templated or
+        tokenized (a 4 MiB body holds some 100,000 short ones)."""
+        cfg = self.gw.config
+        if isinstance(body, ChatCompletionRequest):
+            if len(body.messages) > cfg.max_messages:
+                raise InvalidField("messages", f"the request has {len(body.messages)} messages; at most "
+                                   f"{cfg.max_messages} are allowed")
+            return
+        p = body.prompt
+        count = 1 if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)) else len(p)
+        if count * body.n > cfg.max_n:
+            raise Rejected(400, "too_many_choices", f"{count} prompt(s) x n={body.n} choices exceeds "
+                           f"the limit of {cfg.max_n} per request")
 
     def prompts(self, body: Body, context: int) -> list[list[int]]:
         """Token ids of each prompt; raises Rejected 400 for a prompt that cannot be tokenized

@@ -53,6 +53,7 @@ class GatewayConfig:
     # Bearer keys for /metrics and /v1/server_info; empty: /metrics is open, /v1/server_info
     # takes any API key (or none when no keys are configured)
     admin_keys: tuple[str, ...] = field(default=(), repr=False)
+    max_messages: int = 1024                 # messages in one chat request (checked before the template)
 
     def __post_init__(self) -> None:
         if not (self.decode_workers or self.colocated_workers):
@@ -79,7 +80,7 @@ class GatewayConfig:
                              f"cluster's KV capacity)")
         if not all(k and t for k, t in self.api_keys.items()):
             raise ValueError("an empty API key or tenant would turn authentication off: refused")
-        for name in ("max_header_bytes", "max_connections", "prepare_threads"):
+        for name in ("max_header_bytes", "max_connections", "prepare_threads", "max_messages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.stream_idle_timeout_s <= 0:

@@ -70,6 +70,18 @@ def test_integers_out_of_range_are_a_400_naming_the_field(cluster, caplog, chat,
     no_tracebacks(caplog)
 
 
+def test_too_many_messages_or_prompts_are_refused_before_any_is_tokenized(cluster, monkeypatch):
+    gw = cluster[0]
+    calls = []
+    encoder = gw.app.state.gateway.encoder
+    monkeypatch.setattr(encoder, "encode", lambda *a, **k: calls.append(a) or [1])
+    status, got = post(gw.url, "/v1/chat/completions", {"model": "tiny-moe", "messages": CHAT * 1025})
+    assert status == 400 and got["error"]["param"] == "messages" and "at most 1024" in got["error"]["message"], got
+    status, got = post(gw.url, "/v1/completions", {"model": "tiny-moe", "prompt": ["x"] * 20000})
+    assert status == 400 and got["error"]["code"] == "too_many_choices" and "limit of 8" in got["error"]["message"]
+    assert not calls
+
+
 @pytest.mark.parametrize("path, body, key, status", [
     ("/v1/chat/completions", {"model": "tiny-moe", "messages": CHAT}, None, 401),
     ("/v1/chat/completions", {"model": "gpt-4", "messages": CHAT}, API_KEY, 404),

@@ -205,3 +205,13 @@ def test_serve_passes_the_fairness_settings_to_the_gateway():
     assert (s.default_max_tokens, s.tenant_max_kv_tokens) == (64, 4096)
     with pytest.raises(ValueError, match="--tenant-max-kv-tokens"):
         serve_settings(build_parser().parse_args(["serve", "--tenant-max-kv-tokens", "0"]))
+
+
+def test_serve_takes_admin_keys_from_the_environment_only(monkeypatch):
+    monkeypatch.setenv("TANDEM_ADMIN_KEYS", "ops-1,ops-2")
+    s = serve_settings(build_parser().parse_args(["serve", "--stream-idle-timeout", "5"]))
+    assert s.admin_keys == ("ops-1", "ops-2") and s.stream_idle_timeout_s == 5
+    assert "ops-1" not in repr(s)
+    monkeypatch.setenv("TANDEM_ADMIN_KEYS", "ops-1,")
+    with pytest.raises(ValueError, match="empty key"):
+        serve_settings(build_parser().parse_args(["serve"]))
