@@ -117,15 +117,32 @@ class Redos(HostileAttack):
     def judge(self, res: ScenarioResult, peaks: Peaks) -> None:
         res.faults_injected = len(self.replies)
         seen: Counter[str] = Counter()
+        examples: dict[str, str] = {}
         for reply, expect, names in self.replies:
             detected, violation = judge_redos(reply, expect, names)
             res.faults_detected += detected
             if violation is not None:
                 res.violations.append(violation)
-            seen[reply.show()] += 1
+            seen[f"{reply.what}: {_redos_end(reply)}"] += 1
+            examples.setdefault(f"{reply.what}: {_redos_end(reply)}", reply.message[:130])
             res.other_texts.append(reply.text)
         res.notes.append(f"attacker ({len(self.replies)} requests, {len(REDOS)} kinds): "
-                         + "; ".join(f"{n}x {s}" for s, n in sorted(seen.items())))
+                         + "; ".join(f"{s} x{n}" for s, n in sorted(seen.items())))
+        res.notes.append("the attacker was told: " + "; ".join(f"{kind}: {msg!r}" for kind, msg in
+                                                               sorted(examples.items()) if msg))
+
+
+def _redos_end(r: Reply) -> str:
+    """How a redos request ended, in a word or three."""
+    if r.completed:
+        return "completed"
+    if r.code == "INVALID_REQUEST" and "stop-check budget" in r.message:
+        return "budget (per token)"
+    if r.code == "INVALID_REQUEST" and "per token on average" in r.message:
+        return "budget (mean)"
+    if r.ended == "answered" and r.status == 400:
+        return "400"
+    return r.show()
 
 
 class KvHog(HostileAttack):
