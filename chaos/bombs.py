@@ -3,9 +3,10 @@
     slow_reader   streams whose client never reads (a small receive buffer and segment size,
                   so flow control stops the gateway's sends at once): the tenant's admission
                   slots must come back when generation ends, with the sockets still open and
-                  unread; after `stream_idle_timeout_s` the gateway must close each stream
-                  (counted in tandem_responses_stalled_total), the client then reading a stream
-                  cut short (no [DONE])
+                  unread; after `stream_idle_timeout_s` the gateway must cut each stream off
+                  (counted in tandem_responses_stalled_total) and let go of its connection (no
+                  longer ESTABLISHED on its side), the client then reading a stream cut short
+                  (no [DONE]; a reset)
     chunked_bomb  64 MiB request bodies, chunked with and without an API key, and one announced
                   by Content-Length: each must be refused 413 body_too_large long before it is
                   all sent; the gateway's memory (its process's RSS, read from /proc) must not
@@ -127,7 +128,7 @@ class SlowReader(HostileAttack):
         res.notes.append(
             f"{n} unread streams (n=2, 400 tokens, logprobs 5); the tenant's running peak {peaks.running:.0f}; back to "
             f"0 after {_s(f.get('released_s'))} with {held} of the sockets open and unread (server send queues "
-            f"{sorted(q for _, q in at_release.values())} bytes); the gateway closed {f.get('stalled', 0):.0f} after "
+            f"{sorted(q for _, q in at_release.values())} bytes); the gateway cut {f.get('stalled', 0):.0f} off after "
             f"{_s(f.get('closed_s'))} (stream_idle_timeout_s {self.idle_s:g}); the client then read "
             + ", ".join(f"{e['bytes']} B {'with' if e['done'] else 'without'} [DONE] ({e['end']})" for e in self.ends)
             + f"; server side 2 s after the close: {sorted(v[0] for v in f.get('after_close', {}).values()) or 'gone'}"

@@ -33,6 +33,9 @@ class ClusterShape:
     paged_experts_num_resident: int = 32
     transfer: str = "grpc"
     verify_experts: bool = True       # the expert guard (off: see what corrupt_expert does without it)
+    # the gateway resets a response its client has not read this long (slow_reader waits it out);
+    # longer than the attacker's generation, so the slots come back before the reset
+    stream_idle_timeout_s: float = 15.0
 
 
 class ChaosCluster:
@@ -44,7 +47,8 @@ class ChaosCluster:
             prefill_workers=shape.prefill_workers, decode_workers=shape.decode_workers, port=0,
             api_keys=api_keys, kv_cache_tokens=shape.kv_cache_tokens, max_model_len=shape.max_model_len,
             paged_experts_num_resident=shape.paged_experts_num_resident, transfer=shape.transfer,
-            verify_experts=shape.verify_experts, max_restarts=100, log_level="error", drain_timeout_s=5.0)
+            verify_experts=shape.verify_experts, max_restarts=100, log_level="error", drain_timeout_s=5.0,
+            stream_idle_timeout_s=shape.stream_idle_timeout_s)
         self.deployment = Deployment(self.settings, say=lambda m: None, worker_class=ChaosWorkerActor,
                                      worker_args=(seed,))
         self.api_key = next(iter(api_keys))
