@@ -83,7 +83,7 @@ class SlowReader(HostileAttack):
         stalled0 = metric(scrape(self.url), STALLED)
         f["connections_before"] = gateway_connections(self.cluster)
         socks = [self._open() for _ in range(self.SOCKETS)]
-        peers = [s.getsockname()[1] for s in socks]
+        peers = f["peers"] = [s.getsockname()[1] for s in socks]
         self.launched.set()
         t0 = time.monotonic()
         try:
@@ -153,7 +153,13 @@ class SlowReader(HostileAttack):
                                   f"{f.get('connections_after_close')} open connections, "
                                   f"{f.get('connections_before')} before the attack, against max_connections "
                                   f"{self.max_connections}): the gateway holds them until the client reads")
-        res.faults_detected = n if not res.violations else min(cut, held)
+        # a stream counts when it was open and unread with its slot back, then cut off and let go
+        released = f.get("released_s") is not None and not f.get("stalled_at_release", 0)
+        after = f.get("after_close", {})
+        res.faults_detected = sum(
+            released and at_release.get(p, ("", 0))[0] == "ESTABLISHED" and at_release[p][1] > 0
+            and after.get(p, ("gone", 0))[0] != "ESTABLISHED" and not e["done"]
+            for p, e in zip(f.get("peers", []), self.ends))
 
 
 def _s(x: float | None) -> str:

@@ -9,9 +9,10 @@ import subprocess
 import sys
 
 from chaos.attacker import Reply, _parse
+from chaos.bombs import ChunkedBomb, SlowReader
 from chaos.client import Outcome
-from chaos.gauges import metric, parse_metrics, percentile
-from chaos.hostile import REDOS, judge_redos
+from chaos.gauges import Peaks, metric, parse_metrics, percentile
+from chaos.hostile import REDOS, KvHog, judge_redos
 from chaos.oracle import judge
 from chaos.prompts import ATTACKER, VICTIMS, Job
 from chaos.report import ScenarioResult
@@ -78,6 +79,64 @@ def test_victims_are_the_other_tenants_and_an_attackers_canary_is_a_leak():
             return []
     judge([r], Ref())      # type: ignore[arg-type]
     assert r.leaks == 1 and any("the attacker was sent the canary" in v for v in r.violations)
+
+
+def _bare(cls, **attrs):
+    """An attack without a cluster: only what its `judge` reads."""
+    attack = cls.__new__(cls)
+    attack.__dict__.update(attrs)
+    return attack
+
+
+def test_slow_reader_flags_held_slots_unclosed_streams_and_lingering_connections():
+    good = dict(running_seen=True, released_s=6.0, stalled_at_release=0, stalled=4, closed_s=20.0, peers=[0, 1, 2, 3],
+                at_release={p: ("ESTABLISHED", 130_000) for p in range(4)}, after_close={})
+    ends = [{"bytes": 6700, "done": False, "end": "ConnectionResetError"}] * 4
+
+    def judged(facts, ends=ends):
+        res = ScenarioResult("slow_reader", "hostile", "")
+        _bare(SlowReader, idle_s=15.0, max_connections=512, facts=facts, ends=ends).judge(res, Peaks(running=4))
+        return res
+    res = judged(good)
+    assert not res.violations and (res.faults_injected, res.faults_detected) == (4, 4)
+    assert any("did not come back" in v for v in judged({**good, "released_s": None}).violations)
+    assert any("did not come back" in v for v in judged({**good, "stalled_at_release": 2}).violations)
+    assert any("closed 2 of 4" in v for v in judged({**good, "stalled": 2}).violations)
+    done = [{"bytes": 200_000, "done": True, "end": "eof"}] * 4
+    assert any("read them to [DONE]" in v for v in judged(good, done).violations)
+    lingering = judged({**good, "after_close": {1: ("ESTABLISHED", 129_952)}})
+    assert any("still ESTABLISHED" in v for v in lingering.violations) and lingering.faults_detected == 3
+
+
+def test_chunked_bomb_flags_an_answer_other_than_413_and_a_gateway_that_holds_the_body():
+    refused = {"what": "chunked, no key", "status": 413, "code": "body_too_large", "sent": 8 << 20, "message": ""}
+
+    def judged(bombs, peak=160.0):
+        res = ScenarioResult("chunked_bomb", "hostile", "")
+        _bare(ChunkedBomb, limit=4 << 20, bombs=bombs, memory={"before": 145.0, "peak": peak, "after": peak,
+                                                                "peak_reset": 1.0}).judge(res, Peaks())
+        return res
+    res = judged([refused] * 3)
+    assert not res.violations and res.faults_detected == 3 and res.figures["gateway_rss_peak_mib"] == 160.0
+    assert judged([{**refused, "status": 401, "code": "invalid_api_key"}]).violations
+    assert judged([{**refused, "sent": ChunkedBomb.SIZE}]).violations                  # the whole body went in
+    assert any("RSS grew by 200 MiB" in v for v in judged([refused], peak=345.0).violations)
+
+
+def test_kv_hog_flags_a_hog_over_its_budget_or_not_held_at_all():
+    replies = [Reply("hog", 429, "tenant_limit", "limit", ended="answered")] * 16 + [Reply("hog", ended="hung up")] * 64
+
+    def judged(peaks, replies=replies):
+        res = ScenarioResult("kv_hog", "hostile", "")
+        _bare(KvHog, flood=80, replies=replies).judge(res, peaks)
+        return res
+    res = judged(Peaks(samples=5, running=16, queued=48, kv_reserved=8192, kv_budget=8192))
+    assert not res.violations and (res.faults_injected, res.faults_detected) == (80, 64)
+    assert any("over its budget" in v for v in judged(Peaks(samples=5, kv_reserved=9000, kv_budget=8192)).violations)
+    free = [Reply("hog", ended="hung up")] * 80
+    assert any("neither queued nor refused" in v for v in judged(Peaks(samples=5, kv_budget=8192), free).violations)
+    broken = [Reply("hog", 500, "INTERNAL", "x", ended="answered")] + replies[1:]
+    assert any("otherwise than completed" in v for v in judged(Peaks(samples=5, queued=3), broken).violations)
 
 
 def test_the_hostile_scenarios_in_a_small_run():
