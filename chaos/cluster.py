@@ -35,7 +35,7 @@ class ClusterShape:
     verify_experts: bool = True       # the expert guard (off: see what corrupt_expert does without it)
     # the gateway resets a response its client has not read this long (slow_reader waits it out);
     # longer than the attacker's generation, so the slots come back before the reset
-    stream_idle_timeout_s: float = 15.0
+    stream_idle_timeout_s: float = 20.0
 
 
 class ChaosCluster:
