@@ -166,10 +166,10 @@ def _match(res: ScenarioResult, point: str, victims: list[str], seen: list[tuple
 def _ttft(res: ScenarioResult, base: list[Outcome], attacked: list[Outcome]) -> None:
     """The victims' TTFT p99 without the attack and beside it, and their ratio (issue 16's
     target: at most 3x; reported, never asserted)."""
-    p = [percentile([t for o in outs if o.outcome == "ok" and (t := o.ttft) is not None], 99)
+    p = [_round(percentile([t for o in outs if o.outcome == "ok" and (t := o.ttft) is not None], 99))
          for outs in (base, attacked)]
-    ratio = p[1] / p[0] if p[0] and p[1] is not None else None
-    res.figures.update(ttft_p99_baseline_s=_round(p[0]), ttft_p99_attack_s=_round(p[1]), ttft_ratio=_round(ratio, 2))
+    ratio = _round(p[1] / p[0], 2) if p[0] and p[1] is not None else None
+    res.figures.update(ttft_p99_baseline_s=p[0], ttft_p99_attack_s=p[1], ttft_ratio=ratio)
     res.notes.append(f"victims' TTFT p99 {_ms(p[0])} without the attack, {_ms(p[1])} beside it"
                      + (f" ({ratio:.2f}x; target <= 3x)" if ratio is not None else ""))
 
