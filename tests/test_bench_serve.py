@@ -56,7 +56,10 @@ def test_stream_timing_and_statistics_against_known_delays():
         assert r.error is None and r.text == "".join(f"t{i}" for i in range(TOKENS))
         assert r.output_tokens == TOKENS and len(r.chunk_times) == TOKENS
         assert r.ttft >= TTFT_S * 0.95                                    # the server waited this long
-        assert len(r.itls) == TOKENS - 1 and min(r.itls) >= GAP_S * 0.95
+        # the last chunk cannot arrive before the server wrote it; gaps between arrivals are not
+        # bounded below (a delayed chunk and the next one may arrive together on a busy machine)
+        assert r.chunk_times[-1] - r.start >= (TTFT_S + (TOKENS - 1) * GAP_S) * 0.95
+        assert len(r.itls) == TOKENS - 1 and all(g >= 0 for g in r.itls)
     s = summarize(results, wall, slo_ttft_ms=10_000, slo_itl_ms=10_000)
     assert s["requests"] == 6 and s["errors"] == 0
     assert s["ttft_p50_ms"] == pytest.approx(percentile([r.ttft for r in results], 50) * 1000)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kv_transfer.errors import Refusal, TransferRefused
-from kv_transfer.frame import commit_digest, ownership_tag, prompt_digest
+from kv_transfer.frame import PROTOCOL_VERSION, commit_digest, ownership_tag, prompt_digest
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import State
 from tests.kv_helpers import SECRET, copy_commit, copy_header, digest_of, make_pool, pages_equal, prepare
@@ -72,7 +72,7 @@ def test_frames_in_any_order_are_fine(rig):
 
 @pytest.mark.parametrize("change, reason", [
     (dict(transfer_id=b"\x00" * 16), Refusal.UNKNOWN_TRANSFER),
-    (dict(protocol_version=2), Refusal.BAD_VERSION),
+    (dict(protocol_version=PROTOCOL_VERSION + 1), Refusal.BAD_VERSION),
     (dict(ownership_tag=b"\x01" * 16), Refusal.BAD_TAG),
     (dict(tenant="other-tenant"), Refusal.BAD_TAG),
     (dict(request_id="req-2"), Refusal.BAD_TAG),
@@ -165,9 +165,9 @@ def test_a_page_reallocated_under_the_transfer_is_stale(rig):
 
 def test_the_handshake_fails_closed_on_unknown_versions():
     with pytest.raises(TransferRefused) as e:
-        TransferReceiver.hello([2, 3])
+        TransferReceiver.hello([PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1])   # version 1: no prompt digest
     assert e.value.reason == Refusal.BAD_VERSION
-    assert TransferReceiver.hello([1, 2]) == 1
+    assert TransferReceiver.hello([PROTOCOL_VERSION - 1, PROTOCOL_VERSION]) == PROTOCOL_VERSION
 
 
 # ---- commit ----------------------------------------------------------------------
