@@ -4,14 +4,16 @@ refusals are asserted; the TTFT figures are reported, never compared with a time
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 import subprocess
 import sys
 
 from chaos.attacker import Reply, _parse
 from chaos.bombs import ChunkedBomb, SlowReader
 from chaos.client import Outcome
-from chaos.gauges import Peaks, metric, parse_metrics, percentile
+from chaos.gauges import Peaks, metric, parse_metrics, percentile, server_sockets
 from chaos.hostile import REDOS, KvHog, judge_redos
 from chaos.oracle import judge
 from chaos.prompts import ATTACKER, VICTIMS, Job
@@ -137,6 +139,46 @@ def test_kv_hog_flags_a_hog_over_its_budget_or_not_held_at_all():
     assert any("neither queued nor refused" in v for v in judged(Peaks(samples=5, kv_budget=8192), free).violations)
     broken = [Reply("hog", 500, "INTERNAL", "x", ended="answered")] + replies[1:]
     assert any("otherwise than completed" in v for v in judged(Peaks(samples=5, queued=3), broken).violations)
+
+
+def test_server_sockets_reads_the_server_side_of_a_loopback_connection():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            conn, _ = server.accept()
+            peer = client.getsockname()[1]
+            conn.sendall(b"x" * 1000)
+            assert server_sockets(port, [peer])[peer][0] == "ESTABLISHED"
+            conn.close()
+        assert server_sockets(port, [peer]).get(peer, ("gone",))[0] != "ESTABLISHED"
+
+
+def test_a_bomb_measures_what_a_server_that_reads_it_all_took():
+    """Against a server that reads the whole body before answering 401 (the gateway before
+    issue 16), the bomb records it all sent and its row flags the answer."""
+    async def run():
+        async def naive(reader, writer):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+            await reader.readexactly(length)
+            writer.write(b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 2\r\n\r\n{}")
+            await writer.drain()
+            writer.close()
+        server = await asyncio.start_server(naive, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        bomb = _bare(ChunkedBomb, url=url, limit=1 << 20, SIZE=2 << 20)
+        try:
+            return await asyncio.wait_for(bomb._bomb(None, chunked=False), 60), bomb
+        finally:
+            server.close()
+    out, bomb = asyncio.run(run())
+    assert out["status"] == 401 and out["sent"] == 2 << 20
+    res = ScenarioResult("chunked_bomb", "hostile", "")
+    bomb.bombs, bomb.memory = [{"what": "announced", **out}], {}
+    bomb.judge(res, Peaks())
+    assert res.faults_detected == 0 and any("HTTP 401" in v for v in res.violations)
 
 
 def test_the_hostile_scenarios_in_a_small_run():
