@@ -9,6 +9,7 @@ import asyncio
 import json
 import threading
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -94,7 +95,7 @@ def _parse(raw: bytes, out: Reply) -> None:
                 out.finish = choice.get("finish_reason") or out.finish
 
 
-class HostileAttack:
+class HostileAttack(ABC):
     """An attack that runs beside the other tenants' requests.  Subclasses write `attack` (a
     coroutine that runs until `self.halt` is set, then returns; it sets `self.launched` once it
     is under way) and `judge` (fills the scenario's row).  `begin` waits for `launched`."""
@@ -125,11 +126,13 @@ class HostileAttack:
         finally:
             self.launched.set()
 
+    @abstractmethod
     async def attack(self) -> None:
-        raise NotImplementedError
+        """The attacker's traffic (runs on the attack's own thread and event loop)."""
 
+    @abstractmethod
     def judge(self, res: ScenarioResult, peaks: Peaks) -> None:
-        raise NotImplementedError
+        """Detections and violations of the attack, into `res`."""
 
     def begin(self, res: ScenarioResult) -> None:
         self.sampler.start()
