@@ -22,7 +22,8 @@ from chaos.scenarios import Scenario
 
 REQUEST_TIMEOUT_S = 180.0
 PROCESS_DETECT = ("STREAM_CLOSED", "TRANSPORT", "CANCELLED", "EXPIRED")
-HOSTILE: dict[str, type[Redos | SlowReader | ChunkedBomb | KvHog]] = {"redos": Redos, "slow_reader": SlowReader, "chunked_bomb": ChunkedBomb, "kv_hog": KvHog}
+HOSTILE: dict[str, type[Redos | SlowReader | ChunkedBomb | KvHog]] = {
+    "redos": Redos, "slow_reader": SlowReader, "chunked_bomb": ChunkedBomb, "kv_hog": KvHog}
 
 
 class ScenarioRunner:
