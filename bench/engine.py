@@ -1,7 +1,7 @@
 """Engine decode speed against transformers, and the cost of the stop checks per token, in one
 run on the shipped checkpoint.
 
-    python -m bench.engine [--json] [--tokens 128] [--repeats 3] [--stop-only]
+    python -m bench.engine [--json] [--tokens 128] [--repeats 3] [--stop-only] [--prefill-only]
 
 Every speed figure decodes `--tokens` tokens (EOS ignored) from short prompts, greedy, fp32:
   hf_single_tok_s       transformers `generate`, one stream
@@ -16,11 +16,19 @@ stop regexes that never match: `full_us` re-decodes and searches the whole outpu
 `ratio` = full / incremental; `chars`, `decode_calls`, `decoded_ids`: the incremental
 checker's work for that token.  Each time is the best of `--repeats` passes, the median of the
 10 tokens around that length.
+
+prefill_ms (alone with `--prefill-only`): one request's prefill with one output token, per
+prompt length in PREFILL_LENGTHS (token ids of ordinary code text), single-process
+`engine.LLM`: the median of `--prefill-runs` (at least 5) timed rounds over all lengths after
+one warm-up round.
+`prefill_worst_inversion`: the largest t_i / t_j over all pairs of lengths i < j (1.0 or less
+when prefill time never falls as the prompt grows).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import time
@@ -208,6 +216,43 @@ def stop_check(llm: LLM, repeats: int) -> dict[str, dict[str, float]]:
     return out
 
 
+PREFILL_LENGTHS = (16, 32, 64, *range(96, 513, 32), 768, 1024, 1536, 2000)
+
+
+def prefill_ms(llm: LLM, runs: int) -> dict[str, float]:
+    """Median milliseconds of a one-output-token request per prompt length (see the module docstring).
+
+    Each timed round runs every length once, shortest first, so a drift of the machine's speed
+    during the sweep touches every length alike."""
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    ids = stop_stream(llm.tokenizer, max(PREFILL_LENGTHS))
+    for n in PREFILL_LENGTHS:  # warm-up at every shape
+        llm.generate(ids[:n], params)
+    times: dict[int, list[float]] = {n: [] for n in PREFILL_LENGTHS}
+    for _ in range(max(5, runs)):
+        for n in PREFILL_LENGTHS:
+            gc.collect()
+            gc.disable()  # as timeit does: no collection inside a timed run
+            try:
+                start = time.perf_counter()
+                llm.generate(ids[:n], params)
+                times[n].append(time.perf_counter() - start)
+            finally:
+                gc.enable()
+    return {str(n): 1e3 * statistics.median(t) for n, t in times.items()}
+
+
+def worst_inversion(times: dict[str, float]) -> float:
+    """max over i < j of t_i / t_j, lengths in increasing order."""
+    t = [times[k] for k in sorted(times, key=int)]
+    return max(t[i] / t[j] for i in range(len(t)) for j in range(i + 1, len(t)))
+
+
+def prefill_sweep(llm: LLM, runs: int) -> dict[str, object]:
+    times = prefill_ms(llm, runs)
+    return {"prefill_ms": times, "prefill_worst_inversion": worst_inversion(times)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -215,11 +260,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--stop-only", action="store_true", help="measure the stop checks only")
+    ap.add_argument("--prefill-only", action="store_true", help="run the prefill sweep only")
+    ap.add_argument("--prefill-runs", type=int, default=7, help="timed runs per prompt length (at least 5)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     llm = LLM()
     if args.stop_only:
         emit({"model": str(SHIPPED_MODEL.name), "stop_check": stop_check(llm, args.repeats)}, args.json)
+        return
+    if args.prefill_only:
+        emit({"model": str(SHIPPED_MODEL.name), "threads": args.threads, **prefill_sweep(llm, args.prefill_runs)},
+             args.json)
         return
     hf = hf_rate(PROMPTS[0], args.tokens, args.repeats)
     single = engine_rate(llm, PROMPTS[:1], args.tokens, args.repeats)
@@ -228,7 +279,7 @@ def main() -> None:
         "model": str(SHIPPED_MODEL.name), "tokens": args.tokens, "threads": args.threads,
         "attention_backend": llm.attention_backend, "hf_single_tok_s": hf, "engine_single_tok_s": single,
         "engine_batch16_tok_s": batch16, "ratio_single": single / hf, "ratio_batch16": batch16 / hf,
-        "stop_check": stop_check(llm, args.repeats),
+        "stop_check": stop_check(llm, args.repeats), **prefill_sweep(llm, args.prefill_runs),
     }
     emit(result, args.json)
 

@@ -16,13 +16,42 @@ import torch.nn.functional as F
 
 from engine.kernels.fused_moe import fused_moe_ref, gathered_all, moe_gathered, moe_padded
 
-# How a step's (token, expert) pairs are computed on the CPU path, by their number
-# (measured with experts of the shipped model's size): up to GATHER_MAX_PAIRS, gather
-# each pair's weights (single-stream decode); up to PADDED_MAX_PAIRS, one batched
-# matmul over all slots with tokens grouped and padded (batched decode); beyond, one
-# GEMM per used expert (prefill).
+# How a step's (token, expert) pairs are computed on the CPU path (`StepPlan.for_step`): the
+# path with the lowest predicted cost, from a cost model fixed in code (never re-timed, so every
+# process picks the same path for the same routing):
+#   "gathered" (always up to GATHER_MAX_PAIRS, never beyond): each pair's weights gathered, one
+#       batched matmul; cost ~ the number of pairs (single-stream decode).
+#   "padded": pairs grouped by expert into a zero-padded [num_experts, cap, H] block (cap = the
+#       most pairs routed to one expert), two batched matmuls over all experts; cost ~ the
+#       padded rows num_experts * cap, which routing decides, not the number of pairs.
+#   "grouped": one GEMM per used expert; cost ~ the number of used experts (a Python loop).
+# Before issue 17 the choice was by the number of pairs alone (padded up to 1,024): a prefill of
+# ordinary text routes many tokens to a few experts (cap ~ T/2), so a 256-token prompt
+# (1,024 pairs) ran 64 x 209 padded rows, 17.6 ms a layer against 2.0 ms grouped, and took
+# longer than a 257-token one.
+# The coefficients (microseconds) are least-squares fits to 251 timed MoE calls: the real inputs
+# of all six MoE layers of the shipped model (64 experts, H=128, I=64, top-4; fp32, 2 CPU
+# threads) for prompts of 8-384 tokens of code text and of random token ids and for batches of
+# 3-64 decoding requests, each path timed on the same input (median of 11 calls); gathered fits
+# 87 + 11.7 per pair.  Choosing by
+# this model costs 1.6% more than the per-call fastest path over that set (the old rule: far
+# more, up to 8x a layer).  The gathered path would pay up to ~32 pairs (32 pairs: 420-496
+# gathered, 650-850 padded, 380-920 grouped) but stays at 8: computed in waves over paged
+# expert slots, its result for more pairs is not bit-identical to all-resident (with it at 32,
+# tests/test_paged_experts.py fails at K=4 on a 3-request decode step, 12 pairs).
 GATHER_MAX_PAIRS = 8
-PADDED_MAX_PAIRS = 1024
+PADDED_COST = (584.0, 0.364, 0.134)     # + per padded row (num_experts * cap), + per pair
+GROUPED_COST = (70.0, 40.7, 0.692)      # + per used expert, + per pair
+
+
+def choose_strategy(pairs: int, cap: int, used: int, num_experts: int) -> str:
+    """The CPU path with the lowest predicted cost for a step of `pairs` (token, expert) pairs,
+    at most `cap` to one expert, `used` experts of `num_experts` (see the cost model above)."""
+    if pairs <= GATHER_MAX_PAIRS:  # the cheapest there in every measurement
+        return "gathered"
+    padded = PADDED_COST[0] + PADDED_COST[1] * num_experts * cap + PADDED_COST[2] * pairs
+    grouped = GROUPED_COST[0] + GROUPED_COST[1] * used + GROUPED_COST[2] * pairs
+    return "padded" if padded <= grouped else "grouped"
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool
@@ -54,11 +83,10 @@ class StepPlan:
     def for_step(cls, ids: torch.Tensor, num_experts: int, triton: bool = False) -> "StepPlan":
         if triton:
             return cls("triton", 0)
-        pairs = ids.numel()
-        strategy = "gathered" if pairs <= GATHER_MAX_PAIRS else \
-            "padded" if pairs <= PADDED_MAX_PAIRS else "grouped"
-        cap = int(torch.bincount(ids.reshape(-1), minlength=num_experts).max()) if strategy == "padded" else 0
-        return cls(strategy, cap)
+        counts = torch.bincount(ids.reshape(-1), minlength=num_experts)
+        cap, used = int(counts.max()), int((counts > 0).sum())
+        strategy = choose_strategy(ids.numel(), cap, used, num_experts)
+        return cls(strategy, cap if strategy == "padded" else 0)
 
 
 def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: torch.Tensor,
