@@ -261,7 +261,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--stop-only", action="store_true", help="measure the stop checks only")
     ap.add_argument("--prefill-only", action="store_true", help="run the prefill sweep only")
-    ap.add_argument("--prefill-runs", type=int, default=7, help="timed runs per prompt length (at least 5)")
+    ap.add_argument("--prefill-runs", type=int, default=11, help="timed runs per prompt length (at least 5)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     llm = LLM()
