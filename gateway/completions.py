@@ -167,8 +167,10 @@ class CompletionHandler:
         if capacity == 0:
             raise Rejected(503, "no_workers", "no decode worker is ready")
         jobs = await gw.prepare(self.jobs, body, context, capacity)
+        so = body.stream_options
         fmt = Formatter("chat" if isinstance(body, ChatCompletionRequest) else "text",
-                        gw.config.served_model_name, gw.tokenizer, body.logprobs_n, body.return_token_ids)
+                        gw.config.served_model_name, gw.tokenizer, body.logprobs_n, body.return_token_ids,
+                        continuous_usage=bool(body.stream and so and so.include_usage and so.continuous_usage_stats))
         slot = AsyncExitStack()
         await slot.enter_async_context(gw.queue.admit(share_key(request, tenant, bool(gw.keys)),
                                                       reserved_tokens(jobs)))

@@ -110,9 +110,13 @@ class Formatter:
     """Builds the bodies of one response (one id, one created time, one model name)."""
 
     def __init__(self, kind: str, model: str, tok: Tokenizer, logprobs_n: int | None,
-                 token_ids: bool = False):
+                 token_ids: bool = False, continuous_usage: bool = False):
         self.kind, self.model, self.tok, self.logprobs_n = kind, model, tok, logprobs_n
         self.token_ids = token_ids
+        # vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so
+        # far (the prompt, and the tokens of this and the earlier chunks of that choice)
+        self.continuous_usage = continuous_usage
+        self._streamed: dict[int, int] = {}  # choice index -> tokens in its chunks so far
         self.id = new_id("chatcmpl" if kind == "chat" else "cmpl")
         self.created = int(time.time())
 
@@ -154,8 +158,13 @@ class Formatter:
             body["text"] = text
         if self.token_ids:
             body["token_ids"] = ids or []
-        return {"id": self.id, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
-                "created": self.created, "model": self.model, "choices": [body]}
+        kind = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        chunk: dict[str, Any] = {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                                 "choices": [body]}
+        self._streamed[c.index] = self._streamed.get(c.index, 0) + len(ids or [])
+        if self.continuous_usage:
+            chunk["usage"] = usage(c.prompt_tokens, self._streamed[c.index])
+        return chunk
 
     def usage_chunk(self, choices: list[ChoiceState]) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",

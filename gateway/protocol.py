@@ -20,6 +20,7 @@ INT_RANGES = {"max_tokens": (1, UINT32_MAX), "n": (1, INT32_MAX), "seed": (0, 2*
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage in every chunk too
 
 
 class _Common(BaseModel):

@@ -52,6 +52,24 @@ def test_streaming_chat_adds_up_to_the_same_text(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
 
 
+def test_continuous_usage_stats_puts_usage_in_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats (sent by guidellm and aiperf): each chunk
+    carries the usage so far; without it only the last chunk does."""
+    full = client.chat.completions.create(model="tiny-moe", messages=CHAT, max_tokens=24, temperature=0)
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.chat.completions.create(model="tiny-moe", messages=CHAT, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options=opts))
+    assert all(c.usage is not None for c in chunks)
+    assert all(c.usage.prompt_tokens == full.usage.prompt_tokens for c in chunks)
+    so_far = [c.usage.completion_tokens for c in chunks]
+    assert so_far == sorted(so_far) and so_far[0] <= 1
+    assert chunks[-2].usage == chunks[-1].usage == full.usage      # the last content chunk, then usage alone
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+    plain = list(client.chat.completions.create(model="tiny-moe", messages=CHAT, max_tokens=24, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+    assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
+
+
 def test_completion_and_stream_and_stop(client, shipped_llm):
     prompt = "def add(a, b):\n    return"
     want = shipped_llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0]
