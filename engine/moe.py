@@ -83,6 +83,8 @@ class StepPlan:
     def for_step(cls, ids: torch.Tensor, num_experts: int, triton: bool = False) -> "StepPlan":
         if triton:
             return cls("triton", 0)
+        if ids.numel() <= GATHER_MAX_PAIRS:     # single-stream decode: no counting on its hot path
+            return cls("gathered", 0)
         counts = torch.bincount(ids.reshape(-1), minlength=num_experts)
         cap, used = int(counts.max()), int((counts > 0).sum())
         strategy = choose_strategy(ids.numel(), cap, used, num_experts)
