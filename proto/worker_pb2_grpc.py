@@ -54,6 +54,11 @@ class DecodeServiceStub:
                 request_serializer=worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=worker__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.CacheEvents = channel.unary_stream(
+                '/tandem.worker.DecodeService/CacheEvents',
+                request_serializer=worker__pb2.CacheEventsRequest.SerializeToString,
+                response_deserializer=worker__pb2.CacheEventBatch.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer:
@@ -83,6 +88,12 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CacheEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +116,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=worker__pb2.StatsRequest.FromString,
                     response_serializer=worker__pb2.StatsReply.SerializeToString,
+            ),
+            'CacheEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.CacheEvents,
+                    request_deserializer=worker__pb2.CacheEventsRequest.FromString,
+                    response_serializer=worker__pb2.CacheEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +241,33 @@ class DecodeService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def CacheEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.worker.DecodeService/CacheEvents',
+            worker__pb2.CacheEventsRequest.SerializeToString,
+            worker__pb2.CacheEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillServiceStub:
     """Missing associated documentation comment in .proto file."""
@@ -250,6 +293,11 @@ class PrefillServiceStub:
                 request_serializer=worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=worker__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.CacheEvents = channel.unary_stream(
+                '/tandem.worker.PrefillService/CacheEvents',
+                request_serializer=worker__pb2.CacheEventsRequest.SerializeToString,
+                response_deserializer=worker__pb2.CacheEventBatch.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -273,6 +321,12 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CacheEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -290,6 +344,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=worker__pb2.StatsRequest.FromString,
                     response_serializer=worker__pb2.StatsReply.SerializeToString,
+            ),
+            'CacheEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.CacheEvents,
+                    request_deserializer=worker__pb2.CacheEventsRequest.FromString,
+                    response_serializer=worker__pb2.CacheEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -373,6 +432,33 @@ class PrefillService:
             '/tandem.worker.PrefillService/Stats',
             worker__pb2.StatsRequest.SerializeToString,
             worker__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CacheEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.worker.PrefillService/CacheEvents',
+            worker__pb2.CacheEventsRequest.SerializeToString,
+            worker__pb2.CacheEventBatch.FromString,
             options,
             channel_credentials,
             insecure,
