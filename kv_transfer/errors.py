@@ -13,6 +13,7 @@ class Refusal(str, Enum):
     BAD_TAG = "BAD_TAG"                      # ownership tag / tenant / request do not match
     PROMPT_MISMATCH = "PROMPT_MISMATCH"      # a valid tag over another prompt's token ids
     OUT_OF_RANGE = "OUT_OF_RANGE"            # page index or layer range outside the reservation
+    CACHED_PAGE = "CACHED_PAGE"              # a frame aimed at a page of the receiver's cached prefix
     BAD_GEOMETRY = "BAD_GEOMETRY"            # token positions, dtype, shape or payload size wrong
     DUPLICATE = "DUPLICATE"                  # this (page, layers) or seq was already received
     BAD_CHECKSUM = "BAD_CHECKSUM"            # header + payload do not hash to the checksum

@@ -31,8 +31,12 @@ from proto import kv_transfer_pb2 as pb
 
 # 2: the tag and the commit bind the prompt's digest (issue 15).  A version-1 peer sends no
 # digest, so every transfer of its would be refused: the handshake refuses it once instead.
-PROTOCOL_VERSION = 2
-SUPPORTED_VERSIONS = (2,)
+# 3: delta-only transfer (issue 18): the commit's cached_tokens counts the receiver's cached
+# prefix as covered, and frames start after it.  A version-2 receiver would read a delta commit
+# as a gap and a version-2 sender would send pages a version-3 receiver refuses as cached, so
+# mixed clusters fail closed at the handshake.
+PROTOCOL_VERSION = 3
+SUPPORTED_VERSIONS = (3,)
 TRANSFER_ID_BYTES = 16
 TAG_BYTES = 16
 PROMPT_DIGEST_BYTES = 32

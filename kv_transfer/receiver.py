@@ -26,7 +26,6 @@ from kv_transfer.frame import (
     SUPPORTED_VERSIONS,
     Buffer,
     check_secret,
-    commit_digest,
     frame_checksum,
     new_transfer_id,
     ownership_tag,
@@ -34,7 +33,7 @@ from kv_transfer.frame import (
 )
 from kv_transfer.hooks import PLAIN_RECEIVER, ReceiverHooks
 from kv_transfer.pages import block_parts, write_payload
-from kv_transfer.reservation import Reservation, State
+from kv_transfer.reservation import Reservation, State, check_cached_tokens
 from proto import kv_transfer_pb2 as pb
 
 TOMBSTONES = 65536   # released transfer ids remembered so late frames read EXPIRED
@@ -73,12 +72,14 @@ class TransferReceiver:
 
     # ---- the pool owner's side ---------------------------------------------------
     def reserve(self, request_id: str, tenant: str, prompt_len: int, prompt_digest: bytes,
-                timeout_s: float | None = None) -> Reservation:
+                timeout_s: float | None = None, cached_tokens: int = 0) -> Reservation:
         """Open a transfer into the first ceil(prompt_len / page_size) pages the pool already
         gave `request_id`, bound to the prompt whose token ids hash to `prompt_digest`
-        (kv_transfer.frame.prompt_digest).  `timeout_s` (default: the receiver's) ends it when
-        no frame arrives for that long.  Returns the reservation (its `transfer_id` goes to the
-        sender)."""
+        (kv_transfer.frame.prompt_digest).  The first `cached_tokens` (a multiple of the page
+        size, below prompt_len) are the request's cached prefix: frames may only write the
+        pages after it.  `timeout_s` (default: the receiver's) ends it when no frame arrives
+        for that long.  Returns the reservation (its `transfer_id` goes to the sender); raises
+        ValueError, reserving nothing, on a bad argument."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if timeout_s <= 0:
             raise ValueError(f"transfer timeout_s={timeout_s} must be > 0")
@@ -90,12 +91,14 @@ class TransferReceiver:
         if prompt_len < 1 or n > len(refs):
             raise ValueError(f"request {request_id}: a prompt of {prompt_len} tokens needs {n} "
                              f"pages, it holds {len(refs)}")
+        check_cached_tokens(cached_tokens, prompt_len, self.pool.page_size)
         if len(prompt_digest) != PROMPT_DIGEST_BYTES:
             raise ValueError(f"prompt digest of {len(prompt_digest)} bytes, expected {PROMPT_DIGEST_BYTES}")
         tid = new_transfer_id()
         tag = ownership_tag(self._secret, tenant, request_id, tid, prompt_digest)
         res = Reservation(tid, request_id, tenant, tag, prompt_len, bytes(prompt_digest), refs[:n],
-                          self.pool.kv.shape[0], self.pool.page_size, self._clock() + timeout_s, timeout_s)
+                          self.pool.kv.shape[0], self.pool.page_size, self._clock() + timeout_s, timeout_s,
+                          cached_tokens=cached_tokens)
         with self._lock:
             self._live[tid] = res
         return res
@@ -209,7 +212,7 @@ class TransferReceiver:
         with self._lock:
             res = self._checked(c)
             self._lock.wait_for(lambda: res.writers == 0)
-            self._guard(res, lambda: self._check_coverage(res, c))
+            self._guard(res, lambda: res.check_coverage(c))
             records = list(res.frames.values())
         t0 = perf_counter()
         bad = [r.header.seq for r in records
@@ -223,8 +226,8 @@ class TransferReceiver:
                 self._guard(res, lambda: self._raise(Refusal.RECHECK_FAILED, f"destination pages of frames "
                                                      f"{bad[:8]} do not hash as sent"))
 
-            def pages_unchanged() -> None:
-                for ref in res.pages:
+            def pages_unchanged() -> None:      # the cached prefix is the pool's, not this transfer's
+                for ref in res.sent_pages:
                     self._check_page(res, ref)
             self._guard(res, pages_unchanged)
             res.state, res.first_token_id, res.first_logprob = State.COMMITTED, c.first_token_id, c.first_logprob
@@ -276,23 +279,6 @@ class TransferReceiver:
         if owner != res.request_id or gen != ref.generation:
             self._raise(Refusal.STALE_PAGE, f"page {ref.page} is now ({owner}, generation {gen}), "
                         f"reserved as ({res.request_id}, generation {ref.generation})")
-
-    @staticmethod
-    def _check_coverage(res: Reservation, c: pb.Commit) -> None:
-        missing = [i for i in range(len(res.pages)) if not res.page_complete(i)]
-        if missing:
-            raise TransferRefused(Refusal.INCOMPLETE, f"prompt pages {missing[:8]} of "
-                                  f"{len(res.pages)} not fully written")
-        seqs = sorted(res.frames)
-        covered = sum(r.header.num_tokens for r in res.frames.values()
-                      if r.header.layer_start == 0)
-        if c.frame_count != len(seqs) or seqs != list(range(len(seqs))) or \
-                c.tokens_covered != res.prompt_len or covered != res.prompt_len:
-            raise TransferRefused(Refusal.BAD_COVERAGE, f"commit says {c.frame_count} frames / "
-                                  f"{c.tokens_covered} tokens; received seqs 0..{len(seqs) - 1} "
-                                  f"({len(seqs)} frames) covering {covered} of {res.prompt_len} tokens")
-        if commit_digest([res.frames[s].header.checksum for s in seqs]) != c.digest:
-            raise TransferRefused(Refusal.BAD_DIGEST, "digest over frame checksums differs")
 
     def _guard(self, res: Reservation, check: Callable[[], object]) -> None:
         try:

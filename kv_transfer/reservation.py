@@ -5,7 +5,13 @@
          `-------- any refusal, cancel, timeout --------> FAILED
 
 A reservation covers the request's prompt pages (logical page i holds tokens
-[i*S, (i+1)*S)); each page must be written once for every layer before commit.
+[i*S, (i+1)*S)).  The first `cached_tokens / S` of them are the receiver's cached prefix
+(shared, read-only pages of its prefix cache): no frame may touch them.  Every later page must
+be written once for every layer before commit:
+
+    page:   0 .. first_page-1        first_page .. n-1
+            cached (never written)   sent as frames: [page][layer] written exactly once
+    commit: cached_tokens + tokens of the layer-0 frames == prompt_len == tokens_covered
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from enum import Enum
 
 from engine.kv_pool import PagePool, PageRef
 from kv_transfer.errors import Refusal, TransferRefused
+from kv_transfer.frame import commit_digest
 from kv_transfer.pages import block_nbytes, block_shape, dtype_name, tokens_in_page
 from proto import kv_transfer_pb2 as pb
 
@@ -24,6 +31,17 @@ class State(str, Enum):
     RECEIVING = "RECEIVING"
     COMMITTED = "COMMITTED"
     FAILED = "FAILED"
+
+
+def check_cached_tokens(cached_tokens: int, prompt_len: int, page_size: int) -> None:
+    """Raises ValueError unless `cached_tokens` is a multiple of `page_size` in [0, prompt_len):
+    a cached prefix is whole pages, and never the prompt's last token (its logits are computed,
+    so at least one page is always sent)."""
+    if cached_tokens < 0 or cached_tokens >= prompt_len:
+        raise ValueError(f"cached_tokens={cached_tokens} must lie in [0, {prompt_len}) for a prompt "
+                         f"of {prompt_len} tokens (the last prompt token is never cached)")
+    if cached_tokens % page_size:
+        raise ValueError(f"cached_tokens={cached_tokens} must be a multiple of the page size {page_size}")
 
 
 @dataclass
@@ -45,6 +63,7 @@ class Reservation:
     page_size: int
     deadline: float
     timeout_s: float = 30.0   # idle timeout: no frame arriving for this long ends the transfer
+    cached_tokens: int = 0    # leading prompt tokens in the receiver's prefix cache (a multiple of S)
     state: State = State.RESERVED
     reason: Refusal | None = None
     detail: str = ""
@@ -62,6 +81,16 @@ class Reservation:
     def terminal(self) -> bool:
         return self.state in (State.COMMITTED, State.FAILED)
 
+    @property
+    def first_page(self) -> int:
+        """The first logical page frames write: earlier pages are the cached prefix."""
+        return self.cached_tokens // self.page_size
+
+    @property
+    def sent_pages(self) -> list[PageRef]:
+        """The pages frames write (logical pages [first_page, n))."""
+        return self.pages[self.first_page:]
+
     def page_complete(self, index: int) -> bool:
         return all(self.layers_done[index])
 
@@ -73,6 +102,10 @@ class Reservation:
         if h.page_index >= len(self.pages):
             raise TransferRefused(Refusal.OUT_OF_RANGE, f"page {h.page_index} outside the reservation "
                                   f"of {len(self.pages)} prompt pages")
+        if h.page_index < self.first_page:
+            raise TransferRefused(Refusal.CACHED_PAGE, f"page {h.page_index} is a cached prefix page "
+                                  f"(the first {self.first_page} pages, {self.cached_tokens} tokens, "
+                                  f"are shared and read-only)")
         if not 0 <= h.layer_start < h.layer_end <= self.num_layers:
             raise TransferRefused(Refusal.OUT_OF_RANGE, f"layers [{h.layer_start}, {h.layer_end}) "
                                   f"outside [0, {self.num_layers})")
@@ -94,6 +127,27 @@ class Reservation:
         if any(done):
             raise TransferRefused(Refusal.DUPLICATE, f"page {h.page_index} layers "
                                   f"[{h.layer_start}, {h.layer_end}) overlap layers already written")
+
+    def check_coverage(self, c: pb.Commit) -> None:
+        """Raises TransferRefused(INCOMPLETE | BAD_COVERAGE | BAD_DIGEST) unless every page from
+        first_page on was written for every layer, the frames' tokens plus the cached prefix are
+        the whole prompt, and the commit states the same counts and digest."""
+        n = len(self.pages)
+        missing = [i for i in range(self.first_page, n) if not self.page_complete(i)]
+        if missing:
+            raise TransferRefused(Refusal.INCOMPLETE, f"prompt pages {missing[:8]} of pages "
+                                  f"[{self.first_page}, {n}) not fully written")
+        seqs = sorted(self.frames)
+        sent = sum(r.header.num_tokens for r in self.frames.values() if r.header.layer_start == 0)
+        if c.frame_count != len(seqs) or seqs != list(range(len(seqs))) or \
+                c.tokens_covered != self.prompt_len or sent + self.cached_tokens != self.prompt_len or \
+                c.cached_tokens != self.cached_tokens:
+            raise TransferRefused(Refusal.BAD_COVERAGE, f"commit says {c.frame_count} frames / "
+                                  f"{c.tokens_covered} tokens / {c.cached_tokens} cached; received seqs "
+                                  f"0..{len(seqs) - 1} ({len(seqs)} frames) covering {sent} tokens after "
+                                  f"{self.cached_tokens} cached, of {self.prompt_len}")
+        if commit_digest([self.frames[s].header.checksum for s in seqs]) != c.digest:
+            raise TransferRefused(Refusal.BAD_DIGEST, "digest over frame checksums differs")
 
     def claim(self, h: pb.FrameHeader) -> None:
         for layer in range(h.layer_start, h.layer_end):

@@ -7,6 +7,9 @@
 
 Each frame is gathered from `pool.kv[l0:l1, :, page, :n]` into a buffer the stream hands
 out (for shared memory: the shared segment itself), checksummed there and sent.
+
+With `first_page=k` (the receiver's reservation says its prefix cache holds the first
+k * page_size prompt tokens) only pages [k, n) travel; the commit states the cached tokens.
 """
 
 from __future__ import annotations
@@ -66,12 +69,16 @@ class SenderStream(Protocol):
 
 class TransferSender:
     def __init__(self, stream: SenderStream, ticket: TransferTicket, secret: bytes, pool: PagePool,
-                 page_table: list[int], prompt_len: int, hooks: SenderHooks = PLAIN_SENDER):
+                 page_table: list[int], prompt_len: int, hooks: SenderHooks = PLAIN_SENDER,
+                 first_page: int = 0):
         if pool.pages_for(prompt_len) > len(page_table):
             raise ValueError(f"prompt of {prompt_len} tokens needs {pool.pages_for(prompt_len)} pages, "
                              f"page table has {len(page_table)}")
+        if not 0 <= first_page < pool.pages_for(prompt_len):
+            raise ValueError(f"first_page={first_page} must lie in [0, {pool.pages_for(prompt_len)}) for a "
+                             f"prompt of {prompt_len} tokens (at least its last page is sent)")
         self.stream, self.ticket, self.pool = stream, ticket, pool
-        self.page_table, self.prompt_len = page_table, prompt_len
+        self.page_table, self.prompt_len, self.first_page = page_table, prompt_len, first_page
         t0 = time.perf_counter()
         self.tag = ownership_tag(secret, ticket.tenant, ticket.request_id, ticket.transfer_id,
                                  ticket.prompt_digest)
@@ -91,9 +98,9 @@ class TransferSender:
             prompt_digest=self.ticket.prompt_digest)
 
     def send_layers(self, l0: int, l1: int) -> None:
-        """Send every prompt page's layers [l0, l1), one frame per page, and put them on the
-        wire at once (batching never holds a computed layer group back)."""
-        for index in range(self.pool.pages_for(self.prompt_len)):
+        """Send layers [l0, l1) of every prompt page from first_page on, one frame per page,
+        and put them on the wire at once (batching never holds a computed layer group back)."""
+        for index in range(self.first_page, self.pool.pages_for(self.prompt_len)):
             self.send_page(index, l0, l1)
         if not self._early_commit:
             self.stream.flush()
@@ -120,7 +127,8 @@ class TransferSender:
         c = pb.Commit(protocol_version=PROTOCOL_VERSION, transfer_id=self.ticket.transfer_id,
                       request_id=self.ticket.request_id, tenant=self.ticket.tenant,
                       ownership_tag=self.tag, frame_count=len(self.checksums),
-                      tokens_covered=self.prompt_len, digest=commit_digest(self.checksums),
+                      tokens_covered=self.prompt_len, cached_tokens=self.first_page * self.pool.page_size,
+                      digest=commit_digest(self.checksums),
                       first_token_id=first_token_id, first_logprob=first_logprob,
                       prompt_digest=self.ticket.prompt_digest,
                       first_top_ids=list(first_top or ()), first_top_logprobs=list((first_top or {}).values()))

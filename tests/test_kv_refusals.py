@@ -165,7 +165,7 @@ def test_a_page_reallocated_under_the_transfer_is_stale(rig):
 
 def test_the_handshake_fails_closed_on_unknown_versions():
     with pytest.raises(TransferRefused) as e:
-        TransferReceiver.hello([PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1])   # version 1: no prompt digest
+        TransferReceiver.hello([PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1])   # version 2: no delta commits
     assert e.value.reason == Refusal.BAD_VERSION
     assert TransferReceiver.hello([PROTOCOL_VERSION - 1, PROTOCOL_VERSION]) == PROTOCOL_VERSION
 
