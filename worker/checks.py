@@ -6,11 +6,13 @@ import torch
 
 from engine.core import EngineCore
 from engine.params import SamplingParams
+from engine.prefix_cache import cache_salt
 from engine.request import Request
 from engine.validate import RequestError
 from worker.types import ErrorCode, WorkerError
 
 MAX_REQUEST_ID = 256
+MAX_CACHE_SALT = 256         # characters of a request's cache_salt (the gateway's limit too)
 RESERVED_ID_CHAR = "#"       # a colocated worker's prefill pages are owned by "<id>#prefill"
 
 
@@ -31,3 +33,23 @@ def new_request(core: EngineCore, owner: str, ids: list[int], params: SamplingPa
         return core.make_request(ids, params, request_id=owner, handoff=handoff, generator=generator)
     except RequestError as e:
         raise WorkerError(ErrorCode(e.code.value), str(e)) from None
+
+
+def request_salt(secret: bytes, tenant: str, salt: str) -> bytes:
+    """The prefix-cache salt of a request of `tenant` with the caller's optional `salt` (vLLM's
+    cache_salt): keyed with the cluster secret, so no two tenants share a cached page (I10).
+    Raises WorkerError(INVALID_REQUEST) for a salt over MAX_CACHE_SALT characters."""
+    if len(salt) > MAX_CACHE_SALT:
+        raise WorkerError(ErrorCode.INVALID_REQUEST,
+                          f"cache_salt of {len(salt)} characters; at most {MAX_CACHE_SALT}")
+    return cache_salt(secret, tenant, salt)
+
+
+def check_decode_cached(cached_tokens: int, prompt_len: int, page_size: int) -> None:
+    """Raises WorkerError(INVALID_REQUEST) unless `cached_tokens` (the decode worker's cache
+    boundary) is a multiple of the page size below the prompt's length (a cached prefix is
+    whole pages and never holds the prompt's last token)."""
+    if cached_tokens % page_size or cached_tokens >= prompt_len:
+        raise WorkerError(ErrorCode.INVALID_REQUEST,
+                          f"decode_cached_tokens={cached_tokens} must be a multiple of the page size "
+                          f"({page_size}) below the prompt's {prompt_len} tokens")

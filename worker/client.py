@@ -27,18 +27,20 @@ from worker.types import ErrorCode
 
 
 def generate(decode: grpc.Channel, prefill: grpc.Channel | None, request_id: str, tenant: str,
-             ids: list[int], params: SamplingParams, timeout_s: float = 600.0) -> Iterator[wpb.GenerateResponse]:
+             ids: list[int], params: SamplingParams, timeout_s: float = 600.0,
+             cache_salt: str = "") -> Iterator[wpb.GenerateResponse]:
     call = wpb_grpc.DecodeServiceStub(decode).Generate(wpb.GenerateRequest(
         request_id=request_id, tenant=tenant, prompt_token_ids=ids, params=params_to_proto(params),
-        timeout_s=timeout_s),
+        timeout_s=timeout_s, cache_salt=cache_salt),
         timeout=timeout_s)
     failure: list[wpb.Error] = []
     pending = None
     try:
         first = next(call)
-        if first.WhichOneof("kind") == "reservation" and prefill is not None:   # before yielding:
-            pending = _prefill(prefill, request_id, tenant, ids, params, first.reservation,  # the
-                               timeout_s, call, failure)                      # caller may not pull
+        if first.WhichOneof("kind") == "reservation" and prefill is not None:
+            # before yielding: the caller may not pull
+            request = prefill_request(request_id, tenant, ids, params, first.reservation, cache_salt)
+            pending = _prefill(prefill, request, timeout_s, call, failure)
         yield first
         if first.WhichOneof("kind") != "reservation":
             return
@@ -56,10 +58,9 @@ def generate(decode: grpc.Channel, prefill: grpc.Channel | None, request_id: str
             pending.cancel()
 
 
-def _prefill(channel: grpc.Channel, request_id: str, tenant: str, ids: list[int], params: SamplingParams,
-             res: wpb.Reservation, timeout_s: float, call: grpc.Future, failure: list[wpb.Error]) -> grpc.Future:
-    future = wpb_grpc.PrefillServiceStub(channel).Prefill.future(
-        prefill_request(request_id, tenant, ids, params, res), timeout=timeout_s)
+def _prefill(channel: grpc.Channel, request: wpb.PrefillRequest, timeout_s: float, call: grpc.Future,
+             failure: list[wpb.Error]) -> grpc.Future:
+    future = wpb_grpc.PrefillServiceStub(channel).Prefill.future(request, timeout=timeout_s)
     lock = threading.Lock()
 
     def done(f: grpc.Future) -> None:

@@ -60,8 +60,9 @@ def logprobs_to_proto(token: int, entry: dict[int, float] | None) -> wpb.TokenLo
 
 
 def finish_to_proto(reason: str, matched: str | int | None, prompt_tokens: int,
-                    completion_tokens: int) -> wpb.Finish:
-    f = wpb.Finish(finish_reason=reason, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+                    completion_tokens: int, cached_tokens: int = 0) -> wpb.Finish:
+    f = wpb.Finish(finish_reason=reason, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   cached_tokens=cached_tokens)
     if isinstance(matched, int):
         f.matched_token, f.matched_token_id = True, matched
     elif matched is not None:
@@ -70,10 +71,13 @@ def finish_to_proto(reason: str, matched: str | int | None, prompt_tokens: int,
 
 
 def prefill_request(request_id: str, tenant: str, ids: list[int], params: SamplingParams,
-                    res: wpb.Reservation) -> wpb.PrefillRequest:
+                    res: wpb.Reservation, cache_salt: str = "") -> wpb.PrefillRequest:
     """The Prefill call that fills the decode worker's reservation `res`, with the seed the
-    reservation chose (prefill's first token and the decode stream continue one sampler)."""
+    reservation chose (prefill's first token and the decode stream continue one sampler) and
+    its cache boundary (prefill sends pages from there on); `cache_salt`: the request's, as
+    given to Generate."""
     p = params_to_proto(params)
     p.has_seed, p.seed = True, res.seed
     return wpb.PrefillRequest(request_id=request_id, tenant=tenant, prompt_token_ids=ids, params=p,
-                              decode_endpoint=res.transfer_endpoint, transfer_id=res.transfer_id)
+                              decode_endpoint=res.transfer_endpoint, transfer_id=res.transfer_id,
+                              cache_salt=cache_salt, decode_cached_tokens=res.cached_tokens)

@@ -77,6 +77,7 @@ class WorkerHandle:
         self.stopped = True
         for role in self.roles:         # new Generate/Prefill calls are refused from here on
             role.closing = True
+        self.core.pool.events.close()   # CacheEvents streams end now
         if self.loop.stop(LOOP_STOP_S):   # from here on, only this thread changes page ownership
             for role in self.roles:
                 role.shutdown()
