@@ -143,6 +143,8 @@ class EngineConfig:
     seed: int = 0
     paged_experts_num_resident: int | None = None  # K resident experts per MoE layer; None: all
     paged_experts_prefetch: bool | None = None       # None: on with CUDA, off elsewhere
+    enable_prefix_cache: bool = True                 # share full KV pages between requests
+    kv_audit: bool = False                           # hash cached pages (check_integrity(contents=True))
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):

@@ -15,6 +15,12 @@ Who frees which pages when:
 - a hand-off request (`Request.handoff`: prefill for another worker) is detached after its
   first token with its pages kept; its owner frees them (`free`) once the push has ended;
 - `abort` drops a request wherever it is and frees its pages.
+
+Prefix cache (engine/prefix_cache.py): a request is admitted with the longest cached prefix of
+its prompt under its `cache_salt` (`allocate_for` for a reservation made outside the
+scheduler); its full prompt pages are published when its prompt is complete (computed here,
+or imported: `add_prefilled`), and every full computed page when it ends, before its pages are
+released (`publish` for a worker that ends a request itself).
 """
 
 from __future__ import annotations
@@ -84,7 +90,8 @@ class EngineCore:
             prefetch = config.paged_experts_prefetch
             self.model.prefetch_experts = torch.device(device).type == "cuda" if prefetch is None else prefetch
         self.pool = PagePool(config.num_pages, config.page_size, mc.num_hidden_layers,
-                             mc.num_key_value_heads, mc.head_dim, config.dtype, device)
+                             mc.num_key_value_heads, mc.head_dim, config.dtype, device,
+                             prefix_cache=config.enable_prefix_cache, audit=config.kv_audit)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_prefill_tokens, interleave)
         limit = mc.max_position_embeddings
         self.max_model_len = min(config.max_model_len, limit) if config.max_model_len else limit
@@ -104,9 +111,11 @@ class EngineCore:
 
     def make_request(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
                      prompt: str | None = None, handoff: bool = False,
-                     generator: torch.Generator | None = None) -> Request:
+                     generator: torch.Generator | None = None, salt: bytes = b"") -> Request:
         """A checked request (not yet scheduled).  Without a seed, one is drawn from the core's
-        seeded generator.  Raises RequestError, creating nothing."""
+        seeded generator.  `salt`: its prefix-cache salt (`prefix_cache.cache_salt`: requests
+        share cached pages only with requests of the same salt).  Raises RequestError, creating
+        nothing."""
         self.check(ids, params, reserve_output=not handoff)
         if generator is None:
             seed = params.seed if params.seed is not None else \
@@ -114,7 +123,7 @@ class EngineCore:
             generator = torch.Generator().manual_seed(seed)
         return Request(request_id=request_id or f"req-{next(self._ids)}", prompt_token_ids=list(ids),
                        params=params, generator=generator, prompt=prompt, handoff=handoff,
-                       stopper=None if handoff else self.stop_checker(params))
+                       stopper=None if handoff else self.stop_checker(params), cache_salt=salt)
 
     def stop_checker(self, params: SamplingParams) -> StopChecker:
         return StopChecker(params, self.tokenizer, self.eos_ids, self.max_model_len, self.stop_limits)
@@ -123,9 +132,22 @@ class EngineCore:
         """Queue a request to prefill here (its pages are allocated when it is admitted)."""
         self.scheduler.add(req)
 
+    def allocate_for(self, req: Request, reserved_tokens: int) -> int:
+        """Reserve pages for `reserved_tokens` of `req` outside the scheduler (a decode worker's
+        reservation): its longest cached prompt prefix, then private pages.  Returns the cached
+        tokens (a multiple of the page size, below the prompt length; 0 with the cache off).
+        Raises PoolExhausted, reserving nothing."""
+        return self.scheduler.allocate(req, reserved_tokens)
+
+    def publish(self, req: Request) -> int:
+        """Publish every full page of `req`'s computed tokens into the prefix cache (read-only
+        from then on).  Returns how many pages were published."""
+        return self.scheduler.publish(req)
+
     def add_prefilled(self, req: Request, first_token: int, logprobs: dict[int, float] | None) -> TokenEvent:
-        """A request whose prompt KV was imported into the pages it holds, and the first token
-        sampled with it: it joins the decode batch unless that token already ended it."""
+        """A request whose prompt KV was imported into the pages it holds (written, verified),
+        and the first token sampled with it: its full prompt pages are published, and it joins
+        the decode batch unless that token already ended it."""
         self.scheduler.add_prefilled(req)
         return self.accept_token(req, first_token, logprobs)
 
@@ -145,7 +167,12 @@ class EngineCore:
         return self.runner.run(batch, on_layer)
 
     def update(self, batch: ScheduledBatch, output: SampleOutput) -> list[TokenEvent]:
-        """The token path: every request that sampled a token this step gets it."""
+        """The token path: every request that sampled a token this step gets it (a request
+        whose prompt this step completed publishes its full prompt pages first)."""
+        if batch.is_prefill:
+            for req in batch.requests:
+                if not req.prefilling:
+                    self.scheduler.publish(req)
         return [self.accept_token(req, token, lp)
                 for req, token, lp in zip(batch.requests, output.tokens, output.logprobs) if token >= 0]
 

@@ -19,6 +19,7 @@ from engine.experts import PagedExperts
 from engine.kv_pool import PagePool
 from engine.models.qwen3_moe import Qwen3MoeModel
 from engine.params import SamplingParams
+from engine.prefix_cache import cache_salt as derive_salt
 from engine.request import Request, RequestOutput
 from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
@@ -37,13 +38,18 @@ class LLM:
                  device: str = "cpu", kv_cache_tokens: int = 16384, page_size: int = 16,
                  max_model_len: int | None = None, max_num_seqs: int = 64,
                  max_prefill_tokens: int = 2048, seed: int = 0, attention: str | None = None,
-                 paged_experts_num_resident: int | None = None, paged_experts_prefetch: bool | None = None):
+                 paged_experts_num_resident: int | None = None, paged_experts_prefetch: bool | None = None,
+                 enable_prefix_cache: bool = True, kv_audit: bool = False):
+        """`enable_prefix_cache`: requests share the KV pages of a common prompt prefix (the
+        outputs do not change); `kv_audit`: hash every cached page when it is published, so
+        `pool.check_integrity(contents=True)` can prove none was written afterwards (tests)."""
         config = EngineConfig(model=str(Path(model) if model is not None else SHIPPED_MODEL),
                               dtype=parse_dtype(dtype), device=device, page_size=page_size,
                               kv_cache_tokens=kv_cache_tokens, max_model_len=max_model_len,
                               max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens, seed=seed,
                               paged_experts_num_resident=paged_experts_num_resident,
-                              paged_experts_prefetch=paged_experts_prefetch)
+                              paged_experts_prefetch=paged_experts_prefetch,
+                              enable_prefix_cache=enable_prefix_cache, kv_audit=kv_audit)
         self.core = EngineCore(config, attention)
 
     # ---- the core's parts, read by tests, benchmarks and tools -----------------
@@ -85,8 +91,10 @@ class LLM:
 
     # ---- public API ------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids) with continuous batching.
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 cache_salt: str = "") -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids) with continuous batching.  Requests
+        share cached prompt prefixes only with requests of the same `cache_salt`.
 
         Returns one output per prompt, in order.  Raises ValueError, adding nothing, when
         any prompt or parameter is invalid; raises RequestError (INVALID_REQUEST) once every
@@ -98,7 +106,7 @@ class LLM:
         plist = list(params) if isinstance(params, Sequence) else [params] * len(batch)
         if len(plist) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(plist)} sampling params")
-        reqs = [self._make_request(p, sp) for p, sp in zip(batch, plist)]
+        reqs = [self._make_request(p, sp, cache_salt) for p, sp in zip(batch, plist)]
         for req in reqs:
             self.core.add(req)
         done: dict[str, RequestOutput] = {}
@@ -111,11 +119,12 @@ class LLM:
         return [done[r.request_id] for r in reqs]
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+             params: SamplingParams | Sequence[SamplingParams] | None = None,
+             cache_salt: str = "") -> list[RequestOutput]:
         """Apply the chat template (with the generation prompt) and generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]  # type: ignore[arg-type]
-        return self.generate(prompts, params)
+        return self.generate(prompts, params, cache_salt)
 
     def step(self) -> list[RequestOutput]:
         """schedule(), run(batch), update(batch, output).  Returns requests that finished.
@@ -145,20 +154,21 @@ class LLM:
         """Per paged MoE layer: hits, misses, hit_rate, bytes_paged, waves, steps, prefetch counters."""
         return self.core.expert_stats()
 
-    def add_request(self, prompt: Prompt, params: SamplingParams) -> Request:
+    def add_request(self, prompt: Prompt, params: SamplingParams, cache_salt: str = "") -> Request:
         """Queue one request without running it (drive it with `step()`).  Raises ValueError,
         queuing nothing, when the prompt or a parameter is invalid."""
-        req = self._make_request(prompt, params)
+        req = self._make_request(prompt, params, cache_salt)
         self.core.add(req)
         return req
 
     # ---- internals ---------------------------------------------------------------
-    def _make_request(self, prompt: Prompt, params: SamplingParams) -> Request:
+    def _make_request(self, prompt: Prompt, params: SamplingParams, cache_salt: str = "") -> Request:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return self.core.make_request(ids, params, prompt=text)
+        # one process, one tenant: no secret; `cache_salt` splits the cache further
+        return self.core.make_request(ids, params, prompt=text, salt=derive_salt(b"", "", cache_salt))
 
     def _output(self, req: Request) -> RequestOutput:
         assert req.stopper is not None and req.finish_reason is not None
@@ -166,5 +176,6 @@ class LLM:
                              prompt_token_ids=req.prompt_token_ids, token_ids=list(req.output_token_ids),
                              text=req.stopper.final_text(),
                              logprobs=req.logprobs if req.params.logprobs is not None else None,
-                             finish_reason=req.finish_reason, matched_stop=req.stopper.matched_stop)
+                             finish_reason=req.finish_reason, matched_stop=req.stopper.matched_stop,
+                             num_cached_tokens=req.num_cached_tokens)
 

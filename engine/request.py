@@ -32,6 +32,8 @@ class Request:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stopper: StopChecker | None = None         # stop conditions and the output text (not on hand-off)
+    cache_salt: bytes = b""                    # the salt of its prefix-cache keys (engine/prefix_cache.py)
+    num_cached_tokens: int = 0                 # prompt tokens found in the prefix cache at admission
 
     @property
     def num_tokens(self) -> int:
@@ -70,3 +72,4 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None
     finish_reason: str
     matched_stop: str | int | None = None      # the stop string, regex pattern or token id
+    num_cached_tokens: int = 0                 # prompt tokens served from the prefix cache

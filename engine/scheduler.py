@@ -11,6 +11,11 @@ others and decodes its own (colocated) never lets one kind hold the other's plac
 `interleave`, a prefill step is followed by a decode step whenever there is decoding to do,
 so arriving prompts cannot starve the running streams (a colocated worker); without it
 prefill always goes first (the single-process engine, a prefill worker, a decode worker).
+
+Prefix cache: admission (`allocate`) gives a request the longest cached prefix of its prompt
+(never its last token) and starts its prefill after it; `publish` turns its full computed
+pages into cached ones, once when its prompt is complete and again when it ends, before its
+pages are released (every path out of the scheduler but `abort_all`, a failed step).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.kv_pool import PagePool
+from engine.kv_pool import PagePool, PoolExhausted
+from engine.prefix_cache import max_cached_pages, page_keys
 from engine.request import Request, Status
 
 
@@ -47,6 +53,39 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.ready: deque[Request] = deque()     # prefilled elsewhere, pages held: decode only
         self.running: list[Request] = []
+        self.cache_query_tokens = 0              # prompt tokens looked up at admission
+        self.cache_hit_tokens = 0                # of those, found cached
+
+    def allocate(self, req: Request, reserved_tokens: int) -> int:
+        """Give `req` (holding no pages) pages for `reserved_tokens`: the longest cached prefix of
+        its prompt (salted with `req.cache_salt`, never its last token), then private pages.
+        Sets `num_computed` and `num_cached_tokens` to the cached tokens and returns them.
+        Raises PoolExhausted (ValueError if it holds pages), changing nothing."""
+        size = self.pool.page_size
+        prompt = req.prompt_token_ids
+        keys = page_keys(req.cache_salt, prompt[:max_cached_pages(len(prompt), size) * size], size) \
+            if self.pool.prefix_cache else []
+        cached = self.pool.allocate_prefixed(req.request_id, self.pool.pages_for(reserved_tokens),
+                                             keys, req.cache_salt) * size
+        req.num_computed = req.num_cached_tokens = cached
+        self.cache_query_tokens += len(prompt)
+        self.cache_hit_tokens += cached
+        return cached
+
+    def publish(self, req: Request) -> int:
+        """Publish every full page of `req`'s computed tokens into the prefix cache (pages
+        already cached, or whose content another page holds, are skipped).  Returns how many."""
+        if not self.pool.prefix_cache or not self.pool.has(req.request_id):
+            return 0
+        size = self.pool.page_size
+        full = req.num_computed // size * size
+        tokens = [req.token_at(i) for i in range(full)]
+        return self.pool.publish(req.request_id, page_keys(req.cache_salt, tokens, size), req.cache_salt)
+
+    def _release(self, req: Request) -> None:
+        """Publish its computed pages, then hand all its pages back to the pool."""
+        self.publish(req)
+        self.pool.free(req.request_id)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -55,6 +94,7 @@ class Scheduler:
         """A request whose prompt KV is already in its pages (imported by a decode worker):
         it joins the running batch at the next decode step with room for it."""
         req.num_computed = len(req.prompt_token_ids)
+        self.publish(req)
         self.ready.append(req)
 
     def has_work(self) -> bool:
@@ -95,28 +135,32 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and self._slots(self.waiting[0].handoff) < self.max_num_seqs:
             req = self.waiting[0]
-            need = self.pool.pages_for(req.reserved_tokens)
-            if need > self.pool.num_free:
+            try:
+                self.allocate(req, req.reserved_tokens)
+            except PoolExhausted:
                 break  # first come, first served: wait for pages to be freed
             self.waiting.popleft()
-            self.pool.allocate(req.request_id, need)
             req.status = Status.RUNNING
             self.running.append(req)
-            n = min(budget, len(req.prompt_token_ids))
+            n = min(budget, len(req.prompt_token_ids) - req.num_computed)
             reqs.append(req)
             counts.append(n)
             budget -= n
         return ScheduledBatch(reqs, counts, is_prefill=True) if reqs else None
 
-    def finish(self, req: Request, reason: str) -> None:
-        """End a running or ready request and hand its pages back to the pool."""
+    def finish(self, req: Request, reason: str, publish: bool = True) -> None:
+        """End a running or ready request and hand its pages back to the pool (publishing its
+        computed pages first, unless `publish` is False)."""
         req.status = Status.FINISHED
         req.finish_reason = reason
         if req in self.running:
             self.running.remove(req)
         else:
             self.ready.remove(req)
-        self.pool.free(req.request_id)
+        if publish:
+            self._release(req)
+        else:
+            self.pool.free(req.request_id)
 
     def detach(self, req: Request) -> None:
         """Take a request out of the batch, keeping its pages (a hand-off: the prefill side
@@ -131,7 +175,7 @@ class Scheduler:
         for queue in (self.waiting, self.ready):
             if req in queue:
                 queue.remove(req)
-                self.pool.free(req.request_id)
+                self._release(req)
                 req.status = Status.FINISHED
                 return True
         if req in self.running:
@@ -140,9 +184,10 @@ class Scheduler:
         return False
 
     def abort_all(self) -> None:
-        """Drop every request, returning all their pages (used when a step fails)."""
+        """Drop every request, returning all their pages (used when a step fails: nothing is
+        published, the pages' contents are not trusted)."""
         for req in list(self.running):
-            self.finish(req, "abort")
+            self.finish(req, "abort", publish=False)
         for req in self.ready:
             self.pool.free(req.request_id)
         self.waiting.clear()
