@@ -30,6 +30,7 @@ import torch
 
 from chaos.protocol_threads import DONE, PARKED, Board, Call, TracedCondition
 from engine.kv_pool import PagePool
+from engine.prefix_cache import CacheEventLog
 from kv_transfer.frame import frame_checksum, prompt_digest
 from kv_transfer.pages import Payload, pool_bytes, read_bytes
 from kv_transfer.receiver import TransferReceiver
@@ -291,7 +292,8 @@ class World:
         requests, with a fresh board and receiver lock."""
         assert not self.board.live(), "only a settled world without calls in flight is copied"
         memo = {id(self.board): Board(), id(self.recv._lock): TracedCondition(),
-                id(self.bounds): self.bounds}
+                id(self.bounds): self.bounds,   # the cache's event log is no part of the state: a fresh one
+                id(self.pool.events): CacheEventLog(self.bounds.page_size, epoch=self.pool.events.epoch)}
         for q in self.requests:   # frames and commits never change: shared, not copied
             memo.update({id(x): x for x in (q.commit, q.frames, *(f.header for f in q.frames))})
         return copy.deepcopy(self, memo)

@@ -33,7 +33,7 @@ from kv_transfer.frame import (
 )
 from kv_transfer.hooks import PLAIN_RECEIVER, ReceiverHooks
 from kv_transfer.pages import block_parts, write_payload
-from kv_transfer.reservation import Reservation, State, check_cached_tokens
+from kv_transfer.reservation import Reservation, State, prompt_pages
 from proto import kv_transfer_pb2 as pb
 
 TOMBSTONES = 65536   # released transfer ids remembered so late frames read EXPIRED
@@ -76,27 +76,20 @@ class TransferReceiver:
         """Open a transfer into the first ceil(prompt_len / page_size) pages the pool already
         gave `request_id`, bound to the prompt whose token ids hash to `prompt_digest`
         (kv_transfer.frame.prompt_digest).  The first `cached_tokens` (a multiple of the page
-        size, below prompt_len) are the request's cached prefix: frames may only write the
-        pages after it.  `timeout_s` (default: the receiver's) ends it when no frame arrives
+        size, below prompt_len) are the request's cached prefix, exactly the leading pages the
+        pool holds for it as cached (`PagePool.cached_pages`): frames may only write the pages
+        after it.  `timeout_s` (default: the receiver's) ends it when no frame arrives
         for that long.  Returns the reservation (its `transfer_id` goes to the sender); raises
         ValueError, reserving nothing, on a bad argument."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if timeout_s <= 0:
             raise ValueError(f"transfer timeout_s={timeout_s} must be > 0")
-        n = self.pool.pages_for(prompt_len)
-        if not self.pool.has(request_id):
-            raise ValueError(f"request {request_id} holds no pages: the pool owner allocates "
-                             f"before reserving")
-        refs = self.pool.refs(request_id)
-        if prompt_len < 1 or n > len(refs):
-            raise ValueError(f"request {request_id}: a prompt of {prompt_len} tokens needs {n} "
-                             f"pages, it holds {len(refs)}")
-        check_cached_tokens(cached_tokens, prompt_len, self.pool.page_size)
+        pages = prompt_pages(self.pool, request_id, prompt_len, cached_tokens)
         if len(prompt_digest) != PROMPT_DIGEST_BYTES:
             raise ValueError(f"prompt digest of {len(prompt_digest)} bytes, expected {PROMPT_DIGEST_BYTES}")
         tid = new_transfer_id()
         tag = ownership_tag(self._secret, tenant, request_id, tid, prompt_digest)
-        res = Reservation(tid, request_id, tenant, tag, prompt_len, bytes(prompt_digest), refs[:n],
+        res = Reservation(tid, request_id, tenant, tag, prompt_len, bytes(prompt_digest), pages,
                           self.pool.kv.shape[0], self.pool.page_size, self._clock() + timeout_s, timeout_s,
                           cached_tokens=cached_tokens)
         with self._lock:

@@ -33,15 +33,30 @@ class State(str, Enum):
     FAILED = "FAILED"
 
 
-def check_cached_tokens(cached_tokens: int, prompt_len: int, page_size: int) -> None:
-    """Raises ValueError unless `cached_tokens` is a multiple of `page_size` in [0, prompt_len):
-    a cached prefix is whole pages, and never the prompt's last token (its logits are computed,
-    so at least one page is always sent)."""
+def prompt_pages(pool: PagePool, request_id: str, prompt_len: int, cached_tokens: int) -> list[PageRef]:
+    """The pages a transfer of `request_id`'s prompt covers: the first ceil(prompt_len / S) of
+    those the pool gave it.  Raises ValueError unless it holds that many, and `cached_tokens` is
+    a multiple of S in [0, prompt_len) (a cached prefix is whole pages and never holds the
+    prompt's last token, whose logits are computed) equal to the leading pages the pool holds
+    for it as cached."""
+    n, size = pool.pages_for(prompt_len), pool.page_size
+    if not pool.has(request_id):
+        raise ValueError(f"request {request_id} holds no pages: the pool owner allocates before reserving")
+    refs = pool.refs(request_id)
+    if prompt_len < 1 or n > len(refs):
+        raise ValueError(f"request {request_id}: a prompt of {prompt_len} tokens needs {n} pages, "
+                         f"it holds {len(refs)}")
     if cached_tokens < 0 or cached_tokens >= prompt_len:
         raise ValueError(f"cached_tokens={cached_tokens} must lie in [0, {prompt_len}) for a prompt "
                          f"of {prompt_len} tokens (the last prompt token is never cached)")
-    if cached_tokens % page_size:
-        raise ValueError(f"cached_tokens={cached_tokens} must be a multiple of the page size {page_size}")
+    if cached_tokens % size:
+        raise ValueError(f"cached_tokens={cached_tokens} must be a multiple of the page size {size}")
+    cached = pool.cached_pages(request_id)
+    if cached * size != cached_tokens:
+        raise ValueError(f"request {request_id}: cached_tokens={cached_tokens}, but its first {cached} "
+                         f"pages ({cached * size} tokens) are the pool's cached prefix: reserve with "
+                         f"what the pool gave it")
+    return refs[:n]
 
 
 @dataclass
