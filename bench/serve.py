@@ -4,11 +4,18 @@
         [--concurrency 1,2,4,8,16,32] [--shapes 512x64,64x256] [--requests-per-level N] \\
         [--chat] [--api-key K] [--slo-ttft-ms 1000] [--slo-itl-ms 100] [--seed 0] [--json] [--plot out.png]
     python -m bench.serve --compare [--json] [--plot out.png]   # Tandem colocated vs disaggregated
+    python -m bench.serve --url ... --workload shared-prefix|multi-turn [workload flags] [--concurrency 8]
+    python -m bench.serve --prefix-compare [workload flags | --quick] [--json]   # Tandem's prefix cache
 
 Every request streams; prompts are held-out standard-library text cut to the shape's input
 length, with a unique prefix; outputs are forced to the shape's length (`max_tokens` =
 `min_tokens`, `ignore_eos`).  TTFT and inter-token latency come from the arrival times of
 the stream's chunks.  Against Tandem it also reads /metrics before and after each run.
+
+The prefix workloads (bench/serve_workloads.py) send token-id prompts of exact lengths on
+/v1/completions: shared-prefix (a few long system prompts, each request one of them plus its own
+question) and multi-turn (each turn resends the conversation so far); their rows add the share of
+prompt tokens the server reported cached.  --prefix-compare: bench/serve_prefix.py.
 """
 
 from __future__ import annotations
@@ -24,11 +31,13 @@ from bench.serve_load import Target, interference, run_level
 from bench.serve_metrics import MissingMetric, run_delta, scrape
 from bench.serve_prompts import PromptMaker
 from bench.serve_stats import summarize
+from bench.serve_workloads import add_flags, multi_turn, resolve, shared_prefix
 from engine.config import SHIPPED_MODEL
 from engine.tokenizer import Tokenizer
 
 COLUMNS = ["mode", "concurrency", "input_len", "output_len", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
-           "itl_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "output_tok_s", "req_s", "goodput_req_s", "errors"]
+           "itl_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "output_tok_s", "req_s", "goodput_req_s", "cached_share",
+           "errors"]
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -68,7 +77,12 @@ def interference_test(target: Target, maker: PromptMaker, mode: str, slo: tuple[
 def measure(target: Target, maker: PromptMaker, mode: str, args: argparse.Namespace,
             slo: tuple[float, float]) -> tuple[list[dict], dict | None, dict | None]:
     before = scrape(target.url)
-    runs = sweep(target, maker, mode, args.concurrency, args.shapes, args.requests_per_level, slo)
+    if args.workload == "random":
+        runs = sweep(target, maker, mode, args.concurrency, args.shapes, args.requests_per_level, slo)
+    else:
+        from bench.serve_turns import sweep_workload
+        make = shared_prefix if args.workload == "shared-prefix" else multi_turn
+        runs = [sweep_workload(target, maker, make(args, c), mode, slo) for c in args.concurrency]
     inter = interference_test(target, maker, mode, slo) if args.compare else None
     tandem = None
     if before is not None:
@@ -93,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="tiny-moe")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--chat", action="store_true", help="use /v1/chat/completions (default: /v1/completions)")
-    ap.add_argument("--concurrency", default="1,2,4,8,16,32")
+    ap.add_argument("--concurrency", default=None, help="levels, comma-separated (default 1,2,4,8,16,32; "
+                    "prefix workloads: 8, --quick: 4)")
     ap.add_argument("--shapes", default="512x64,64x256")
     ap.add_argument("--requests-per-level", type=int, default=None, help="default: 2 x concurrency")
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
@@ -102,15 +117,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--tokenizer", default=str(SHIPPED_MODEL), help="checkpoint dir whose tokenizer cuts the prompts")
     ap.add_argument("--compare", action="store_true", help="start Tandem colocated, then disaggregated, and compare")
+    ap.add_argument("--workload", default="random", choices=["random", "shared-prefix", "multi-turn"],
+                    help="random: unique prompts of --shapes (default); the others: token-id prompts sharing "
+                    "prefixes (/v1/completions)")
+    ap.add_argument("--prefix-compare", action="store_true", help="start Tandem with the prefix cache off and "
+                    "on, and with two decode workers under prefix and load routing, on the shared-prefix workload")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--plot", default=None)
+    add_flags(ap)
     args = ap.parse_args(argv)
+    check_modes(ap, args)
+    if args.concurrency is None and args.workload == "random" and not args.prefix_compare:
+        args.concurrency = "1,2,4,8,16,32"
+    resolve(args)                         # the prefix workloads' flags left unset (and --concurrency)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.shapes = parse_shapes(args.shapes)
     maker = PromptMaker(Tokenizer(args.tokenizer), args.seed)
     slo = (args.slo_ttft_ms, args.slo_itl_ms)
     try:
-        if args.compare:
+        if args.prefix_compare:
+            from bench.serve_prefix import prefix_compare
+            report = prefix_compare(args, maker, shared_prefix(args, args.concurrency[0]), slo)
+        elif args.compare:
             from bench.serve_compare import compare
             report = compare(args, maker, slo, measure)
         else:
@@ -124,7 +152,24 @@ def main(argv: list[str] | None = None) -> int:
         from bench.serve_plot import plot
         plot(report["runs"], args.plot)
     print(json.dumps(report, indent=2) if args.json else table(report["runs"] + report.get("interference", [])))
+    if not args.json and "summary" in report:
+        print("\n".join(f"{k:32s} {v}" for k, v in report["summary"].items()))
     return 0
+
+
+def check_modes(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses flag combinations that cannot run (argparse's error: exit status 2)."""
+    if args.compare and args.prefix_compare:
+        ap.error("--compare and --prefix-compare are two benchmarks: run one at a time")
+    if args.prefix_compare and args.workload == "multi-turn":
+        ap.error("--prefix-compare runs the shared-prefix workload: drop --workload multi-turn")
+    prefix = args.prefix_compare or args.workload != "random"
+    if prefix and args.chat:
+        ap.error("the prefix workloads send token-id prompts on /v1/completions: drop --chat")
+    if args.prefix_compare and args.concurrency is not None and "," in args.concurrency:
+        ap.error(f"--prefix-compare runs one concurrency level, got --concurrency {args.concurrency}")
+    if args.compare and args.workload != "random":
+        ap.error("--compare runs the random workload: drop --workload (or use --prefix-compare)")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ pinned to one CPU core of its own, the same sweep and the interference test agai
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from bench.serve_load import Target
 from bench.serve_prompts import PromptMaker
+from deploy.cli import ADMIN_KEYS_ENV, API_KEYS_ENV
 from gateway.server import _free_port
 
 # bench.serve.measure: one mode's sweep, interference result and Tandem metrics delta
@@ -23,10 +25,13 @@ MODES = {"colocated": ["--colocated"], "disaggregated": ["--prefill-workers", "1
 
 
 def start_tandem(flags: list[str]) -> tuple[subprocess.Popen[str], str]:
+    """`tandem serve` with `flags`, open to the benchmark (no API or admin keys from the
+    environment: it sends none, and reads /metrics); returns the process and its base URL."""
     port = _free_port("127.0.0.1")
     tandem = Path(sys.executable).parent / "tandem"
+    env = {k: v for k, v in os.environ.items() if k not in (API_KEYS_ENV, ADMIN_KEYS_ENV)}
     proc = subprocess.Popen([str(tandem), "serve", "--port", str(port), "--worker-cores", "1", *flags],
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, text=True, start_new_session=True, env=env)
     assert proc.stdout is not None   # stdout=PIPE
     line = proc.stdout.readline()
     if not line.startswith("Tandem is serving"):

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
-from bench.http_stream import StreamResult, post_stream
+from bench.serve_stream import TurnResult, post_turn
+
+Prompt = str | list[int]     # text, or token ids (/v1/completions only: exact lengths)
 
 
 class Progress(Protocol):
@@ -20,27 +23,34 @@ class Target:
     def __init__(self, url: str, model: str, api_key: str | None, chat: bool, timeout_s: float) -> None:
         self.url, self.model, self.api_key, self.chat, self.timeout_s = url, model, api_key, chat, timeout_s
 
-    def body(self, prompt: str, output_len: int) -> dict:
-        b = {"model": self.model, "max_tokens": output_len, "min_tokens": output_len, "ignore_eos": True,
-             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    def body(self, prompt: Prompt, output_len: int, token_ids: bool = False) -> dict:
+        """The request body; `token_ids`: ask for the generated ids (vLLM's return_token_ids)."""
+        b: dict = {"model": self.model, "max_tokens": output_len, "min_tokens": output_len, "ignore_eos": True,
+                   "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
         if self.chat:
+            if not isinstance(prompt, str):
+                raise ValueError("a token-id prompt needs /v1/completions (drop --chat)")
             b["messages"] = [{"role": "user", "content": prompt}]
         else:
             b["prompt"] = prompt
+        if token_ids:
+            b["return_token_ids"] = True
         return b
 
-    async def one(self, prompt: str, output_len: int) -> StreamResult:
+    async def one(self, prompt: Prompt, output_len: int, token_ids: bool = False) -> TurnResult:
         path = "/v1/chat/completions" if self.chat else "/v1/completions"
-        return await post_stream(self.url, path, self.body(prompt, output_len), self.api_key, self.timeout_s)
+        return await post_turn(self.url, path, self.body(prompt, output_len, token_ids), self.api_key,
+                               self.timeout_s)
 
 
-async def run_level(target: Target, prompts: list[str], output_len: int, concurrency: int,
-                    progress: Progress | None = None) -> tuple[list[StreamResult], float]:
-    """Send every prompt, at most `concurrency` at a time.  Returns results and wall time."""
-    queue: asyncio.Queue[str] = asyncio.Queue()
+async def run_level(target: Target, prompts: Sequence[Prompt], output_len: int, concurrency: int,
+                    progress: Progress | None = None) -> tuple[list[TurnResult], float]:
+    """Send every prompt, at most `concurrency` at a time, in order.  Returns results (in
+    completion order) and wall time."""
+    queue: asyncio.Queue[Prompt] = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
-    results: list[StreamResult] = []
+    results: list[TurnResult] = []
 
     async def worker() -> None:
         while not queue.empty():
@@ -56,7 +66,7 @@ async def run_level(target: Target, prompts: list[str], output_len: int, concurr
 
 async def interference(target: Target, short: list[str], short_out: int, long: list[str],
                        decode_concurrency: int, long_concurrency: int,
-                       progress: Progress | None = None) -> tuple[list[StreamResult], float]:
+                       progress: Progress | None = None) -> tuple[list[TurnResult], float]:
     """Keep `decode_concurrency` short-prompt / long-output requests going while
     `long_concurrency` long-prompt / one-token requests keep arriving; returns the short
     requests' results (their ITL is what long prefills disturb) and the wall time."""

@@ -1,6 +1,6 @@
 """Prompts for the serving benchmark: held-out standard-library text (never random ids), cut
 to an exact token count with the model's tokenizer, each with a unique prefix so no prefix
-cache can serve one request from another."""
+cache can serve one request from another (unless a workload shares one on purpose)."""
 
 from __future__ import annotations
 
@@ -30,3 +30,17 @@ class PromptMaker:
             body_len -= 1
             text = self.tok.decode(prefix + self.ids[start:start + body_len])
         return text
+
+    def make_ids(self, length: int, label: str = "request") -> list[int]:
+        """Exactly `length` token ids: a unique header (`# <label> <n> <random>`, cut to `length`
+        when longer) then held-out text.  Sent as a token-id prompt, no re-tokenisation changes
+        its length, and the header makes its first page differ from every other one's."""
+        if length < 1:
+            raise ValueError(f"a prompt piece of {length} tokens: it needs at least 1")
+        if length >= len(self.ids):
+            raise ValueError(f"a prompt piece of {length} tokens is longer than the held-out text "
+                             f"({len(self.ids)} tokens)")
+        self.n += 1
+        head = self.tok.encode(f"# {label} {self.n} {self.rng.randrange(10**9)}\n")[:length]
+        start = self.rng.randrange(0, len(self.ids) - length)
+        return head + self.ids[start:start + length - len(head)]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from bench.http_stream import StreamResult
+from bench.serve_stream import TurnResult
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -20,7 +23,7 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else x * 1000
 
 
-def summarize(results: list[StreamResult], wall_s: float, slo_ttft_ms: float,
+def summarize(results: Sequence[StreamResult], wall_s: float, slo_ttft_ms: float,
               slo_itl_ms: float) -> dict[str, float | None]:
     """TTFT, ITL (every gap between text chunks, pooled), TPOT ((e2e - ttft) / (tokens - 1) per
     request), e2e; output tokens/s and requests/s over the level's wall time; goodput: requests/s
@@ -41,3 +44,14 @@ def summarize(results: list[StreamResult], wall_s: float, slo_ttft_ms: float,
     out["req_s"] = len(ok) / wall_s if wall_s > 0 else 0.0
     out["goodput_req_s"] = good / wall_s if wall_s > 0 else 0.0
     return out
+
+
+def cache_share(results: Sequence[TurnResult]) -> dict[str, float | None]:
+    """Prompt tokens, cached prompt tokens and their ratio over the responses that reported
+    `usage.prompt_tokens_details.cached_tokens` (None when no response did: a share that was not
+    seen is never reported as 0)."""
+    seen = [r for r in results if r.error is None and r.cached_tokens is not None]
+    prompt = sum(r.prompt_tokens for r in seen)
+    cached = sum(r.cached_tokens or 0 for r in seen)
+    return {"prompt_tokens": prompt if seen else None, "cached_tokens": cached if seen else None,
+            "cached_share": cached / prompt if seen and prompt else None}
