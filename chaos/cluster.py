@@ -133,11 +133,12 @@ class ChaosCluster:
         return int(self.server_info()["context_length"])
 
     def wait_idle(self, timeout_s: float = 90.0) -> dict[str, dict[str, Any]]:
-        """Poll every worker's pool until no page is in use (or the time is up); returns the
-        last idle checks (integrity, pages used); each check also scans every expert slot."""
+        """Poll every worker's pool until no request holds a page (or the time is up); returns
+        the idle checks made then, which also re-hash every cached page (contents) and scan
+        every expert slot."""
         end = time.monotonic() + timeout_s
         while True:
             checks = {wid: self.call(wid, "idle_check") for wid in self.workers()}
             if all(c["used"] == 0 for c in checks.values()) or time.monotonic() > end:
-                return checks
+                return {wid: self.call(wid, "idle_check", contents=True) for wid in self.workers()}
             time.sleep(0.25)

@@ -9,15 +9,19 @@ worker's transfer hooks, and the ledger reads the handle's counters, receiver an
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from chaos.injectors import RECEIVER_POINTS, ReceiverFaults, corrupt_expert
 from chaos.sender_faults import POINTS as SENDER_POINTS
 from chaos.sender_faults import FaultInjector
 from chaos.siege import StalledStreams
+from engine.kv_pool import CACHED, PagePool, PoolExhausted
 from kv_transfer.hooks import PLAIN_RECEIVER, PLAIN_SENDER, TransferHooks
 from worker.server import WorkerHandle
 from worker.types import Role
@@ -38,6 +42,7 @@ class ChaosControl:
         self.stalled = StalledStreams(secret)
         self._secret = secret
         self._handle: WorkerHandle | None = None
+        self._hashes: dict[int, tuple[int, str]] = {}     # cached page -> (generation, digest) when last seen
 
     def attach(self, handle: WorkerHandle) -> None:
         """Install this control's injectors as `handle`'s transfer hooks (every later transfer
@@ -111,7 +116,8 @@ class ChaosControl:
         out: dict[str, Any] = {
             "role": self.role.value, "pid": os.getpid(), "counts": dict(h.counts()),
             "injected": self._transfer_log() + self.expert_log,
-            "corrupt_slots": sum(c["corrupt_slots"] for c in h.core.expert_stats().values())}
+            "corrupt_slots": sum(c["corrupt_slots"] for c in h.core.expert_stats().values()),
+            "evictions": h.core.pool.evictions, "page_size": h.core.pool.page_size}
         if h.receiver is not None:
             out.update(refusals=list(h.receiver.refusal_log), failures=list(h.receiver.failure_log),
                        accepted_bytes=h.receiver.accepted_bytes)
@@ -142,19 +148,76 @@ class ChaosControl:
     def stall_close(self) -> dict[str, Any]:
         return self.stalled.close()
 
-    def idle_check(self) -> dict[str, Any]:
-        """The pool's accounting (I6): integrity, and whether every page is free."""
+    def idle_check(self, contents: bool = False) -> dict[str, Any]:
+        """The pool's accounting (I6 with the prefix cache): integrity, and the pages by state.
+        `used` counts the pages a request still holds (private ones, and cached ones some
+        table references): at idle it must be 0, every other page free or cached and
+        evictable.  `contents`: also re-hash every cached page (`cached_page_changes`)."""
         h = self.handle
         pool = h.core.pool
         with h.lock:
             try:
-                pool.check_integrity()
+                pool.check_integrity(contents=contents)
                 problem = ""
             except AssertionError as e:
                 problem = str(e) or "check_integrity failed"
+            changed = self._changed_pages(pool) if contents else []
+            if changed and not problem:
+                problem = f"cached pages {changed[:8]} changed while cached (same generation)"
             for experts in h.core.paged_experts().values():   # a flip no step read yet is counted here
                 experts.slots.verify(range(experts.slots.num_slots))
-            return {"used": pool.num_used, "free": pool.num_free, "integrity": problem}
+            private = sum(1 for p in range(pool.num_pages) if pool.owner(p) not in (None, CACHED))
+            return {"used": pool.num_pages - pool.num_free, "free": pool.num_free, "private": private,
+                    "cached": pool.num_cached, "evictable": pool.num_evictable, "integrity": problem,
+                    "hashed": len(self._hashes) if contents else None}
+
+    def _changed_pages(self, pool: PagePool) -> list[int]:
+        """Cached pages whose bytes differ from when this control last hashed them under the same
+        generation (a page is read-only from its publishing until its eviction, and it is only
+        written again after a new allocation, which bumps its generation)."""
+        now = cached_page_digests(pool)
+        changed = [p for p, (gen, digest) in now.items()
+                   if p in self._hashes and self._hashes[p][0] == gen and self._hashes[p][1] != digest]
+        self._hashes = now
+        return changed
+
+    def cache_pages(self) -> dict[int, tuple[int, str]]:
+        """Every cached page of this worker's pool: page -> (generation, digest of its bytes)."""
+        with self.handle.lock:
+            return cached_page_digests(self.handle.core.pool)
+
+    def squeeze(self, keep_pages: int) -> dict[str, int]:
+        """Hold every page of the pool but `keep_pages` (free or evictable ones the requests
+        may still get) as a request of this control's (`SQUEEZE_ID`), so the pool acts as a
+        small one: allocating them evicts cached pages first.  Returns {"held", "kept"}."""
+        h = self.handle
+        with h.lock:
+            take = max(0, h.core.pool.num_free - keep_pages)
+            try:
+                held = len(h.core.pool.allocate(SQUEEZE_ID, take)) if take else 0
+            except PoolExhausted:         # the requests took pages meanwhile: hold what is left
+                held = 0
+            return {"held": held, "kept": h.core.pool.num_free}
+
+    def unsqueeze(self) -> int:
+        """Give back the pages `squeeze` held; returns how many."""
+        with self.handle.lock:
+            return self.handle.core.pool.free(SQUEEZE_ID)
+
+
+SQUEEZE_ID = "chaos-squeeze"
+
+
+def cached_page_digests(pool: PagePool) -> dict[int, tuple[int, str]]:
+    """page -> (generation, blake2b of the page's bytes in every layer, K and V) of every cached
+    page of `pool` (the caller holds the pool owner's lock)."""
+    pages = [p for p in range(pool.num_pages) if pool.owner(p) == CACHED]
+    if not pages:
+        return {}
+    # kv: [layers, 2, pages, page_size, heads, dim] -> one contiguous block per page
+    block = pool.kv[:, :, pages].transpose(0, 2).contiguous().cpu().view(torch.uint8).reshape(len(pages), -1)
+    return {p: (pool.generation(p), hashlib.blake2b(block[i].numpy().tobytes(), digest_size=16).hexdigest())
+            for i, p in enumerate(pages)}
 
 
 def transfer_server(handle: WorkerHandle) -> Any | None:

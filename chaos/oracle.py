@@ -16,15 +16,20 @@ from engine.params import SamplingParams
 
 
 class Reference:
-    """Greedy outputs of the single-process engine, one request at a time."""
+    """Greedy outputs of the single-process engine, one request at a time, with its prefix
+    cache off (the cluster's cache must change no token)."""
 
     def __init__(self, model: str, max_model_len: int) -> None:
-        self.llm = LLM(model, max_model_len=max_model_len)
+        self.llm = LLM(model, max_model_len=max_model_len, enable_prefix_cache=False)
+        self._memo: dict[tuple[tuple[int, ...], int], list[int]] = {}   # a prompt sent again is run once
 
     def tokens(self, ids: list[int], max_tokens: int) -> list[int]:
-        out = self.llm.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0))[0]
-        self.llm.pool.check_integrity()
-        return list(out.token_ids)
+        key = (tuple(ids), max_tokens)
+        if key not in self._memo:
+            out = self.llm.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0))[0]
+            self.llm.pool.check_integrity()
+            self._memo[key] = list(out.token_ids)
+        return self._memo[key]
 
 
 def judge(results: list[ScenarioResult], reference: Reference) -> None:

@@ -57,10 +57,14 @@ class ScenarioResult:
                                        f"tokens completed (I1)")
 
     def check_pools(self, checks: dict[str, dict]) -> None:
+        """I6 at idle: no page held by a request (private, or cached and still referenced); the
+        other pages are free or cached and evictable, and the pool's integrity holds."""
         for wid, c in checks.items():
             self.pages_leaked += c["used"]
             if c["used"]:
-                self.violations.append(f"{wid}: {c['used']} KV pages still in use at idle (I6)")
+                private = c.get("private", c["used"])
+                self.violations.append(f"{wid}: {c['used']} KV pages still held at idle (I6): {private} private, "
+                                       f"{c['used'] - private} cached and still referenced")
             if c["integrity"]:
                 self.violations.append(f"{wid}: pool integrity: {c['integrity']}")
 
