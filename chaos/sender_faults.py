@@ -25,6 +25,10 @@ actually injected (the chaos report compares it with the receivers' refusal coun
                      another prompt of the same length: each frame
                      states that prompt's digest, tagged with the
                      secret and checksummed (needs `bind_prompts`)
+    poison_cached    a delta transfer (the receiver caches the first   CACHED_PAGE
+                     pages of the prompt: its first frame is for a
+                     later page) also gets a frame of other bytes for
+                     the last cached page, tag and checksum valid
 
 A transfer is faulted at most once, so each injection has one refusal to answer for it;
 `log` records (point, victim transfer id) for every injection, to be matched with the
@@ -52,7 +56,9 @@ Frame = tuple[pb.FrameHeader, Payload]
 PromptOf = Callable[[str], Sequence[int] | None]     # request id -> the prompt ids being pushed
 
 POINTS = ("corrupt_payload", "alter_header", "swap_pages", "drop", "duplicate", "reorder",
-          "replay_stale", "replay_foreign", "commit_early", "delay", "cut", "late_write", "misbind")
+          "replay_stale", "replay_foreign", "commit_early", "delay", "cut", "late_write", "misbind",
+          "poison_cached")
+OWN_RULE = ("misbind", "poison_cached")      # points with a rule of their own (not `_actions`)
 REPLAYS = ("replay_stale", "replay_foreign")
 LOG_SIZE = 1 << 16
 
@@ -123,6 +129,7 @@ class FaultInjector:
         sender must commit now (commit_early).  Raises TransferRefused(TRANSPORT) for `cut`."""
         tid = ticket.transfer_id
         h = self._rebound(ticket, h, payload)
+        poison = self._poison(ticket, h, payload)
         with self._lock:
             held = self._held.pop(tid, [])
             earlier = self._earlier[-1] if self._earlier else None    # never this transfer: it is live
@@ -164,7 +171,7 @@ class FaultInjector:
             foreign = _copy(earlier[1])
             foreign.transfer_id = ticket.transfer_id
             out.append((foreign, earlier[2]))
-        for fh, fp in out + held:
+        for fh, fp in out + held + poison:       # the poison last: the staged payload went out first
             stream.send(fh, fp)
         if actions.get("late_write"):
             _deliver(stream)
@@ -197,12 +204,36 @@ class FaultInjector:
         h.checksum = frame_checksum(h, [payload_view(payload)])
         return h
 
+    def _poison(self, ticket: TransferTicket, h: pb.FrameHeader, payload: Payload) -> list[Frame]:
+        """`poison_cached`: at the first frame (seq 0) of a delta transfer, whose page index is the
+        receiver's first uncached page, a frame for the page before it (the last cached one: shared,
+        read-only) carrying other bytes, with this transfer's tag and a valid checksum.  Returns
+        the frame to send as well (none when the point does not fire)."""
+        if h.seq != 0 or h.page_index == 0 or h.num_tokens == 0:
+            return []
+        tid = ticket.transfer_id
+        with self._lock:
+            if tid in self._faulted or not self._fires("poison_cached"):
+                return []
+            self._faulted[tid] = None
+            self.log.append(("poison_cached", tid.hex()))
+        page_size = h.first_token // h.page_index
+        forged = _copy(h)
+        forged.page_index, forged.first_token = h.page_index - 1, h.first_token - page_size
+        forged.num_tokens = page_size
+        forged.shape[2] = page_size                      # [layers, 2, tokens, heads, dim]
+        nbytes = len(payload_view(payload)) // h.num_tokens * page_size
+        bad: Payload = torch.full((nbytes,), 0x5A, dtype=torch.uint8) if isinstance(payload, torch.Tensor) \
+            else b"\x5a" * nbytes
+        forged.checksum = frame_checksum(forged, [payload_view(bad)])
+        return [(forged, bad)]
+
     def _actions(self, tid: bytes, can_replay: bool, first: bool) -> dict[str, Rule]:
         """The points that fire on this frame (none once the transfer was faulted).  A placeholder
         (commit_early) commits after the transfer's first frame, never after its last."""
         if tid in self._faulted:
             return {}
-        candidates = [p for p in POINTS if p in self._rules and p != "misbind"
+        candidates = [p for p in POINTS if p in self._rules and p not in OWN_RULE
                       and (can_replay or p not in REPLAYS) and (first or p != "commit_early")]
         fired = {p: r for p in candidates if (r := self._fires(p)) is not None}
         if fired:
