@@ -34,6 +34,7 @@ class Outcome:
     started: float = 0.0
     first: float = 0.0          # when the first token arrived (0: none did)
     ended: float = 0.0
+    cached_tokens: int | None = None   # usage.prompt_tokens_details.cached_tokens (when asked for)
 
     @property
     def ttft(self) -> float | None:
@@ -47,6 +48,10 @@ async def send(url: str, api_key: str, model: str, out: Outcome, timeout_s: floa
     out.started = time.monotonic()
     body = {"model": model, "prompt": job.ids, "max_tokens": job.max_tokens, "temperature": 0,
             "stream": job.stream, "return_token_ids": True}
+    if job.cache_salt is not None:
+        body["cache_salt"] = job.cache_salt
+    if job.usage and job.stream:
+        body["stream_options"] = {"include_usage": True}
     try:
         await asyncio.wait_for(_exchange(url, api_key, body, out), timeout_s)
     except asyncio.TimeoutError:
@@ -98,6 +103,7 @@ async def _read_events(chunks: AsyncIterator[bytes], out: Outcome, writer: async
                 out.outcome = "ok" if out.finish else "silent"
                 return
             msg = json.loads(data)
+            _usage(msg, out)
             if "error" in msg:
                 out.outcome, out.error = "error", f"{msg['error'].get('code')}: {msg['error'].get('message')}"
                 return
@@ -121,8 +127,16 @@ def _whole(raw: bytes, out: Outcome) -> None:
         out.outcome = "error" if err.get("message") else "silent"
         out.error = f"HTTP {out.status} {err.get('code')}: {err.get('message')}"
         return
+    _usage(msg, out)
     choice = (msg.get("choices") or [{}])[0]
     out.token_ids, out.text, out.finish = choice.get("token_ids") or [], choice.get("text") or "", \
         choice.get("finish_reason")
     out.outcome = "ok" if out.finish else "silent"
     out.first = time.monotonic() if out.token_ids else 0.0
+
+
+def _usage(msg: dict, out: Outcome) -> None:
+    """Keep the cached prompt tokens a response's usage states (OpenAI's field)."""
+    details = (msg.get("usage") or {}).get("prompt_tokens_details") or {}
+    if isinstance(details.get("cached_tokens"), int):
+        out.cached_tokens = details["cached_tokens"]

@@ -36,6 +36,8 @@ class Job:
     disconnect_after: int | None = None     # stream chunks to read before hanging up
     disconnect_s: float | None = None       # or seconds after sending
     expect_reject: bool = False             # an oversized prompt: must get HTTP 400
+    cache_salt: str | None = None           # the request's cache_salt (vLLM's field)
+    usage: bool = False                     # ask for usage on a stream too (its cached_tokens)
 
 
 class PromptMaker:
@@ -61,6 +63,11 @@ class PromptMaker:
             start = self.rng.randrange(0, len(self.text_ids) - body - 1)
             ids = ids + self.text_ids[start:start + length - len(ids)]
         return Job(self.n, scenario, TENANTS[self.n % len(TENANTS)], canary, ids, max_tokens, **kw)
+
+    def text(self, length: int) -> list[int]:
+        """`length` token ids of held-out text from a random place (no canary)."""
+        start = self.rng.randrange(0, len(self.text_ids) - length - 1)
+        return self.text_ids[start:start + length]
 
     def again(self, job: Job) -> Job:
         """The same request (prompt, canary, tenant, behaviour) under a new index."""

@@ -16,6 +16,7 @@ from chaos.cluster import ChaosCluster
 from chaos.drivers import DRIVERS
 from chaos.gauges import percentile
 from chaos.hostile import KvHog, Redos
+from chaos.prefix import WORKLOADS, PrefixWorkload
 from chaos.prompts import ATTACKER, PromptMaker, jobs_for
 from chaos.report import ScenarioResult
 from chaos.scenarios import Scenario
@@ -39,12 +40,13 @@ class ScenarioRunner:
         t0 = time.monotonic()
         res = ScenarioResult(sc.name, sc.group, sc.about)
         before = self.cluster.ledgers()
-        outs = [Outcome(j) for j in jobs_for(self.maker, sc, n, self.limit)]
+        work = WORKLOADS[sc.client](self.cluster, self.maker, sc, n) if sc.client in WORKLOADS else None
+        outs = work.outcomes if work is not None else [Outcome(j) for j in jobs_for(self.maker, sc, n, self.limit)]
         base = [Outcome(self.maker.again(o.job)) for o in outs] if sc.group == "hostile" else []
         if base:                            # the same requests without the attack: the TTFT baseline
             asyncio.run(self._drive(sc, base))
             self.cluster.wait_idle()
-        if sc.point is not None:
+        if sc.point is not None and work is None:     # a workload arms its point itself, between phases
             assert sc.role is not None   # a scenario with a point names the role it is armed on
             self.cluster.arm(sc.role, sc.point, times=max(1, math.ceil(n * sc.share)),
                              probability=sc.per_frame, seconds=sc.seconds, after=sc.after)
@@ -52,7 +54,7 @@ class ScenarioRunner:
         try:
             if attack is not None:
                 attack.begin(res)
-            records = asyncio.run(self._drive(sc, outs))
+            records = self._phases(sc, work, res) if work is not None else asyncio.run(self._drive(sc, outs))
         finally:
             if attack is not None:
                 attack.end(res)
@@ -64,7 +66,10 @@ class ScenarioRunner:
         if base:
             _ttft(res, base, outs)
         res.check_pools(checks)
-        self._account(sc, res, new_entries(before, after), records)
+        new = new_entries(before, after)
+        self._account(sc, res, new, records)
+        if work is not None:
+            work.judge(res, new)
         res.seconds = time.monotonic() - t0
         return res
 
@@ -78,6 +83,18 @@ class ScenarioRunner:
         if sc.attack is not None:
             raise ValueError(f"scenario {sc.name}: unknown attack {sc.attack!r}")
         return None
+
+    def _phases(self, sc: Scenario, work: PrefixWorkload, res: ScenarioResult) -> list[dict]:
+        """A prefix workload's phases one after another, the cluster idle between them."""
+        try:
+            for i, phase in enumerate(work.phases):
+                if i:
+                    self.cluster.wait_idle()
+                work.before(i, res)
+                asyncio.run(self._drive(sc, phase.outs))
+        finally:
+            work.end(res)
+        return []
 
     async def _drive(self, sc: Scenario, outs: list[Outcome]) -> list[dict]:
         sem = asyncio.Semaphore(self.concurrency)
@@ -186,7 +203,7 @@ def _ms(x: float | None) -> str:
 def new_entries(before: dict, after: dict) -> dict:
     """What the workers logged between two ledgers (a restarted worker counts from zero)."""
     out = {"injected": [], "refusals": [], "failures": [], "corrupt_slots": 0, "reserved": 0,
-           "submitted": 0, "accepted_bytes": 0}
+           "submitted": 0, "accepted_bytes": 0, "evictions": 0}
     for wid, a in after.items():
         b = before.get(wid, {})
         if b.get("pid") != a["pid"]:
@@ -195,6 +212,7 @@ def new_entries(before: dict, after: dict) -> dict:
             out[key] += a.get(key, [])[len(b.get(key, [])):]
         out["corrupt_slots"] += a["corrupt_slots"] - b.get("corrupt_slots", 0)
         out["accepted_bytes"] += a.get("accepted_bytes", 0) - b.get("accepted_bytes", 0)
+        out["evictions"] += a.get("evictions", 0) - b.get("evictions", 0)
         for key in ("reserved", "submitted"):
             out[key] += a["counts"].get(key, 0) - b.get("counts", {}).get(key, 0)
     return out

@@ -8,7 +8,8 @@ scenario shares (reference equality, canaries, pool accounting).  An `attack`
 (chaos.attacks) runs around the scenario's requests and keeps its own account (the trust
 group: a rogue client without the secret, stalled Push streams).  A hostile scenario's requests
 are the other tenants' (`victim`): they run once without the attack (the TTFT baseline), then
-again beside it, and both runs are judged.
+again beside it, and both runs are judged.  A prefix scenario (chaos.prefix) runs its requests
+in phases, one after another, with its own actions between them and its own judgement.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ LATE = ("EXPIRED", "AFTER_FAILURE", "UNKNOWN_TRANSFER")
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    group: str                       # transfer | pool | process | admission | trust | hostile
+    group: str                       # transfer | pool | process | admission | trust | hostile | prefix
     about: str
     point: str | None = None         # injector point armed for the scenario
     role: Role | None = None         # PREFILL (sender faults) or DECODE (receiver / pool faults)
@@ -32,7 +33,9 @@ class Scenario:
     per_frame: float = 0.5           # chance per frame while the armed count lasts
     seconds: float = 0.0
     after: int = 0                   # frames each injector lets pass before it may fire
-    client: str = "normal"           # normal | victim | disconnect | storm | over_by_one | far_over | at_limit
+    client: str = "normal"           # normal | victim | disconnect | storm | over_by_one | far_over | at_limit,
+                                     # or a prefix-cache workload run in phases (chaos.prefix: cross_tenant,
+                                     # poison, evict)
     driver: str | None = None        # kill_prefill | kill_decode | corrupt_expert
     attack: str | None = None        # rogue_client | stalled_streams (chaos.attacks: around the requests),
                                      # or a hostile tenant (chaos.hostile, chaos.bombs: beside them)
@@ -89,6 +92,12 @@ SCENARIOS: tuple[Scenario, ...] = (
              "key", client="victim", attack="chunked_bomb", weight=0.5),
     Scenario("kv_hog", "hostile", "one tenant floods long chat requests without max_tokens",
              client="victim", attack="kv_hog", weight=0.5),
+    Scenario("cross_tenant_probe", "prefix", "a second tenant (and the first under two cache_salt values) sends "
+             "the prompts whose long prefixes the first tenant cached", client="cross_tenant", weight=0.6),
+    Scenario("cache_poison", "prefix", "a frame of other bytes aimed at a shared cached page of a delta transfer",
+             "poison_cached", Role.PREFILL, ("CACHED_PAGE",), share=0.5, per_frame=1.0, client="poison", weight=0.6),
+    Scenario("evict_under_load", "prefix", "decode pools squeezed to 32 pages while requests share 3 prefixes: "
+             "cached pages evicted under load", client="evict", weight=0.6),
     Scenario("over_by_one", "admission", "prompt_tokens + max_tokens one over the limit",
              client="over_by_one", weight=0.4),
     Scenario("far_over", "admission", "a prompt far over the limit", client="far_over", weight=0.4),

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+from chaos.prefix import planned
 from chaos.scenarios import SCENARIOS, split
 
 
@@ -19,8 +20,9 @@ def test_every_scenario_injects_and_nothing_leaks():
     assert list(rows) == [s.name for s in SCENARIOS]
     assert report["ok"] and report["violations"] == 0
     assert report["leaks"] == report["corrupted_completions"] == report["pages_leaked"] == report["silent"] == 0
-    hostile = sum(n for s, n in zip(SCENARIOS, split(90, list(SCENARIOS))) if s.group == "hostile")
-    assert report["requests"] == 90 + hostile and report["completed"] > 0     # hostile ones run twice
+    # hostile scenarios run their requests twice, prefix ones send what their workload plans
+    assert report["requests"] == sum(planned(s, n) for s, n in zip(SCENARIOS, split(90, list(SCENARIOS))))
+    assert report["completed"] > 0
     for s in SCENARIOS:
         row = rows[s.name]
         assert row["ok"] and row["requests"] >= 2, row
@@ -33,3 +35,5 @@ def test_every_scenario_injects_and_nothing_leaks():
     assert report["transfer_faults_detected"] == report["transfer_faults_injected"]
     assert rows["over_by_one"]["failed_explicitly"] == rows["over_by_one"]["requests"]
     assert rows["at_limit"]["completed"] == rows["at_limit"]["requests"]
+    assert rows["cross_tenant_probe"]["figures"]["probe_cached_tokens"] == 0
+    assert rows["evict_under_load"]["figures"]["evictions"] > 0
