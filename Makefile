@@ -35,3 +35,10 @@ proto: install
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Every CUDA path and its figures in one run (bench/gpu_check.py, issue 23).  No install: it
+# runs from a plain checkout on a GPU machine too, with the venv's python when there is one.
+# GPU_CHECK_ARGS, e.g. "--json --out /tmp/gpu.json" or "--quick".
+.PHONY: gpu-check
+gpu-check:
+	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m bench.gpu_check $(GPU_CHECK_ARGS)

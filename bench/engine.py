@@ -2,6 +2,7 @@
 run on the shipped checkpoint.
 
     python -m bench.engine [--json] [--tokens 128] [--repeats 3] [--stop-only] [--prefill-only]
+    python -m bench.engine --device cuda [--json]    # the engine and transformers on the GPU
 
 Every speed figure decodes `--tokens` tokens (EOS ignored) from short prompts, greedy, fp32:
   hf_single_tok_s       transformers `generate`, one stream
@@ -62,11 +63,11 @@ def best_rate(fn: Callable[[], None], tokens: int, repeats: int) -> float:
     return tokens / best
 
 
-def hf_rate(prompt: str, tokens: int, repeats: int) -> float:
+def hf_rate(prompt: str, tokens: int, repeats: int, device: str = "cpu") -> float:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(SHIPPED_MODEL)
-    model = AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL, dtype=torch.float32).eval()
-    ids = tok(prompt, return_tensors="pt", add_special_tokens=False)
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL, dtype=torch.float32).eval().to(device)
+    ids = tok(prompt, return_tensors="pt", add_special_tokens=False).to(device)
 
     def run() -> None:
         with torch.inference_mode():
@@ -259,12 +260,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--device", default="cpu", help="where the engine and transformers run (cpu, cuda)")
     ap.add_argument("--stop-only", action="store_true", help="measure the stop checks only")
     ap.add_argument("--prefill-only", action="store_true", help="run the prefill sweep only")
     ap.add_argument("--prefill-runs", type=int, default=11, help="timed runs per prompt length (at least 5)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM()
+    llm = LLM(device=args.device)
     if args.stop_only:
         emit({"model": str(SHIPPED_MODEL.name), "stop_check": stop_check(llm, args.repeats)}, args.json)
         return
@@ -272,11 +274,11 @@ def main() -> None:
         emit({"model": str(SHIPPED_MODEL.name), "threads": args.threads, **prefill_sweep(llm, args.prefill_runs)},
              args.json)
         return
-    hf = hf_rate(PROMPTS[0], args.tokens, args.repeats)
+    hf = hf_rate(PROMPTS[0], args.tokens, args.repeats, args.device)
     single = engine_rate(llm, PROMPTS[:1], args.tokens, args.repeats)
     batch16 = engine_rate(llm, PROMPTS[:16], args.tokens, args.repeats)
     result = {
-        "model": str(SHIPPED_MODEL.name), "tokens": args.tokens, "threads": args.threads,
+        "model": str(SHIPPED_MODEL.name), "tokens": args.tokens, "threads": args.threads, "device": args.device,
         "attention_backend": llm.attention_backend, "hf_single_tok_s": hf, "engine_single_tok_s": single,
         "engine_batch16_tok_s": batch16, "ratio_single": single / hf, "ratio_batch16": batch16 / hf,
         "stop_check": stop_check(llm, args.repeats), **prefill_sweep(llm, args.prefill_runs),

@@ -1,6 +1,13 @@
 """Paged experts against all-resident experts and plain weight streaming.
 
     python -m bench.experts [--json] [--copy-cost-ratio 7 | --link-gbps X] [--tokens 64]
+    python -m bench.experts --device cuda [--json]     # the real link, no emulation
+
+With `--device cuda` nothing is emulated: experts are paged from pinned host memory over the
+real link (CUDA copy streams, prefetch on), the link's pinned host-to-device bandwidth B is
+measured in the same run, and paged decode is compared with the bound that link alone sets:
+B / (L * k * miss rate * expert bytes) tokens/s for L MoE layers, top-k experts per token
+(see `device_run`).
 
 On a CPU-only machine a host-to-device copy is a memcpy that costs almost nothing, the
 opposite of a GPU behind PCIe, so the link is emulated: every page-in (and prefetch)
@@ -28,6 +35,7 @@ import torch
 
 from engine import LLM, SamplingParams, corpus
 from engine.experts import EmulatedLink
+from engine.experts.preflight import measure_link
 
 BATCHES = (1, 4, 16)
 
@@ -75,9 +83,10 @@ def decode_rate(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float,
 
 
 def run_mode(mode: str, k: int | None, batch: int, prompts: list[list[int]], tokens: int,
-             link: EmulatedLink | None, prefetch: bool = False, repeats: int = 3) -> dict[str, Any]:
+             link: EmulatedLink | None, prefetch: bool = False, repeats: int = 3,
+             device: str = "cpu") -> dict[str, Any]:
     prefetch = prefetch and mode == "paged"
-    llm = LLM(paged_experts_num_resident=k, paged_experts_prefetch=prefetch, max_num_seqs=64)
+    llm = LLM(paged_experts_num_resident=k, paged_experts_prefetch=prefetch, max_num_seqs=64, device=device)
     for experts in llm.paged_experts().values():
         experts.cache = mode != "stream_all"
         if link is not None:            # paged modes run behind the emulated link
@@ -94,9 +103,41 @@ def run_mode(mode: str, k: int | None, batch: int, prompts: list[list[int]], tok
             "prefetch_hit_rate": c.get("prefetch_hits", 0) / c["prefetched"] if c.get("prefetched") else None}
 
 
+def device_run(device: str, batches: tuple[int, ...] = (1, 16), tokens: int = 32, prompt_tokens: int = 32,
+               repeats: int = 3, h2d_mib: int = 256) -> dict[str, Any]:
+    """Resident against paged (K = E/4, CUDA copy streams, prefetch on) on a real device, and
+    the link bound: at hit rate h a token misses L * k * (1 - h) experts, so a link of B bytes/s
+    caps decode at B / (L * k * (1 - h) * expert bytes) tokens/s per sequence (None: no misses);
+    `link_bound_tok_s` is B over the bytes the batch really paged per token."""
+    probe = LLM(device=device)
+    cfg = probe.model_config
+    e, top_k, layers = cfg.num_experts, cfg.num_experts_per_tok, len(cfg.moe_layers)
+    expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * probe.model.embed.element_size()
+    prompts = natural_prompts(probe, max(batches), prompt_tokens)
+    del probe
+    bandwidth, _ = measure_link(device, h2d_mib << 20, repeats)    # best of `repeats` pinned copies
+    runs, summary = [], {}
+    for b in batches:
+        resident = run_mode("resident", None, b, prompts, tokens, None, repeats=repeats, device=device)
+        paged = run_mode("paged", e // 4, b, prompts, tokens, None, prefetch=True, repeats=repeats, device=device)
+        miss = 1.0 - paged["hit_rate"]
+        runs += [resident, paged]
+        summary[f"b{b}"] = {
+            "paged_vs_resident": paged["tok_s"] / resident["tok_s"], "hit_rate": paged["hit_rate"],
+            "paged_tok_s": paged["tok_s"], "resident_tok_s": resident["tok_s"],
+            # the issue's bound, per sequence, from the miss rate ...
+            "link_bound_tok_s_per_seq": bandwidth / (layers * top_k * miss * expert_bytes) if miss > 0 else None,
+            # ... and for the batch, from the bytes it really paged per token (prefetches included)
+            "link_bound_tok_s": bandwidth / paged["bytes_per_token"] if paged["bytes_per_token"] else None}
+    return {"device": device, "emulated": False, "num_experts": e, "top_k": top_k, "moe_layers": layers,
+            "expert_bytes": expert_bytes, "K": e // 4, "h2d_pinned_gbps": bandwidth / 1e9,
+            "units": "GB/s (1e9 bytes/s)", "runs": runs, "summary": summary}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--device", default="cpu", help="cuda: real pinned copies, no link emulation")
     ap.add_argument("--copy-cost-ratio", type=float, default=7.0)
     ap.add_argument("--link-gbps", type=float, default=None, help="fix the emulated link instead")
     ap.add_argument("--tokens", type=int, default=64, help="decode steps timed per run (median of 3 runs)")
@@ -104,6 +145,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.device != "cpu":
+        result = device_run(args.device, tokens=args.tokens, prompt_tokens=args.prompt_tokens)
+        print(json.dumps(result, indent=2 if args.json else None))
+        return
     probe = LLM()
     cfg = probe.model_config
     e, top_k = cfg.num_experts, cfg.num_experts_per_tok

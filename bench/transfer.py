@@ -1,7 +1,7 @@
 """KV transfer throughput: one 64 MiB transfer through each transport, against raw memcpy
 and a raw loopback TCP socket measured in the same run.
 
-    python -m bench.transfer [--json] [--repeats 7] [--streams 1] [--message-kib 1024]
+    python -m bench.transfer [--json] [--repeats 7] [--streams 1] [--message-kib 1024] [--device cuda]
 
 The shape is a large model's cache (bench/transfer_shape.py: 32 layers, 8 KV heads, head
 dim 128, bf16, 16-token pages, 512 prompt tokens = 64 MiB), sent in frames of 4 layers of
@@ -9,6 +9,10 @@ one page as prefill would produce them.  `local` runs in this process; `shm`, `g
 `tcp` cross to a second process (bench/transfer_peer.py).  A transfer's time runs from
 opening the stream to the commit's acknowledgement, and its bytes are checked: the
 receiver's pages must hash as the sender's.  Each figure is the median of `--repeats`.
+
+--device cuda: the sender's pool (and the `local` receiver's) lives on the GPU, so every frame
+is staged through pinned host memory; `memcpy_gbps` is then the device-to-pinned-host copy of
+the payload.  The receiving processes keep their pools in host memory.
 
 grpc_tls_gbps: the same gRPC transfer over mutual TLS (both sides holding certificates of one
 cluster CA, as `tandem serve` runs across nodes); grpc_tls_vs_grpc is its rate over plaintext
@@ -31,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import torch
 
@@ -96,14 +101,15 @@ def push(src: PagePool, secret: bytes, endpoint: str, tid: bytes, rid: str,
     return dt, sender.checksum_s
 
 
-def run_memcpy(nbytes: int, repeats: int) -> list[float]:
-    a = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-    b = torch.empty_like(a)
+def run_memcpy(nbytes: int, repeats: int, device: str = "cpu") -> list[float]:
+    """Host memcpy, or on a device a copy from device memory into pinned host memory."""
+    a = torch.randint(0, 255, (nbytes,), dtype=torch.uint8).to(device)
+    b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=a.is_cuda)
     b.copy_(a)
     times: list[float] = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        b.copy_(a)
+        b.copy_(a)          # synchronous for a device source
         times.append(time.perf_counter() - t0)
     return times
 
@@ -127,7 +133,7 @@ def run_tcp(secret: bytes, nbytes: int, repeats: int) -> list[float]:
 
 
 def run_local(src: PagePool, secret: bytes, want: int, config: TransportConfig, repeats: int) -> list[float]:
-    dst = make_pool(seed=2)
+    dst = make_pool(seed=2, device=str(src.kv.device))
     recv = TransferReceiver(dst, secret)
     server = LocalServer(recv, "bench")
     times: list[float] = []
@@ -164,45 +170,51 @@ def run_remote(kind: str, src: PagePool, secret: bytes, want: int, config: Trans
     return times, overhead
 
 
+def measure(device: str, repeats: int, config: TransportConfig, extras: bool = True) -> dict[str, Any]:
+    """Every rate of the module doc (`extras`: raw TCP and gRPC over TLS too)."""
+    secret = new_cluster_secret()
+    src = make_pool(seed=1, device=device)
+    src.allocate("s", src.pages_for(PROMPT_TOKENS))
+    nbytes = payload_bytes(src)
+    want = pool_digest(src, src.page_table("s"), PROMPT_TOKENS)
+    gbps = lambda times: nbytes / statistics.median(times) / 1e9  # noqa: E731
+    r: dict[str, Any] = {"payload_mib": nbytes / 2**20, "shape": SHAPE, "units": "GB/s (1e9 bytes/s)", "device": device,
+         "streams": config.streams, "message_kib": config.message_bytes >> 10, "repeats": repeats}
+    r["memcpy_gbps"] = gbps(run_memcpy(nbytes, repeats, device))
+    if extras:
+        r["tcp_gbps"] = gbps(run_tcp(secret, nbytes, repeats))
+    r["local_gbps"] = gbps(run_local(src, secret, want, config, repeats))
+    with tempfile.TemporaryDirectory() as tmp:
+        r["shm_gbps"] = gbps(run_remote("shm", src, secret, want, config, repeats, os.path.join(tmp, "kv.sock"))[0])
+    times, overhead = run_remote("grpc", src, secret, want, config, repeats)
+    r["grpc_gbps"] = gbps(times)
+    if extras:
+        with tempfile.TemporaryDirectory() as tmp:     # certificates of a fresh cluster CA, written 0600
+            ca = ClusterCA()
+            ca.issue("bench-receiver", hosts=["127.0.0.1"]).write(os.path.join(tmp, "receiver"))
+            tls_config = dataclasses.replace(config, tls=ca.issue("bench-sender"))
+            r["grpc_tls_gbps"] = gbps(run_remote("grpc", src, secret, want, tls_config, repeats,
+                                                 os.path.join(tmp, "receiver"))[0])
+        r["grpc_tls_vs_grpc"] = r["grpc_tls_gbps"] / r["grpc_gbps"]
+        r["grpc_vs_tcp"] = r["grpc_gbps"] / r["tcp_gbps"]
+    r["checksum_overhead"] = statistics.median(o[0] for o in overhead)
+    r["checksum_overhead_sender"] = statistics.median(o[1] for o in overhead)
+    r["checksum_overhead_receiver"] = statistics.median(o[2] for o in overhead)
+    r["shm_vs_memcpy"] = r["shm_gbps"] / r["memcpy_gbps"]
+    return r
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--streams", type=int, default=TransportConfig.streams)
     ap.add_argument("--message-kib", type=int, default=TransportConfig.message_bytes >> 10)
+    ap.add_argument("--device", default="cpu", help="where the sender's KV pool lives (cpu, cuda)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    secret = new_cluster_secret()
-    src = make_pool(seed=1)
-    src.allocate("s", src.pages_for(PROMPT_TOKENS))
-    nbytes = payload_bytes(src)
-    want = pool_digest(src, src.page_table("s"), PROMPT_TOKENS)
     config = TransportConfig(streams=args.streams, message_bytes=args.message_kib << 10)
-    gbps = lambda times: nbytes / statistics.median(times) / 1e9  # noqa: E731
-    r = {"payload_mib": nbytes / 2**20, "shape": SHAPE, "units": "GB/s (1e9 bytes/s)",
-         "streams": config.streams, "message_kib": args.message_kib, "repeats": args.repeats}
-    r["memcpy_gbps"] = gbps(run_memcpy(nbytes, args.repeats))
-    r["tcp_gbps"] = gbps(run_tcp(secret, nbytes, args.repeats))
-    r["local_gbps"] = gbps(run_local(src, secret, want, config, args.repeats))
-    with tempfile.TemporaryDirectory() as tmp:
-        r["shm_gbps"] = gbps(run_remote("shm", src, secret, want, config, args.repeats,
-                                        os.path.join(tmp, "kv.sock"))[0])
-    times, overhead = run_remote("grpc", src, secret, want, config, args.repeats)
-    r["grpc_gbps"] = gbps(times)
-    with tempfile.TemporaryDirectory() as tmp:     # certificates of a fresh cluster CA, written 0600
-        ca = ClusterCA()
-        ca.issue("bench-receiver", hosts=["127.0.0.1"]).write(os.path.join(tmp, "receiver"))
-        tls_config = dataclasses.replace(config, tls=ca.issue("bench-sender"))
-        r["grpc_tls_gbps"] = gbps(run_remote("grpc", src, secret, want, tls_config, args.repeats,
-                                             os.path.join(tmp, "receiver"))[0])
-    r["grpc_tls_vs_grpc"] = r["grpc_tls_gbps"] / r["grpc_gbps"]
-    r["checksum_overhead"] = statistics.median(o[0] for o in overhead)
-    r["checksum_overhead_sender"] = statistics.median(o[1] for o in overhead)
-    r["checksum_overhead_receiver"] = statistics.median(o[2] for o in overhead)
-    r["shm_vs_memcpy"] = r["shm_gbps"] / r["memcpy_gbps"]
-    r["grpc_vs_tcp"] = r["grpc_gbps"] / r["tcp_gbps"]
-    emit(r, args.json)
-
+    emit(measure(args.device, args.repeats, config), args.json)
 
 if __name__ == "__main__":
     main()

@@ -36,9 +36,9 @@ def bench_prompt_digest(prompt_len: int = PROMPT_TOKENS) -> bytes:
     return prompt_digest(range(prompt_len))
 
 
-def make_pool(seed: int) -> PagePool:
+def make_pool(seed: int, device: str = "cpu") -> PagePool:
     pool = PagePool(NUM_PAGES, SHAPE["page_size"], SHAPE["layers"], SHAPE["kv_heads"],
-                    SHAPE["head_dim"], torch.bfloat16)
+                    SHAPE["head_dim"], torch.bfloat16, device=device)
     g = torch.Generator().manual_seed(seed)
     pool.kv.view(torch.int16).copy_(torch.randint(-2**15, 2**15, pool.kv.shape, generator=g,
                                                   dtype=torch.int16))

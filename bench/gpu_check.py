@@ -1,0 +1,176 @@
+"""One command that runs every CUDA path of Tandem and measures it (issue 23).
+
+    python -m bench.gpu_check [--json] [--out PATH] [--quick] [--steps a,b] [--budget-s 380]
+
+Steps, each in its own process with a time limit (a failure is recorded with its traceback and
+the check goes on):
+  device               versions, the device, driver and free memory
+  cuda_tests           `pytest -m cuda tests/test_cuda_paths.py` (compiled kernels, paged experts
+                       over CUDA copy streams, workers over gRPC and shared memory with the pool
+                       on the device, transfer faults against a CUDA pool); all skip without CUDA
+  kernels_interpreted  without CUDA only: the kernel tests under the Triton interpreter
+  attention_bandwidth  Triton paged attention's achieved memory bandwidth (CUDA only)
+  engine, experts, transfer   `bench.engine`, `bench.experts`, `bench.transfer` with --device
+
+Writes one JSON (`--out`, default in a new temporary folder):
+  {"device": {...}, "steps": [{"name", "status": "ok|failed|skipped", "seconds", "reason",
+   "figures", "details"}], "failures": int, ...}
+and prints a one-screen summary (on stderr with --json, which puts the JSON on stdout).
+Exits 1 when any step failed.  The check needs neither Ray nor FastAPI/uvicorn/pydantic.  When
+`cryptography` is missing (the workers' TLS module imports it) and `.whl/gpu-site` holds a copy
+(see docs/operating.md), the steps' processes find it there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.gpu_pytest import pytest_step
+from bench.gpu_report import summary
+
+ROOT = Path(__file__).resolve().parents[1]
+EXTRA_SITE = ROOT / ".whl" / "gpu-site"
+MIN_STEP_S = 20.0      # a step is not started with less time than this left in the budget
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    timeout_s: float
+    where: str = "any"        # "any", "cuda" (skipped without CUDA) or "cpu" (skipped with CUDA)
+    quick: bool = True        # part of --quick
+
+
+STEPS = [
+    Step("device", 60),
+    Step("cuda_tests", 240, quick=False),
+    Step("kernels_interpreted", 300, where="cpu", quick=False),
+    Step("attention_bandwidth", 90, where="cuda"),
+    Step("experts", 120),
+    Step("engine", 90),
+    Step("transfer", 90, quick=False),
+]
+SKIP_WHY = {"cuda": "needs a CUDA device", "cpu": "on CUDA the compiled kernels run in cuda_tests"}
+
+
+def child_env() -> tuple[dict[str, str], str | None]:
+    """The steps' environment: this checkout on the path, plus EXTRA_SITE when a module the
+    workers import is missing here and EXTRA_SITE exists."""
+    paths = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    missing = [m for m in ("cryptography", "_cffi_backend") if importlib.util.find_spec(m) is None]
+    extra = str(EXTRA_SITE) if missing and EXTRA_SITE.is_dir() else None
+    if extra:
+        paths.append(extra)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("TRITON_INTERPRET", None)   # only the kernel tests' own child sets it
+    return env, extra
+
+
+def run_module_step(name: str, device: str, quick: bool, limit_s: float, env: dict[str, str],
+                    tmp: str) -> dict[str, Any]:
+    out = os.path.join(tmp, f"{name}.json")
+    cmd = [sys.executable, "-m", "bench.gpu_step", name, "--device", device, "--out", out]
+    cmd += ["--quick"] if quick else []
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit_s)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-3000:]
+        return {"status": "failed", "reason": f"timed out after {limit_s:.0f} s", "figures": {},
+                "details": [tail.decode(errors="replace") if isinstance(tail, bytes) else tail]}
+    if os.path.exists(out):
+        with open(out) as f:
+            return json.load(f)
+    return {"status": "failed", "reason": f"the step's process exited with {proc.returncode} and wrote nothing",
+            "figures": {}, "details": [proc.stderr[-6000:]]}
+
+
+def run_step(step: Step, device: str, quick: bool, limit_s: float, env: dict[str, str], tmp: str) -> dict[str, Any]:
+    if step.name == "cuda_tests":
+        return pytest_step(["-m", "cuda", "tests/test_cuda_paths.py"], limit_s, env, tmp, ROOT, "cuda_tests")
+    if step.name == "kernels_interpreted":
+        return pytest_step(["tests/test_kernel_paged_attention.py", "tests/test_kernel_fused_moe.py"],
+                           limit_s, env, tmp, ROOT, "kernels_interpreted")
+    return run_module_step(step.name, device, quick, limit_s, env, tmp)
+
+
+def skip_reason(step: Step, cuda: bool, quick: bool, chosen: set[str] | None, left_s: float) -> str | None:
+    if chosen is not None and step.name not in chosen:
+        return "not selected (--steps)"
+    if chosen is None and quick and not step.quick:
+        return "not part of --quick"
+    if (step.where == "cuda" and not cuda) or (step.where == "cpu" and cuda):
+        return SKIP_WHY[step.where]
+    if left_s < MIN_STEP_S:
+        return f"out of time: {left_s:.0f} s of the budget left"
+    return None
+
+
+def timed(name: str, fn: Any) -> dict[str, Any]:
+    t0 = time.monotonic()
+    result = fn()
+    return {"name": name, **result, "seconds": round(time.monotonic() - t0, 2)}
+
+
+def check(device: str | None, quick: bool, chosen: set[str] | None, budget_s: float) -> dict[str, Any]:
+    """Run the device step, then every other step; returns the report (see the module doc)."""
+    env, extra = child_env()
+    start = time.monotonic()
+    report: dict[str, Any] = {"device": {}, "steps": [], "failures": 0, "quick": quick, "budget_s": budget_s,
+                              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "extra_site": extra}
+    with tempfile.TemporaryDirectory() as tmp:
+        first = timed("device", lambda: run_module_step("device", device or "auto", quick, STEPS[0].timeout_s,
+                                                        env, tmp))
+        report["steps"].append(first)
+        report["device"] = first["figures"]
+        device = first["figures"].get("device") or device or "cpu"
+        cuda = device.startswith("cuda")
+        for step in STEPS[1:]:
+            left = budget_s - (time.monotonic() - start)
+            why = skip_reason(step, cuda, quick, chosen, left)
+            if why is not None:
+                report["steps"].append({"name": step.name, "status": "skipped", "reason": why, "figures": {},
+                                        "details": [], "seconds": 0.0})
+                continue
+            limit = min(step.timeout_s, left)
+            report["steps"].append(timed(step.name, lambda: run_step(step, device, quick, limit, env, tmp)))
+    report["failures"] = sum(s["status"] == "failed" for s in report["steps"])
+    report["seconds"] = round(time.monotonic() - start, 2)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="print the JSON on stdout (the summary goes to stderr)")
+    ap.add_argument("--out", help="where to write the JSON (default: a new temporary folder)")
+    ap.add_argument("--quick", action="store_true", help="small sizes, one repetition, no pytest steps")
+    ap.add_argument("--steps", help="comma-separated step names to run (the rest are reported skipped)")
+    ap.add_argument("--device", help="cuda or cpu (default: cuda when the device step finds one)")
+    ap.add_argument("--budget-s", type=float, default=380.0, help="stop starting steps after this long")
+    args = ap.parse_args(argv)
+    chosen = set(args.steps.split(",")) if args.steps else None
+    unknown = (chosen or set()) - {s.name for s in STEPS}
+    if unknown:
+        ap.error(f"unknown steps {sorted(unknown)}; choose from {[s.name for s in STEPS]}")
+    report = check(args.device, args.quick, chosen, args.budget_s)
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gpu-check-")) / "gpu_check.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str))
+    text = summary(report, str(out))
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    print(text, file=sys.stderr if args.json else sys.stdout)
+    return 1 if report["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""The one-screen summary of a `bench.gpu_check` report."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _num(v: Any, fmt: str = ".3g") -> str:
+    return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
+
+
+def _device(f: dict[str, Any]) -> str:
+    where = f.get("name") or f.get("device", "?")
+    mem = f" free {_num(f['free_gib'], '.1f')}/{_num(f['total_gib'], '.1f')} GiB" if "free_gib" in f else ""
+    return (f"{where}{mem}  torch {f.get('torch')} (CUDA {f.get('torch_cuda')})  triton {f.get('triton')}  "
+            f"python {f.get('python')}  driver {f.get('nvidia_smi', f.get('driver_api_version', '-'))}")
+
+
+def _experts(f: dict[str, Any]) -> str:
+    parts = [f"H2D pinned {_num(f.get('h2d_pinned_gbps'))} GB/s, K={f.get('K')}"]
+    for batch, s in f.get("summary", {}).items():
+        parts.append(f"{batch}: paged/resident {_num(s.get('paged_vs_resident'))} hit {_num(s.get('hit_rate'))} "
+                     f"bound/seq {_num(s.get('link_bound_tok_s_per_seq'))} tok/s")
+    return "; ".join(parts)
+
+
+LINES = {
+    "device": _device,
+    "cuda_tests": lambda f: f"passed {f.get('passed')} failed {f.get('failed')} errors {f.get('errors')} "
+                            f"skipped {f.get('skipped')}",
+    "kernels_interpreted": lambda f: f"passed {f.get('passed')} failed {f.get('failed')} skipped {f.get('skipped')}",
+    "attention_bandwidth": lambda f: f"{_num(f.get('achieved_gbps'))} GB/s = {_num(f.get('fraction_of_peak'))} of "
+                                     f"peak {_num(f.get('peak_gbps'))}, "
+                                     f"{_num(f.get('fraction_of_copy'))} of a d2d copy "
+                                     f"({_num(f.get('median_ms'))} ms)",
+    "engine": lambda f: f"single {_num(f.get('engine_single_tok_s'))} tok/s, 16 concurrent "
+                        f"{_num(f.get('engine_batch16_tok_s'))} tok/s ({f.get('attention_backend')})",
+    "experts": _experts,
+    "transfer": lambda f: f"local {_num(f.get('local_gbps'))} shm {_num(f.get('shm_gbps'))} grpc "
+                          f"{_num(f.get('grpc_gbps'))} GB/s, d2h {_num(f.get('memcpy_gbps'))} GB/s",
+}
+
+
+def summary(report: dict[str, Any], path: str) -> str:
+    """Lines: the device, one per step (figures or the reason), the first line of each failure."""
+    lines = [f"gpu_check: {_device(report.get('device') or {})}"]
+    for s in report["steps"]:
+        what = s["reason"] if s["status"] != "ok" or not s["figures"] else LINES[s["name"]](s["figures"])
+        lines.append(f"  {s['status']:7s} {s['name']:20s} {s['seconds']:6.1f}s  {what}"[:220])
+    for s in report["steps"]:
+        for d in s.get("details", [])[:6]:
+            first = d.strip().splitlines()[0] if d.strip() else ""
+            lines.append(f"  ! {s['name']}: {first}"[:220])
+    lines.append(f"{report['failures']} failed step(s) in {report.get('seconds', 0):.0f} s; JSON: {path}")
+    return "\n".join(lines)

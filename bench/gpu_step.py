@@ -1,0 +1,124 @@
+"""One measuring step of `bench.gpu_check`, run in its own process (so a crash, a hang or a
+CUDA error ends only that step):
+
+    python -m bench.gpu_step NAME --device cuda|cpu [--quick] --out FILE
+
+writes {"status": "ok"|"skipped"|"failed", "reason": str, "figures": {...}, "details": [...]}
+to FILE and exits 0, or 1 when the step raised (the traceback is in "details").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+Figures = dict[str, Any]
+
+
+def device_info(device: str, quick: bool) -> Figures:
+    """Versions, the device, its driver and free memory.  `device` "auto": cuda when there is one."""
+    import triton
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    info: Figures = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+                     "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+                     "cpu_count": os.cpu_count(), "platform": platform.platform(), "device": device}
+    if device == "cpu" or not torch.cuda.is_available():
+        return info
+    dev = torch.device(device)
+    props = torch.cuda.get_device_properties(dev)
+    free, total = torch.cuda.mem_get_info(dev)
+    info.update(name=props.name, capability=f"{props.major}.{props.minor}", multiprocessors=props.multi_processor_count,
+                total_gib=total / 2**30, free_gib=free / 2**30, device_count=torch.cuda.device_count(),
+                driver_api_version=getattr(torch._C, "_cuda_getDriverVersion", lambda: None)())
+    if shutil.which("nvidia-smi"):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name,memory.total,clocks.max.memory",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        info["nvidia_smi"] = out.stdout.strip() or out.stderr.strip()
+    pinned = torch.empty(1 << 20, dtype=torch.uint8).pin_memory()
+    info["pinned_host_memory"] = pinned.is_pinned()
+    return info
+
+
+def engine_speed(device: str, quick: bool) -> Figures:
+    """`bench.engine`'s engine figures on `device`: tokens/s of one stream and of 16 at once."""
+    from bench.engine import PROMPTS, engine_rate
+    from engine import LLM
+    tokens, repeats = (8, 1) if quick else (64, 3)
+    llm = LLM(device=device)
+    return {"device": device, "dtype": "float32", "tokens": tokens, "repeats": repeats,
+            "attention_backend": llm.attention_backend,
+            "engine_single_tok_s": engine_rate(llm, PROMPTS[:1], tokens, repeats),
+            "engine_batch16_tok_s": engine_rate(llm, PROMPTS[:16], tokens, repeats)}
+
+
+def experts_speed(device: str, quick: bool) -> Figures:
+    """`bench.experts --device`: real copies, hit rate, paged over resident, the link bound."""
+    from bench.experts import device_run
+    if quick:
+        return device_run(device, batches=(1,), tokens=4, prompt_tokens=16, repeats=1, h2d_mib=16)
+    return device_run(device, batches=(1, 16), tokens=32, repeats=3)
+
+
+def transfer_speed(device: str, quick: bool) -> Figures:
+    """`bench.transfer --device`: 64 MiB from a pool on `device` through local, shm and gRPC."""
+    from bench.transfer import measure
+    from kv_transfer.transport import TransportConfig
+    return measure(device, 1 if quick else 3, TransportConfig(), extras=False)
+
+
+def attention_speed(device: str, quick: bool) -> Figures:
+    from bench.gpu_attention import attention_bandwidth
+    return attention_bandwidth(device, repeats=3 if quick else 10)
+
+
+STEPS: dict[str, tuple[Callable[[str, bool], Figures], bool]] = {
+    # name: (function, needs CUDA)
+    "device": (device_info, False),
+    "attention_bandwidth": (attention_speed, True),
+    "engine": (engine_speed, False),
+    "experts": (experts_speed, False),
+    "transfer": (transfer_speed, False),
+}
+
+
+def run_step(name: str, device: str, quick: bool) -> dict[str, Any]:
+    fn, needs_cuda = STEPS[name]
+    wants_cuda = needs_cuda or device.startswith("cuda")
+    if name != "device" and wants_cuda and not (device.startswith("cuda") and torch.cuda.is_available()):
+        return {"status": "skipped", "reason": f"needs a CUDA device (device={device}, "
+                f"torch.cuda.is_available()={torch.cuda.is_available()})",
+                "figures": {}, "details": []}
+    try:
+        return {"status": "ok", "reason": "", "figures": fn(device, quick), "details": []}
+    except Exception as e:   # recorded, the check goes on with the next step
+        return {"status": "failed", "reason": f"{type(e).__name__}: {e}"[:500], "figures": {},
+                "details": [traceback.format_exc()[-6000:]]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("name", choices=sorted(STEPS))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(min(4, os.cpu_count() or 1))
+    result = run_step(args.name, args.device, args.quick)
+    with open(args.out, "w") as f:
+        json.dump(result, f, default=str)
+    return 1 if result["status"] == "failed" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
