@@ -4,13 +4,17 @@ worker's `EngineCore` (model, pool, the one scheduler) and lock with a colocated
 
 A request's life here:
 
-    reserve()    pages for prompt + max_tokens, a receiver reservation   -> Reservation event
-    commit       (receiver callback, posted) the transfer is released and the request joins the
-                 core with prefill's first token                           -> Tokens event
+    reserve()    pages for prompt + max_tokens, the leading ones shared from the prefix cache
+                 when its tenant's salted keys match; a receiver reservation for the rest
+                 (frames only for the pages after the cached prefix)       -> Reservation event
+    commit       (receiver callback, posted) the transfer is released, the received prompt
+                 pages are published to the cache, and the request joins the core with
+                 prefill's first token                                     -> Tokens event
     after_run    the core's token path appended a token                    -> Tokens; Finish at a stop
                  (a stop check past its budget: the core freed the pages)  -> Error INVALID_REQUEST
     any failure  (abort, failed or expired transfer, failed step): receiver.release, then the
-                 pages are freed                                           -> Error event
+                 pages are freed (a transfer that never committed publishes nothing)
+                                                                           -> Error event
 """
 
 from __future__ import annotations
@@ -35,9 +39,10 @@ from kv_transfer.hooks import TransferHooks
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import Reservation, State
 from proto import worker_pb2 as wpb
-from worker.checks import check_request_id, new_request
+from worker.checks import check_request_id, new_request, request_salt
 from worker.config import MAX_REQUEST_TIMEOUT_S
 from worker.convert import finish_to_proto, logprobs_to_proto
+from worker.stats import CacheCounts
 from worker.types import ErrorCode, WorkerError
 
 
@@ -81,6 +86,7 @@ class DecodeEngine:
                  wake: threading.Event, max_timeout_s: float = MAX_REQUEST_TIMEOUT_S):
         self.core, self.pool, self.lock, self.wake = core, core.pool, lock, wake
         self.max_timeout_s = max_timeout_s    # a caller's timeout_s above this is clamped to it
+        self.secret = secret                  # salts each tenant's prefix cache keys
         self.receiver = TransferReceiver(core.pool, secret, transfer_timeout_s,
                                          on_failed=lambda r: self._post(TransferFailed(r.request_id, r.transfer_id)),
                                          on_committed=lambda r: self._post(Committed(r.request_id, r.transfer_id)))
@@ -88,6 +94,7 @@ class DecodeEngine:
         self.requests: dict[str, DecodeRequest] = {}
         self.closing = False
         self.counts: Counter[str] = Counter()
+        self.cache = CacheCounts()            # prompt tokens looked up in the prefix cache, and hits
 
     def install_hooks(self, hooks: TransferHooks) -> None:
         """Route every later frame this worker receives through `hooks.receiver`."""
@@ -95,8 +102,10 @@ class DecodeEngine:
 
     # ---- called from RPC threads -------------------------------------------------
     def reserve(self, request_id: str, tenant: str, ids: list[int], params: SamplingParams,
-                timeout_s: float | None = None) -> DecodeRequest:
-        """Check the request, reserve its pages and open its transfer.  `timeout_s` (None: the
+                timeout_s: float | None = None, cache_salt: str = "") -> DecodeRequest:
+        """Check the request, reserve its pages and open its transfer.  The longest prefix of
+        whole prompt pages cached under the request's salt (its tenant and `cache_salt`) is
+        shared, not transferred: `reservation.cached_tokens`.  `timeout_s` (None: the
         receiver's transfer timeout) is how long the reservation waits for a frame; above
         `max_timeout_s` (infinity included) it is clamped to it.  Raises WorkerError
         (INVALID_REQUEST, PROMPT_TOO_LONG, KV_FULL) having reserved nothing."""
@@ -110,23 +119,25 @@ class DecodeEngine:
         check_request_id(request_id)
         if params.seed is None:
             params = replace(params, seed=secrets.randbits(63))   # prefill gets it with the reservation
-        req = new_request(core, request_id, ids, params, generator=decode_generator(params))
+        salt = request_salt(self.secret, tenant, cache_salt)
+        req = new_request(core, request_id, ids, params, generator=decode_generator(params), salt=salt)
         digest = prompt_digest(ids)              # ids checked by new_request; hashed outside the lock
         with self.lock:
             if request_id in self.requests or self.pool.has(request_id):
                 raise WorkerError(ErrorCode.INVALID_REQUEST, f"request id {request_id!r} is already in use")
             try:
-                self.pool.allocate(request_id, self.pool.pages_for(len(ids) + params.max_tokens))
+                cached = core.allocate_for(req, len(ids) + params.max_tokens)
             except PoolExhausted as e:
                 raise WorkerError(ErrorCode.KV_FULL, str(e)) from None
             try:
-                res = self.receiver.reserve(request_id, tenant, len(ids), digest, timeout_s)
+                res = self.receiver.reserve(request_id, tenant, len(ids), digest, timeout_s, cached_tokens=cached)
             except ValueError as e:
-                core.free(request_id)                 # nothing stays reserved
+                self.pool.free(request_id)            # nothing stays reserved, nothing is published
                 raise WorkerError(ErrorCode.INVALID_REQUEST, str(e)) from None
             dreq = self.requests[request_id] = DecodeRequest(req, tenant, res)
             dreq.reserved_pages = len(self.pool.page_table(request_id))
             self.counts["reserved"] += 1
+        self.cache.count(len(ids), cached)
         return dreq
 
     def abort(self, request_id: str, code: ErrorCode = ErrorCode.ABORTED, message: str = "request aborted",
@@ -228,7 +239,7 @@ class DecodeEngine:
         self.counts["finished"] += 1
         dreq.events.put(wpb.GenerateResponse(finish=finish_to_proto(
             event.finish_reason, req.stopper.matched_stop, len(req.prompt_token_ids),
-            len(req.output_token_ids))))
+            len(req.output_token_ids), dreq.reservation.cached_tokens)))
 
     def _end(self, dreq: DecodeRequest, error: WorkerError) -> None:
         """Fail a request: release its transfer (waits for in-flight writes), then its pages,
@@ -238,8 +249,8 @@ class DecodeEngine:
         req = dreq.req
         with self.lock:
             self.receiver.release(dreq.reservation.transfer_id)
-            if not self.core.abort(req):
-                self.core.free(req.request_id)       # reserved, not admitted yet
+            if not self.core.abort(req):             # admitted: the core publishes what it computed
+                self.pool.free(req.request_id)       # reserved, not admitted: publishes nothing
             self._ended(dreq, error)
 
     def _ended(self, dreq: DecodeRequest, error: WorkerError) -> None:

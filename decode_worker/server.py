@@ -33,11 +33,13 @@ def start_decode_worker(config: WorkerConfig) -> WorkerHandle:
     transfer = transfer_server(config, engine, auth)
     server, address = grpc_server(config, auth)
     watch = LoopWatch(config.step_deadline_s)
-    add_to_server(DecodeServicer(engine, transfer.endpoint, auth=auth, watch=watch), server)
+    servicer = DecodeServicer(engine, transfer.endpoint, auth=auth, watch=watch)
+    add_to_server(servicer, server)
     loop = WorkerLoop(core, [engine], lock, wake, watch=watch).start()
     server.start()
     return WorkerHandle(Role.DECODE, address, core, lock, server, loop, [engine], [transfer.stop],
-                        receiver=engine.receiver, auth=auth, transfer_endpoint=transfer.endpoint)
+                        receiver=engine.receiver, auth=auth, transfer_endpoint=transfer.endpoint,
+                        cache_events=servicer.cache_events)
 
 
 def transfer_server(config: WorkerConfig, engine: DecodeEngine, auth: Verifier) -> TransferServer:

@@ -12,6 +12,7 @@ from engine.params import SamplingParams
 from kv_transfer.auth import Verifier
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
+from worker.cache_events import CacheEventStreams
 from worker.convert import params_from_proto
 from worker.stats import LoopWatch, health, stats
 from worker.types import ErrorCode, Role, WorkerError
@@ -23,8 +24,9 @@ class LocalPrefill(Protocol):
     """A prefill role in the same process (colocated): it fills this worker's reservations."""
 
     def submit(self, request_id: str, tenant: str, ids: list[int], params: SamplingParams,
-               endpoint: str, transfer_id: bytes) -> object:
-        """Queue the prompt; raises WorkerError having queued nothing."""
+               endpoint: str, transfer_id: bytes, cache_salt: str, decode_cached_tokens: int) -> object:
+        """Queue the prompt (pushing the pages after `decode_cached_tokens`); raises
+        WorkerError having queued nothing."""
         ...
 
     def cancel(self, request_id: str, why: str) -> None:
@@ -40,6 +42,7 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         self.prefill = prefill
         self.auth = auth                  # its refusals are counted in Stats
         self.watch = watch                # the worker loop's: Health is not ready while it is stalled
+        self.cache_events = CacheEventStreams(engine.pool.events, lambda: engine.closing)
 
     def Generate(self, request: wpb.GenerateRequest, context: grpc.ServicerContext
                  ) -> Iterator[wpb.GenerateResponse]:
@@ -47,7 +50,7 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         try:
             params = params_from_proto(request.params)
             dreq = self.engine.reserve(rid, request.tenant, list(request.prompt_token_ids), params,
-                                       request.timeout_s or None)
+                                       request.timeout_s or None, request.cache_salt)
         except WorkerError as e:
             yield wpb.GenerateResponse(error=e.to_proto())
             return
@@ -60,7 +63,7 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         res = dreq.reservation
         yield wpb.GenerateResponse(reservation=wpb.Reservation(
             transfer_id=res.transfer_id, transfer_endpoint=self.endpoint, prompt_tokens=res.prompt_len,
-            reserved_pages=dreq.reserved_pages, seed=dreq.req.params.seed))
+            reserved_pages=dreq.reserved_pages, seed=dreq.req.params.seed, cached_tokens=res.cached_tokens))
         if self.prefill is not None:
             self._prefill_here(self.prefill, dreq, request)
         while True:
@@ -77,7 +80,8 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
     def _prefill_here(self, prefill: LocalPrefill, dreq: DecodeRequest, request: wpb.GenerateRequest) -> None:
         try:
             prefill.submit(request.request_id, request.tenant, list(request.prompt_token_ids),
-                           dreq.req.params, self.endpoint, dreq.reservation.transfer_id)
+                           dreq.req.params, self.endpoint, dreq.reservation.transfer_id,
+                           request.cache_salt, dreq.reservation.cached_tokens)
         except WorkerError as e:
             self.engine.abort(request.request_id, e.code, e.message)
 
@@ -102,7 +106,14 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         return stats(e.core, self.role, running=decoding, waiting=waiting,
                      accepted=r.accepted_frames, refused=dict(r.refused),
                      finished=e.counts["finished"], failed=e.counts["failed"],
-                     unauthenticated=self.auth.refused if self.auth else 0)
+                     unauthenticated=self.auth.refused if self.auth else 0,
+                     cache=e.cache, transfer_bytes=r.accepted_bytes)
+
+    def CacheEvents(self, request: wpb.CacheEventsRequest, context: grpc.ServicerContext
+                    ) -> Iterator[wpb.CacheEventBatch]:
+        """This worker's prefix-cache changes (worker/cache_events.py); a colocated worker's
+        one pool serves both roles."""
+        return self.cache_events.stream(context)
 
 
 def add_to_server(servicer: DecodeServicer, server: grpc.Server) -> None:

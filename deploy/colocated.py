@@ -1,7 +1,13 @@
 """A colocated worker, assembled from both roles: one process, one `EngineCore` (model, KV
 pool, one scheduler), prefill and decode.  The prompt's pages move into the decode reservation
 through the in-process transport, verified exactly as across nodes.  Its `Generate` is the
-decode worker's: it prefills itself."""
+decode worker's: it prefills itself.
+
+Both roles share the pool's prefix cache.  The decode reservation (pool owner `<id>`) holds its
+cached prefix and the prefill role's request (owner `<id>#prefill`) its own references to the
+same cached pages; each role releases only its own table, and the pool counts a reference per
+table.  Prefill sends only the pages after the decode reservation's cached prefix.  Stats count
+cache lookups once per request: the decode role's."""
 
 from __future__ import annotations
 
@@ -32,9 +38,11 @@ def start_colocated_worker(config: WorkerConfig) -> WorkerHandle:
     auth = Verifier(config.secret)
     server, address = grpc_server(config, auth)
     watch = LoopWatch(config.step_deadline_s)
-    add_to_server(DecodeServicer(decode, transfer.endpoint, role=Role.COLOCATED, prefill=prefill, auth=auth,
-                                 watch=watch), server)
+    servicer = DecodeServicer(decode, transfer.endpoint, role=Role.COLOCATED, prefill=prefill, auth=auth,
+                              watch=watch)
+    add_to_server(servicer, server)
     loop = WorkerLoop(core, [prefill, decode], lock, wake, watch=watch).start()
     server.start()
     return WorkerHandle(Role.COLOCATED, address, core, lock, server, loop, [prefill, decode], [transfer.stop],
-                        receiver=decode.receiver, auth=auth, transfer_endpoint=transfer.endpoint)
+                        receiver=decode.receiver, auth=auth, transfer_endpoint=transfer.endpoint,
+                        cache_events=servicer.cache_events)

@@ -45,6 +45,8 @@ def parser(prog: str = "python -m deploy.worker") -> argparse.ArgumentParser:
     ap.add_argument("--advertise-host", default=None, help="the address others reach this worker at")
     ap.add_argument("--decode-peer", action="append", default=[],
                     help="(prefill) a decode worker's transfer endpoint it may push to (repeatable)")
+    ap.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                    help="compute and transfer every prompt in full (no prefix cache)")
     ap.add_argument("--tls-dir", default=None,
                     help="ca.pem, cert.pem, key.pem (0600) of the cluster CA: serve and call over mutual TLS")
     return ap
@@ -61,7 +63,7 @@ def config_from(args: argparse.Namespace) -> WorkerConfig:
                         paged_experts_num_resident=args.paged_experts_num_resident, host=args.host,
                         port=args.port, transfer=args.transfer, transfer_port=args.transfer_port,
                         advertise_host=args.advertise_host, decode_peers=tuple(args.decode_peer),
-                        secret=secret, tls=tls)
+                        prefix_cache=args.prefix_cache, secret=secret, tls=tls)
 
 
 def serve_until_signalled(handle: WorkerHandle) -> int:

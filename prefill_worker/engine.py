@@ -31,7 +31,8 @@ from kv_transfer.hooks import TransferHooks
 from kv_transfer.sender import TransferTicket
 from kv_transfer.transport import TransportConfig
 from prefill_worker.pusher import Pusher, PushPlan
-from worker.checks import check_request_id, new_request
+from worker.checks import check_decode_cached, check_request_id, new_request, request_salt
+from worker.stats import CacheCounts
 from worker.types import ErrorCode, WorkerError
 
 
@@ -42,6 +43,7 @@ class PrefillJob:
     tenant: str
     endpoint: str
     transfer_id: bytes
+    decode_cached_tokens: int = 0  # the decode worker's cached prefix: pages before it are not sent
     done: threading.Event = field(default_factory=threading.Event)
     error: WorkerError | None = None
     first_token: int = -1
@@ -80,6 +82,7 @@ class PrefillEngine:
         self.closing = False
         self._inbox: queue.SimpleQueue[Pushed | CancelJob] = queue.SimpleQueue()
         self.counts: Counter[str] = Counter()
+        self.cache = CacheCounts()            # its own prefix-cache lookups (prompt tokens, hits)
 
     def install_hooks(self, hooks: TransferHooks) -> None:
         """Send every later push through `hooks.sender` (kv_transfer.hooks)."""
@@ -87,9 +90,12 @@ class PrefillEngine:
 
     # ---- called from RPC threads -------------------------------------------------
     def submit(self, request_id: str, tenant: str, ids: list[int], params: SamplingParams,
-               endpoint: str, transfer_id: bytes) -> PrefillJob:
-        """Queue a prompt.  Raises WorkerError (INVALID_REQUEST, PROMPT_TOO_LONG, UNKNOWN_PEER)
-        queuing nothing."""
+               endpoint: str, transfer_id: bytes, cache_salt: str = "", decode_cached_tokens: int = 0) -> PrefillJob:
+        """Queue a prompt.  Its pages found in this worker's prefix cache (salted with the
+        tenant and `cache_salt`) are not computed again; the push sends the pages after the
+        decode worker's `decode_cached_tokens` (a multiple of the page size, below the prompt's
+        length).  Raises WorkerError (INVALID_REQUEST, PROMPT_TOO_LONG, UNKNOWN_PEER) queuing
+        nothing."""
         core = self.core
         if self.closing:
             raise WorkerError(ErrorCode.UNAVAILABLE, "the worker is shutting down")
@@ -100,9 +106,11 @@ class PrefillEngine:
                               "of this deployment: prefill pushes only to the registry's (or --decode-peer) endpoints")
         if params.seed is None:
             raise WorkerError(ErrorCode.INVALID_REQUEST, "prefill needs the seed the decode worker's reservation gave")
+        salt = request_salt(self.secret, tenant, cache_salt)
         owner = request_id + self.owner_suffix
-        req = new_request(core, owner, ids, params, handoff=True)   # its generator: the seed's
-        job = PrefillJob(req, request_id, tenant, endpoint, transfer_id)
+        req = new_request(core, owner, ids, params, handoff=True, salt=salt)   # its generator: the seed's
+        check_decode_cached(decode_cached_tokens, len(ids), self.pool.page_size)
+        job = PrefillJob(req, request_id, tenant, endpoint, transfer_id, decode_cached_tokens)
         with self.lock:
             if owner in self.jobs:
                 raise WorkerError(ErrorCode.INVALID_REQUEST, f"request id {request_id!r} is already being prefilled")
@@ -200,8 +208,10 @@ class PrefillEngine:
         ticket = TransferTicket(job.transfer_id, job.request_id, job.tenant, prompt_digest(req.prompt_token_ids))
         if req.params.logprobs is None:      # the first token's logprob travels in the commit
             req.params = replace(req.params, logprobs=0)
+        self.cache.count(len(req.prompt_token_ids), req.num_cached_tokens)
         plan = PushPlan(ticket, job.endpoint, self.secret, self.pool, self.pool.page_table(req.request_id),
-                        len(req.prompt_token_ids), self.transport, self.hooks.sender)
+                        len(req.prompt_token_ids), self.transport, self.hooks.sender,
+                        first_page=job.decode_cached_tokens // self.pool.page_size)
         job.pusher = Pusher(plan, on_done=lambda err, frames: self._post(Pushed(job, err, frames)))
 
     def _finish(self, job: PrefillJob, error: WorkerError | None) -> None:

@@ -25,7 +25,9 @@ def start_prefill_worker(config: WorkerConfig, peers: Callable[[str], bool] | No
     auth = Verifier(config.secret)
     server, address = grpc_server(config, auth)
     watch = LoopWatch(config.step_deadline_s)
-    add_to_server(PrefillServicer(engine, auth, watch), server)
+    servicer = PrefillServicer(engine, auth, watch)
+    add_to_server(servicer, server)
     loop = WorkerLoop(core, [engine], lock, wake, watch=watch).start()
     server.start()
-    return WorkerHandle(Role.PREFILL, address, core, lock, server, loop, [engine], auth=auth)
+    return WorkerHandle(Role.PREFILL, address, core, lock, server, loop, [engine], auth=auth,
+                        cache_events=servicer.cache_events)

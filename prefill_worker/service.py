@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import grpc
 
 from kv_transfer.auth import Verifier
 from prefill_worker.engine import PrefillEngine
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
+from worker.cache_events import CacheEventStreams
 from worker.convert import params_from_proto
 from worker.stats import LoopWatch, health, stats
 from worker.types import ErrorCode, Role, WorkerError
@@ -20,6 +23,7 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
         self.engine = engine
         self.auth = auth                  # its refusals are counted in Stats
         self.watch = watch                # the worker loop's: Health is not ready while it is stalled
+        self.cache_events = CacheEventStreams(engine.pool.events, lambda: engine.closing)
 
     def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillReply:
         """Prefill, push the pages and the commit to the decode worker; reply once the push was
@@ -27,7 +31,8 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
         try:
             params = params_from_proto(request.params)
             job = self.engine.submit(request.request_id, request.tenant, list(request.prompt_token_ids),
-                                     params, request.decode_endpoint, request.transfer_id)
+                                     params, request.decode_endpoint, request.transfer_id,
+                                     request.cache_salt, request.decode_cached_tokens)
         except WorkerError as e:
             return wpb.PrefillReply(ok=False, error=e.to_proto())
         while not job.done.wait(POLL_S):
@@ -39,7 +44,7 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
         if job.error is not None:
             return wpb.PrefillReply(ok=False, error=job.error.to_proto(), frames=job.frames)
         return wpb.PrefillReply(ok=True, first_token_id=job.first_token, first_logprob=job.first_logprob,
-                                frames=job.frames)
+                                frames=job.frames, cached_tokens=job.req.num_cached_tokens)
 
     def Health(self, request: wpb.HealthRequest, context: grpc.ServicerContext) -> wpb.HealthReply:
         """Not ready while the worker loop has not finished a step within its deadline."""
@@ -51,7 +56,12 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
         return stats(e.core, Role.PREFILL, running=len(s.running), waiting=len(s.waiting),
                      waiting_tokens=e.queued_tokens, accepted=e.counts["pushed"],
                      finished=e.counts["pushed"], failed=e.counts["failed"],
-                     unauthenticated=self.auth.refused if self.auth else 0)
+                     unauthenticated=self.auth.refused if self.auth else 0, cache=e.cache)
+
+    def CacheEvents(self, request: wpb.CacheEventsRequest, context: grpc.ServicerContext
+                    ) -> Iterator[wpb.CacheEventBatch]:
+        """This worker's prefix-cache changes (worker/cache_events.py)."""
+        return self.cache_events.stream(context)
 
 
 def add_to_server(servicer: PrefillServicer, server: grpc.Server) -> None:

@@ -71,9 +71,9 @@ class Result:
 
 
 def run(decode: grpc.Channel, prefill: grpc.Channel | None, rid: str, ids: list[int],
-        params: SamplingParams, tenant: str = "acme") -> Result:
+        params: SamplingParams, tenant: str = "acme", cache_salt: str = "") -> Result:
     r = Result([], "", [], None, None, None)
-    for msg in generate(decode, prefill, rid, tenant, ids, params, timeout_s=120):
+    for msg in generate(decode, prefill, rid, tenant, ids, params, timeout_s=120, cache_salt=cache_salt):
         kind = msg.WhichOneof("kind")
         if kind == "reservation":
             r.reservation = msg.reservation
@@ -89,12 +89,13 @@ def run(decode: grpc.Channel, prefill: grpc.Channel | None, rid: str, ids: list[
 
 
 def wait_idle(*handles: WorkerHandle, timeout_s: float = 10.0) -> None:
-    """Every worker's pool intact and fully free (I6), waiting for in-flight ends to land."""
+    """Every worker's pool intact and fully free (I6: cached pages unreferenced, so evictable;
+    with kv_audit, every cached page as it was published), waiting for in-flight ends to land."""
     end = time.monotonic() + timeout_s
     for h in handles:
         pool = h.core.pool
         while pool.num_free != pool.num_pages and time.monotonic() < end:
             time.sleep(0.02)
-        pool.check_integrity()
+        pool.check_integrity(contents=True)
         assert pool.num_free == pool.num_pages, \
             f"{h.role}: {pool.num_pages - pool.num_free} KV pages still in use"

@@ -26,11 +26,12 @@ def check_request_id(request_id: str) -> None:
 
 
 def new_request(core: EngineCore, owner: str, ids: list[int], params: SamplingParams, handoff: bool = False,
-                generator: torch.Generator | None = None) -> Request:
-    """The core's checked request (`core.make_request`): raises WorkerError with the engine's
-    code (INVALID_REQUEST, PROMPT_TOO_LONG) and message, having created nothing."""
+                generator: torch.Generator | None = None, salt: bytes = b"") -> Request:
+    """The core's checked request (`core.make_request`) with prefix-cache salt `salt`
+    (`request_salt`): raises WorkerError with the engine's code (INVALID_REQUEST,
+    PROMPT_TOO_LONG) and message, having created nothing."""
     try:
-        return core.make_request(ids, params, request_id=owner, handoff=handoff, generator=generator)
+        return core.make_request(ids, params, request_id=owner, handoff=handoff, generator=generator, salt=salt)
     except RequestError as e:
         raise WorkerError(ErrorCode(e.code.value), str(e)) from None
 

@@ -39,6 +39,8 @@ class WorkerConfig:
     stop_budget_s: float = STOP_BUDGET_S        # one token's stop checks; past it the request ends (error)
     layer_group: int = 2                  # prefill sends every `layer_group` layers as computed
     verify_experts: bool = False          # check resident expert slots before each use (guard mode)
+    prefix_cache: bool = True             # reuse cached prompt prefixes (per tenant salt); False: --no-prefix-cache
+    kv_audit: bool = False                # hash cached pages at publish (pool.check_integrity(contents=True))
     decode_peers: tuple[str, ...] = ()    # (prefill, as a plain process) the decode transfer endpoints it may push to
     secret: bytes = field(default=b"", repr=False)   # the cluster secret (never printed)
     # this worker's cluster certificate: its RPC and transfer servers, and the channels it opens,
@@ -80,4 +82,5 @@ class WorkerConfig:
                             kv_cache_tokens=self.kv_cache_tokens if kv_cache_tokens is None else kv_cache_tokens,
                             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
                             max_prefill_tokens=self.max_prefill_tokens, seed=self.seed,
-                            paged_experts_num_resident=self.paged_experts_num_resident)
+                            paged_experts_num_resident=self.paged_experts_num_resident,
+                            enable_prefix_cache=self.prefix_cache, kv_audit=self.kv_audit)

@@ -21,6 +21,7 @@ from kv_transfer.auth import AuthInterceptor, Verifier
 from kv_transfer.hooks import TransferHooks
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.tls import add_port
+from worker.cache_events import CacheEventStreams
 from worker.config import WorkerConfig
 from worker.loop import RoleEngine, WorkerLoop
 from worker.types import Role
@@ -52,6 +53,7 @@ class WorkerHandle:
     receiver: TransferReceiver | None = None
     auth: Verifier | None = None      # checks every call's credentials (its RPC and transfer servers)
     transfer_endpoint: str | None = None   # where prefill pushes to it (decode, colocated); None on prefill
+    cache_events: CacheEventStreams | None = None   # its CacheEvents subscribers (the servicer's)
     stopped: bool = False
 
     def counts(self) -> Counter[str]:

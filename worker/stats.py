@@ -4,6 +4,7 @@ Health whether the worker's loop still makes progress."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -48,17 +49,36 @@ class LoopWatch:
         return since
 
 
+class CacheCounts:
+    """A role's prefix-cache lookups: prompt tokens looked up and tokens found cached.
+    Thread-safe (RPC threads and the loop's count)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.query_tokens = 0
+        self.hit_tokens = 0
+
+    def count(self, prompt_tokens: int, cached_tokens: int) -> None:
+        with self._lock:
+            self.query_tokens += prompt_tokens
+            self.hit_tokens += cached_tokens
+
+
 def health(core: EngineCore, role: Role, stalled_s: float | None = None) -> wpb.HealthReply:
     """`stalled_s` (see `LoopWatch.stalled_s`): not None makes the reply not ready."""
     # the checkpoint's directory name, not its path: Health tells callers nothing about the host
     return wpb.HealthReply(ready=stalled_s is None, role=role.value, model=Path(str(core.config.model)).name,
                            max_model_len=core.max_model_len, kv_capacity_tokens=core.pool.capacity_tokens,
-                           paged_experts_num_resident=core.config.paged_experts_num_resident or 0)
+                           paged_experts_num_resident=core.config.paged_experts_num_resident or 0,
+                           kv_page_size=core.pool.page_size, prefix_cache=core.config.enable_prefix_cache)
 
 
 def stats(core: EngineCore, role: Role, running: int, waiting: int, waiting_tokens: int = 0,
           accepted: int = 0, refused: dict[str, int] | None = None, finished: int = 0,
-          failed: int = 0, unauthenticated: int = 0) -> wpb.StatsReply:
+          failed: int = 0, unauthenticated: int = 0, cache: CacheCounts | None = None,
+          transfer_bytes: int = 0) -> wpb.StatsReply:
+    """`cache`: the role's prefix-cache lookups (a colocated worker: its decode role's, one per
+    request); `transfer_bytes`: KV payload bytes its receiver accepted (decode)."""
     pool = core.pool
     size = pool.page_size
     reply = wpb.StatsReply(
@@ -66,7 +86,10 @@ def stats(core: EngineCore, role: Role, running: int, waiting: int, waiting_toke
         kv_pages_free=pool.num_free, kv_pages_used=pool.num_used, kv_pages_capacity=pool.num_pages,
         kv_tokens_free=pool.num_free * size, kv_tokens_used=pool.num_used * size,
         kv_tokens_capacity=pool.capacity_tokens, transfers_accepted=accepted,
-        requests_finished=finished, requests_failed=failed, rpc_unauthenticated=unauthenticated)
+        requests_finished=finished, requests_failed=failed, rpc_unauthenticated=unauthenticated,
+        cache_query_tokens=cache.query_tokens if cache else 0, cache_hit_tokens=cache.hit_tokens if cache else 0,
+        kv_pages_cached=pool.num_cached, kv_pages_evictable=pool.num_evictable, cache_evictions=pool.evictions,
+        transfer_bytes_accepted=transfer_bytes)
     reply.transfers_refused.update(refused or {})
     for layer, c in core.expert_stats().items():
         reply.experts.append(wpb.ExpertLayerStats(layer=layer, hits=c["hits"], misses=c["misses"],

@@ -1,0 +1,322 @@
+"""The workers' side of the prefix cache (issue 18): a decode worker reserves only what its
+cache lacks and only that difference travels; prefill skips what its own cache holds; caches
+never cross tenants or cache salts; the CacheEvents stream; stats; --no-prefix-cache; the
+colocated worker, whose two roles share one pool."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Iterator
+
+import grpc
+import msgpack
+import pytest
+
+from deploy.colocated import start_colocated_worker
+from deploy.worker import config_from, parser
+from engine import LLM
+from engine.params import SamplingParams
+from engine.prefix_cache import cache_salt, max_cached_pages, page_keys
+from kv_transfer.hooks import TransferHooks
+from proto import worker_pb2 as wpb
+from proto import worker_pb2_grpc as wpb_grpc
+from tests.workers import SECRET, channel, config, run, start_decode, start_prefill, wait_idle
+from worker.cache_events import MAX_SUBSCRIBERS
+from worker.convert import params_to_proto
+from worker.server import WorkerHandle
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0)
+S = 16                                   # the workers' page size
+KV_BYTES_PER_TOKEN = 6 * 2 * 2 * 32 * 4  # tiny-moe: layers x (K, V) x kv heads x head dim x fp32
+FRAMES_PER_PAGE = 3                      # 6 layers sent in groups of 2
+
+
+@pytest.fixture(scope="module")
+def reference() -> LLM:
+    return LLM(enable_prefix_cache=False)
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[WorkerHandle, WorkerHandle]]:
+    cfg = config(kv_audit=True, layer_group=2)
+    decode, prefill = start_decode(cfg), start_prefill(cfg)
+    yield decode, prefill
+    wait_idle(decode, prefill)
+    decode.stop()
+    prefill.stop()
+
+
+def prompts(llm: LLM, topic: str, *tails: str) -> tuple[list[int], list[list[int]]]:
+    """A long shared prefix about `topic` (unique per test: no test finds another's pages) and
+    one prompt per tail."""
+    tok = llm.tokenizer
+    prefix = tok.encode(f"system: you answer questions about {topic}. " * 8)
+    return prefix, [prefix + tok.encode(t) for t in tails]
+
+
+def expected_hit(shared: int, prompt_len: int) -> int:
+    """Tokens a cache holding `shared` leading tokens of the prompt serves."""
+    return min(shared // S, max_cached_pages(prompt_len, S)) * S
+
+
+def common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def stats(handle: WorkerHandle) -> wpb.StatsReply:
+    ch = channel(handle.address)
+    stub = wpb_grpc.PrefillServiceStub(ch) if handle.role.value == "prefill" else wpb_grpc.DecodeServiceStub(ch)
+    return stub.Stats(wpb.StatsRequest())
+
+
+def test_the_second_request_of_a_shared_prefix_transfers_only_the_delta(pair, reference):
+    decode, prefill = pair
+    dch, pch = channel(decode.address), channel(prefill.address)
+    _, (a, b) = prompts(reference, "blue kettles", " Which colour is it?", " Why is it blue at all?")
+    first = run(dch, pch, "delta-a", a, PARAMS)
+    assert first.error is None and first.reservation.cached_tokens == 0 and first.finish.cached_tokens == 0
+    frames, nbytes = decode.receiver.accepted_frames, decode.receiver.accepted_bytes
+    before_p, before_d = stats(prefill), stats(decode)
+
+    second = run(dch, pch, "delta-b", b, PARAMS)
+    hit = expected_hit(common(a, b), len(b))
+    assert hit >= 4 * S
+    assert second.error is None
+    assert second.reservation.cached_tokens == second.finish.cached_tokens == hit
+    # only the pages after the cached prefix travelled, every layer group of each
+    assert decode.receiver.accepted_frames - frames == (-(-len(b) // S) - hit // S) * FRAMES_PER_PAGE
+    assert decode.receiver.accepted_bytes - nbytes == (len(b) - hit) * KV_BYTES_PER_TOKEN
+    # prefill's own cache held the same prefix (it published the first prompt's pages)
+    after_p, after_d = stats(prefill), stats(decode)
+    assert after_p.cache_hit_tokens - before_p.cache_hit_tokens == hit
+    assert after_p.cache_query_tokens - before_p.cache_query_tokens == len(b)
+    assert after_d.cache_hit_tokens - before_d.cache_hit_tokens == hit
+    assert after_d.cache_query_tokens - before_d.cache_query_tokens == len(b)
+    assert after_d.transfer_bytes_accepted == decode.receiver.accepted_bytes
+    want = reference.generate([a, b], PARAMS)
+    assert [first.token_ids, second.token_ids] == [w.token_ids for w in want]
+    wait_idle(decode, prefill)
+
+
+def test_a_cache_is_never_shared_across_tenants_or_cache_salts(pair, reference):
+    decode, prefill = pair
+    dch, pch = channel(decode.address), channel(prefill.address)
+    _, (ids,) = prompts(reference, "tenant isolation", " Tell me the secret.")
+    want = reference.generate([ids], PARAMS)[0].token_ids
+    hit = max_cached_pages(len(ids), S) * S
+    first = run(dch, pch, "iso-1", ids, PARAMS, tenant="acme")
+    other = run(dch, pch, "iso-2", ids, PARAMS, tenant="globex")
+    salted = run(dch, pch, "iso-3", ids, PARAMS, tenant="acme", cache_salt="alice")
+    again = run(dch, pch, "iso-4", ids, PARAMS, tenant="acme")
+    salted_again = run(dch, pch, "iso-5", ids, PARAMS, tenant="acme", cache_salt="alice")
+    assert [r.reservation.cached_tokens for r in (first, other, salted, again, salted_again)] == [0, 0, 0, hit, hit]
+    for r in (first, other, salted, again, salted_again):
+        assert r.error is None and r.token_ids == want
+    wait_idle(decode, prefill)
+
+
+def test_a_cache_salt_over_the_limit_is_refused(pair):
+    decode, _ = pair
+    r = run(channel(decode.address), None, "long-salt", [5, 6, 7], PARAMS, cache_salt="x" * 257)
+    assert r.error is not None and r.error.code == "INVALID_REQUEST" and "at most 256" in r.error.message
+    assert r.reservation is None
+
+
+@pytest.mark.parametrize("cached, prompt_len", [(5, 40), (48, 40), (40, 40), (32, 32)])
+def test_prefill_refuses_a_decode_boundary_that_is_not_whole_pages_inside_the_prompt(pair, cached, prompt_len):
+    decode, prefill = pair
+    p = params_to_proto(PARAMS)
+    p.has_seed, p.seed = True, 7
+    reply = wpb_grpc.PrefillServiceStub(channel(prefill.address)).Prefill(wpb.PrefillRequest(
+        request_id="bad-boundary", tenant="acme", prompt_token_ids=list(range(10, 10 + prompt_len)), params=p,
+        decode_endpoint=decode.transfer_endpoint, transfer_id=secrets.token_bytes(16),
+        decode_cached_tokens=cached))
+    assert not reply.ok and reply.error.code == "INVALID_REQUEST"
+    assert f"decode_cached_tokens={cached}" in reply.error.message and "page size (16)" in reply.error.message
+    assert not prefill.roles[0].jobs and not prefill.core.scheduler.has_work()
+    wait_idle(prefill)
+
+
+def read_until(stream: Iterator[wpb.CacheEventBatch], want: set[bytes], reads: int = 20) -> tuple[set, list]:
+    """Read batches until every key of `want` was stored (bounded); returns the keys stored and
+    the batches read."""
+    stored: set[bytes] = set()
+    batches = []
+    for _ in range(reads):
+        batch = msgpack.unpackb(next(stream).events)
+        batches.append(batch)
+        stored |= set(batch["stored"])
+        stored -= set(batch["evicted"])
+        if want <= stored:
+            break
+    return stored, batches
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_cache_events_stream_a_reset_then_the_keys_of_what_was_cached(pair, reference, role):
+    decode, prefill = pair
+    handle = decode if role == "decode" else prefill
+    dch, pch = channel(decode.address), channel(prefill.address)
+    ch = channel(handle.address)
+    stub = wpb_grpc.DecodeServiceStub(ch) if role == "decode" else wpb_grpc.PrefillServiceStub(ch)
+    call = stub.CacheEvents(wpb.CacheEventsRequest(), timeout=60)
+    try:
+        reset = msgpack.unpackb(next(call).events)
+        assert reset["reset"] and reset["page_size"] == S and not reset["evicted"]
+        assert set(reset["stored"]) == {handle.core.pool.cache.key(p) for p in range(handle.core.pool.num_pages)
+                                        if p in handle.core.pool.cache}
+        _, (ids,) = prompts(reference, f"events on {role}", " What was stored?")
+        out = run(dch, pch, f"events-{role}", ids, PARAMS, tenant="acme")
+        assert out.error is None
+        salt = cache_salt(SECRET, "acme")
+        if role == "decode":      # prompt and output pages, all but the last token's KV computed
+            computed = (ids + out.token_ids)[:len(ids) + len(out.token_ids) - 1]
+        else:                     # prefill publishes the prompt's pages
+            computed = ids
+        want = set(page_keys(salt, computed, S))
+        stored, batches = read_until(call, want)
+        assert stored == want
+        assert all(not b["reset"] and b["epoch"] == reset["epoch"] for b in batches)
+    finally:
+        call.cancel()
+    wait_idle(decode, prefill)
+
+
+def test_cache_events_are_bounded_and_authenticated(pair):
+    decode, _ = pair
+    streams = decode.cache_events
+    assert streams is not None and streams.subscribers == 0
+    stub = wpb_grpc.DecodeServiceStub(channel(decode.address))
+    calls = [stub.CacheEvents(wpb.CacheEventsRequest(), timeout=60) for _ in range(MAX_SUBSCRIBERS)]
+    try:
+        for call in calls:
+            assert msgpack.unpackb(next(call).events)["reset"]
+        with pytest.raises(grpc.RpcError) as e:
+            next(stub.CacheEvents(wpb.CacheEventsRequest(), timeout=60))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert streams.subscribers == MAX_SUBSCRIBERS
+    finally:
+        for call in calls:
+            call.cancel()
+    with grpc.insecure_channel(decode.address) as plain:
+        with pytest.raises(grpc.RpcError) as e:
+            next(wpb_grpc.DecodeServiceStub(plain).CacheEvents(wpb.CacheEventsRequest(), timeout=10))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # the cancelled streams give their places back (each notices within one wait of the log)
+    gone = threading.Event()
+    for _ in range(200):
+        if streams.subscribers == 0:
+            break
+        gone.wait(0.05)
+    assert streams.subscribers == 0
+    call = stub.CacheEvents(wpb.CacheEventsRequest(), timeout=60)
+    assert msgpack.unpackb(next(call).events)["reset"]
+    call.cancel()
+
+
+def test_stats_and_health_report_the_cache(pair):
+    decode, prefill = pair
+    for handle in (decode, prefill):
+        ch = channel(handle.address)
+        stub = wpb_grpc.PrefillServiceStub(ch) if handle is prefill else wpb_grpc.DecodeServiceStub(ch)
+        health = stub.Health(wpb.HealthRequest())
+        assert health.kv_page_size == S and health.prefix_cache
+        s = stub.Stats(wpb.StatsRequest())
+        pool = handle.core.pool
+        assert s.kv_pages_cached == pool.num_cached > 0
+        assert s.kv_pages_evictable == pool.num_evictable
+        assert s.cache_evictions == pool.evictions
+        assert 0 < s.cache_hit_tokens < s.cache_query_tokens
+    assert stats(decode).transfer_bytes_accepted == decode.receiver.accepted_bytes > 0
+    assert stats(prefill).transfer_bytes_accepted == 0
+
+
+def test_a_failed_transfer_publishes_nothing(pair, reference):
+    """Frames marked written but never copied: the commit's re-checksum refuses the transfer,
+    and none of its pages enters the decode worker's cache (nor any event)."""
+    decode, prefill = pair
+    _, (ids,) = prompts(reference, "failed transfers", " Is this cached?")
+    cached, seq = decode.core.pool.num_cached, decode.core.pool.events.seq
+    decode.install_transfer_hooks(TransferHooks(receiver=SkipWrites()))
+    try:
+        r = run(channel(decode.address), channel(prefill.address), "failed-push", ids, PARAMS)
+    finally:
+        decode.install_transfer_hooks(TransferHooks())
+    assert r.error is not None and r.error.code == "TRANSFER_FAILED" and not r.token_ids
+    wait_idle(decode, prefill)
+    assert decode.core.pool.num_cached == cached and decode.core.pool.events.seq == seq
+    again = run(channel(decode.address), channel(prefill.address), "after-failed-push", ids, PARAMS)
+    assert again.reservation.cached_tokens == 0          # nothing of the failed one was kept
+    assert again.token_ids == reference.generate([ids], PARAMS)[0].token_ids
+    wait_idle(decode, prefill)
+
+
+class SkipWrites:
+    def before_receive(self, header) -> None:
+        pass
+
+    def skip_write(self, header) -> bool:
+        return True
+
+
+def test_eviction_under_a_small_pool_keeps_outputs_exact(reference):
+    cfg = config(kv_cache_tokens=512, max_model_len=256, kv_audit=True)
+    decode, prefill = start_decode(cfg), start_prefill(cfg)
+    try:
+        dch, pch = channel(decode.address), channel(prefill.address)
+        _, ids = prompts(reference, "eviction", *[f" Question number {i}?" for i in range(8)])
+        ids = [reference.tokenizer.encode(f"topic {i}: ") + p for i, p in enumerate(ids)]   # no shared pages
+        out = [run(dch, pch, f"evict-{i}", p, PARAMS) for i, p in enumerate(ids)]
+        want = reference.generate(ids, PARAMS)
+        assert [o.token_ids for o in out] == [w.token_ids for w in want]
+        assert stats(decode).cache_evictions > 0 and stats(prefill).cache_evictions > 0
+        wait_idle(decode, prefill)
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+def test_no_prefix_cache_computes_and_transfers_everything(reference, monkeypatch):
+    monkeypatch.setenv("TANDEM_CLUSTER_SECRET", SECRET.hex())
+    assert not config_from(parser().parse_args(["--role", "decode", "--no-prefix-cache"])).prefix_cache
+    assert config_from(parser().parse_args(["--role", "decode"])).prefix_cache
+    cfg = config(prefix_cache=False)
+    decode, prefill = start_decode(cfg), start_prefill(cfg)
+    try:
+        dch, pch = channel(decode.address), channel(prefill.address)
+        _, (ids,) = prompts(reference, "no cache", " Again?")
+        out = [run(dch, pch, f"nocache-{i}", ids, PARAMS) for i in range(2)]
+        assert [o.reservation.cached_tokens for o in out] == [0, 0]
+        assert decode.receiver.accepted_bytes == 2 * len(ids) * KV_BYTES_PER_TOKEN
+        assert out[1].token_ids == reference.generate([ids], PARAMS)[0].token_ids
+        for handle in (decode, prefill):
+            s = stats(handle)
+            assert s.kv_pages_cached == 0 and s.cache_hit_tokens == 0 and s.cache_query_tokens == 2 * len(ids)
+        assert not wpb_grpc.DecodeServiceStub(dch).Health(wpb.HealthRequest()).prefix_cache
+        wait_idle(decode, prefill)
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+def test_colocated_roles_share_one_cache_without_double_counting(reference):
+    worker = start_colocated_worker(config(kv_audit=True, max_prefill_tokens=64))
+    try:
+        ch = channel(worker.address)
+        _, (a, b) = prompts(reference, "colocation", " First question?", " Second question?")
+        first = run(ch, None, "colo-a", a, PARAMS)
+        nbytes = worker.receiver.accepted_bytes
+        second = run(ch, None, "colo-b", b, PARAMS)
+        hit = expected_hit(common(a, b), len(b))
+        assert first.reservation.cached_tokens == 0 and second.reservation.cached_tokens == hit > 0
+        assert worker.receiver.accepted_bytes - nbytes == (len(b) - hit) * KV_BYTES_PER_TOKEN
+        assert [first.token_ids, second.token_ids] == [w.token_ids for w in reference.generate([a, b], PARAMS)]
+        s = wpb_grpc.DecodeServiceStub(ch).Stats(wpb.StatsRequest())
+        assert s.cache_query_tokens == len(a) + len(b) and s.cache_hit_tokens == hit
+        wait_idle(worker)
+    finally:
+        worker.stop()
