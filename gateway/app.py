@@ -30,7 +30,7 @@ from gateway.metrics import Metrics
 from gateway.openai_format import error_body
 from gateway.prompts import PromptEncoder
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.routing import WorkerPool
+from gateway.routing import Worker, WorkerPool
 from worker.types import ErrorCode, Role
 
 log = logging.getLogger("tandem.gateway")
@@ -53,7 +53,7 @@ class Gateway:
         self.model_config = ModelConfig.from_path(path)
         self.vocab_size = self.model_config.vocab_size
         self.pool = WorkerPool(config.decode_workers, config.prefill_workers, config.colocated_workers,
-                               config.cluster_secret, config.tls)
+                               config.cluster_secret, config.tls, config.routing)
         self.metrics = Metrics()
         self.queue = AdmissionQueue(config.max_queue, config.max_running, config.tenant_max_concurrency,
                                     config.queue_timeout_s, ClusterKv(self.pool, config, self.context_len),
@@ -193,10 +193,11 @@ def create_app(config: GatewayConfig, discover: Discover | None = None) -> FastA
 
     @app.get("/v1/server_info", response_model=None, dependencies=[Depends(admin)])
     async def server_info() -> dict[str, Any]:
-        return {"model": config.served_model_name, "context_length": gw.context_len(),
+        return {"model": config.served_model_name, "context_length": gw.context_len(), "routing": config.routing,
                 "workers": [{"address": w.address, "role": w.role, "healthy": w.healthy,
                              "kv_capacity_tokens": w.health.kv_capacity_tokens if w.health else None,
-                             "paged_experts_num_resident": w.health.paged_experts_num_resident if w.health else None}
+                             "paged_experts_num_resident": w.health.paged_experts_num_resident if w.health else None,
+                             "prefix_cache": cache_info(w)}
                             for w in gw.pool.workers]}
 
     return app
@@ -210,6 +211,22 @@ class TandemApp(FastAPI):
         if scope["type"] == "http":
             scope[ABORT] = connection_abort(send)
         await super().__call__(scope, receive, send)
+
+
+def cache_info(w: Worker) -> dict[str, Any] | None:
+    """A worker's prefix cache for /v1/server_info: on or off, its pages and counters (its last
+    Stats) and the pages this gateway's router believes it holds; None: not known yet."""
+    if w.health is None:
+        return None
+    info: dict[str, Any] = {"enabled": w.health.prefix_cache, "page_size": w.health.kv_page_size,
+                            "routing_view_pages": len(w.cache) if w.cache is not None else None}
+    if w.stats is not None:
+        s = w.stats
+        info.update(cached_pages=s.kv_pages_cached, evictable_pages=s.kv_pages_evictable,
+                    query_tokens=s.cache_query_tokens, hit_tokens=s.cache_hit_tokens,
+                    hit_rate=s.cache_hit_tokens / s.cache_query_tokens if s.cache_query_tokens else None,
+                    evictions=s.cache_evictions, transfer_bytes_accepted=s.transfer_bytes_accepted)
+    return info
 
 
 def _rejected(gw: Gateway, e: Rejected) -> JSONResponse:

@@ -18,8 +18,9 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.params import SamplingParams
 from gateway.admission import Rejected
+from gateway.cache_view import PrefixKeys
 from gateway.fairness import reserved_tokens, share_key
-from gateway.forward import ForwardError, cancelling, forward
+from gateway.forward import ForwardError, Prompt, cancelling, forward
 from gateway.openai_format import ChoiceState, Formatter, error_body, prompt_tokens, public_message
 from gateway.prompts import PromptTooLong
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
@@ -40,6 +41,7 @@ class Job:
     state: ChoiceState
     ids: list[int]
     params: SamplingParams
+    prompt: Prompt = Prompt()         # its cache salt and page keys (the n choices of a prompt share them)
 
 
 class CompletionHandler:
@@ -109,10 +111,12 @@ class CompletionHandler:
                 out.append(list(x))         # its length is checked with max_tokens (_max_tokens)
         return out
 
-    def jobs(self, body: Body, context: int, capacity: int) -> list[Job]:
-        """Tokenizes the prompts and builds each choice's sampling parameters (compiling its
-        stop patterns): the expensive part, run on a preparation thread.  Raises Rejected (400)
-        naming what is wrong; contacts no worker."""
+    def jobs(self, body: Body, context: int, capacity: int, tenant: str = "default",
+             page_sizes: frozenset[int] = frozenset()) -> list[Job]:
+        """Tokenizes the prompts, builds each choice's sampling parameters (compiling its stop
+        patterns) and, for prefix routing, each prompt's page keys for `page_sizes`: the
+        expensive part, run on a preparation thread.  Raises Rejected (400) naming what is
+        wrong; contacts no worker."""
         gw = self.gw
         prompts = self.prompts(body, context)
         if not prompts or len(prompts) * body.n > gw.config.max_n:
@@ -122,14 +126,26 @@ class CompletionHandler:
         for group, ids in enumerate(prompts):
             self._check_ids(ids)
             max_tokens = self._max_tokens(body, len(ids), context, capacity)
+            prompt = self._prompt(body, tenant, ids, page_sizes)
             for j in range(body.n):
                 seed = body.seed + j if body.seed is not None else None
                 try:
                     params = sampling_params(body, max_tokens, seed)
                 except ValueError as e:
                     raise Rejected(400, "invalid_request", str(e)) from None
-                jobs.append(Job(ChoiceState(len(jobs), len(ids), prompt_group=group), ids, params))
+                jobs.append(Job(ChoiceState(len(jobs), len(ids), prompt_group=group), ids, params, prompt))
         return jobs
+
+    def _prompt(self, body: Body, tenant: str, ids: list[int], page_sizes: frozenset[int]) -> Prompt:
+        """The prompt's cache salt, and its page keys when routing follows the workers' caches."""
+        cfg = self.gw.config
+        salt = body.cache_salt or ""
+        if cfg.routing != "prefix":
+            return Prompt(salt)
+        keys = PrefixKeys(cfg.cluster_secret, tenant, salt, ids)
+        for size in page_sizes:
+            keys.get(size)            # computed here, off the event loop
+        return Prompt(salt, keys)
 
     def _check_ids(self, ids: list[int]) -> None:
         vocab = self.gw.vocab_size
@@ -166,7 +182,7 @@ class CompletionHandler:
         context, capacity = gw.context_len(), gw.pool.capacity_tokens()
         if capacity == 0:
             raise Rejected(503, "no_workers", "no decode worker is ready")
-        jobs = await gw.prepare(self.jobs, body, context, capacity)
+        jobs = await gw.prepare(self.jobs, body, context, capacity, tenant, frozenset(gw.pool.page_sizes()))
         so = body.stream_options
         fmt = Formatter("chat" if isinstance(body, ChatCompletionRequest) else "text",
                         gw.config.served_model_name, gw.tokenizer, body.logprobs_n, body.return_token_ids,
@@ -216,7 +232,7 @@ class CompletionHandler:
         try:
             async for msg in forward(gw.pool, f"{rid}-{state.index}", tenant, job.ids, job.params,
                                      gw.config.request_timeout_s, gw.config.max_attempts,
-                                     gw.config.queue_timeout_s):
+                                     gw.config.queue_timeout_s, job.prompt):
                 if msg.WhichOneof("kind") == "tokens":
                     now = time.monotonic()
                     (gw.metrics.itl.observe(now - last) if last is not None

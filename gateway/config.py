@@ -12,6 +12,8 @@ from pathlib import Path
 from kv_transfer.frame import check_secret
 from kv_transfer.tls import TlsIdentity
 
+ROUTING_MODES = ("prefix", "load")
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -54,6 +56,9 @@ class GatewayConfig:
     # takes any API key (or none when no keys are configured)
     admin_keys: tuple[str, ...] = field(default=(), repr=False)
     max_messages: int = 1024                 # messages in one chat request (checked before the template)
+    # how a request's workers are chosen (gateway/routing.py): "prefix" weighs what each worker's
+    # prefix cache holds of the prompt against its load, "load" takes the least loaded
+    routing: str = "prefix"
 
     def __post_init__(self) -> None:
         if not (self.decode_workers or self.colocated_workers):
@@ -87,6 +92,8 @@ class GatewayConfig:
             raise ValueError(f"stream_idle_timeout_s={self.stream_idle_timeout_s} must be > 0")
         if not all(self.admin_keys):
             raise ValueError("an empty admin key would let anyone in: refused")
+        if self.routing not in ROUTING_MODES:
+            raise ValueError(f"routing={self.routing!r}: choose one of {', '.join(ROUTING_MODES)}")
 
 
 def load_api_keys(path: str | Path) -> dict[str, str]:

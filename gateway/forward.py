@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import grpc
 
 from engine.params import SamplingParams
+from gateway.cache_view import PrefixKeys
 from gateway.routing import Worker, WorkerPool
 from proto import worker_pb2 as wpb
 from worker.convert import params_to_proto, prefill_request
@@ -58,8 +60,17 @@ class _Retry(Exception):
         self.error = error
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """What the workers get of a request's prompt besides its tokens: its cache salt (the
+    request's `cache_salt`, "" for none) and its page keys for prefix routing (None: route by
+    load alone)."""
+    cache_salt: str = ""
+    keys: PrefixKeys | None = None
+
+
 async def forward(pool: WorkerPool, request_id: str, tenant: str, ids: list[int], params: SamplingParams,
-                  timeout_s: float, max_attempts: int, capacity_wait_s: float = 30.0
+                  timeout_s: float, max_attempts: int, capacity_wait_s: float = 30.0, prompt: Prompt = Prompt()
                   ) -> AsyncIterator[wpb.GenerateResponse]:
     """Yields Tokens messages and a final Finish; raises ForwardError.
 
@@ -73,10 +84,11 @@ async def forward(pool: WorkerPool, request_id: str, tenant: str, ids: list[int]
     deadline = time.monotonic() + capacity_wait_s
     attempt = failures = 0
     while failures < max_attempts:
-        decode = pool.pick_decode(len(ids) + params.max_tokens, tried)
+        decode = pool.pick_decode(len(ids) + params.max_tokens, tried, prompt.keys)
         prefill = None
         if decode is not None and decode.role == Role.DECODE:
-            prefill = pool.pick_prefill(tried | broke) or pool.pick_prefill(tried)
+            prefill = (pool.pick_prefill(tried | broke, prompt.keys, len(ids))
+                       or pool.pick_prefill(tried, prompt.keys, len(ids)))
             if prefill is None:               # none up (one restarting?): wait, as for KV room
                 decode = None
                 if last.code != ErrorCode.NO_WORKER:
@@ -92,7 +104,7 @@ async def forward(pool: WorkerPool, request_id: str, tenant: str, ids: list[int]
         attempt += 1
         try:
             async for msg in _attempt(decode, prefill, f"{request_id}.{attempt}", tenant, ids, params,
-                                      timeout_s, tried, broke):
+                                      prompt.cache_salt, timeout_s, tried, broke):
                 yield msg
             return
         except _Retry as e:
@@ -105,14 +117,14 @@ async def forward(pool: WorkerPool, request_id: str, tenant: str, ids: list[int]
 
 
 async def _attempt(decode: Worker, prefill: Worker | None, rid: str, tenant: str, ids: list[int],
-                   params: SamplingParams, timeout_s: float, tried: set[str], broke: set[str]
+                   params: SamplingParams, salt: str, timeout_s: float, tried: set[str], broke: set[str]
                    ) -> AsyncIterator[wpb.GenerateResponse]:
     """One try on one worker pair: yields what the decode worker streams; raises _Retry when
     another try may succeed (nothing was streamed yet), ForwardError when none may."""
     assert decode.decode_stub is not None
     call = decode.decode_stub.Generate(wpb.GenerateRequest(
         request_id=rid, tenant=tenant, prompt_token_ids=ids, params=params_to_proto(params),
-        timeout_s=timeout_s), timeout=timeout_s)
+        timeout_s=timeout_s, cache_salt=salt), timeout=timeout_s)
     decode.outstanding += 1
     prefill_failure: list[ForwardError] = []
     task: asyncio.Task[None] | None = None
@@ -127,8 +139,9 @@ async def _attempt(decode: Worker, prefill: Worker | None, rid: str, tenant: str
             raise err
         decode.succeeded()
         if prefill is not None:
-            task = asyncio.create_task(_prefill(prefill, call, rid, tenant, ids, params, first.reservation,
-                                                timeout_s, prefill_failure, tried, streamed))
+            # with the request's salt and the reservation's cache boundary (frames start after it)
+            req = prefill_request(rid, tenant, ids, params, first.reservation, salt)
+            task = asyncio.create_task(_prefill(prefill, call, req, timeout_s, prefill_failure, tried, streamed))
         while True:
             msg = await _read(call, decode, streamed[0], tried, prefill_failure)
             kind = msg.WhichOneof("kind")
@@ -195,16 +208,16 @@ def _raise_prefill_failure(failure: list[ForwardError], streamed: bool, decode: 
         raise err from None
 
 
-async def _prefill(prefill: Worker, call: Any, rid: str, tenant: str, ids: list[int], params: SamplingParams,
-                   res: wpb.Reservation, timeout_s: float, failure: list[ForwardError], tried: set[str],
-                   streamed: list[bool]) -> None:
-    """Runs the Prefill call that fills the reservation `res`; a failure goes into `failure`
-    (and cancels the decode call when no token was streamed yet)."""
+async def _prefill(prefill: Worker, call: Any, req: wpb.PrefillRequest, timeout_s: float,
+                   failure: list[ForwardError], tried: set[str], streamed: list[bool]) -> None:
+    """Runs the Prefill call `req` that fills the decode worker's reservation; a failure goes
+    into `failure` (and cancels the decode call when no token was streamed yet)."""
+    queued = len(req.prompt_token_ids)
     prefill.outstanding += 1
-    prefill.queued_tokens += len(ids)
+    prefill.queued_tokens += queued
     try:
         assert prefill.prefill_stub is not None
-        reply = await prefill.prefill_stub.Prefill(prefill_request(rid, tenant, ids, params, res), timeout=timeout_s)
+        reply = await prefill.prefill_stub.Prefill(req, timeout=timeout_s)
         if reply.ok:
             prefill.succeeded()
             return
@@ -220,7 +233,7 @@ async def _prefill(prefill: Worker, call: Any, rid: str, tenant: str, ids: list[
         failure.append(ForwardError(ErrorCode.PREFILL_UNAVAILABLE, f"{prefill.address}: {e.code().name}"))
     finally:
         prefill.outstanding -= 1
-        prefill.queued_tokens -= len(ids)
+        prefill.queued_tokens -= queued
     if not streamed[0]:           # a committed transfer decodes on without its prefill worker
         call.cancel()             # otherwise the decode worker frees the reservation at once
 

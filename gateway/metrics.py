@@ -47,6 +47,19 @@ class Metrics:
         self.unauthenticated = Gauge("tandem_worker_rpc_unauthenticated",
                                      "Calls the worker refused for missing, bad, stale or replayed credentials",
                                      labels, registry=r)
+        # the prefix cache (worker counters, copied from its Stats) and the router's view of it
+        self.cache_query_tokens = Gauge("tandem_worker_cache_query_tokens",
+                                        "Prompt tokens looked up in the worker's prefix cache", labels, registry=r)
+        self.cache_hit_tokens = Gauge("tandem_worker_cache_hit_tokens", "Prompt tokens found in the worker's "
+                                      "prefix cache (not computed, not transferred)", labels, registry=r)
+        self.kv_pages_cached = Gauge("tandem_worker_kv_pages_cached", "KV pages in the worker's prefix cache",
+                                     labels, registry=r)
+        self.cache_evictions = Gauge("tandem_worker_cache_evictions", "Cached KV pages the worker evicted "
+                                     "to make room", labels, registry=r)
+        self.transfer_bytes = Gauge("tandem_worker_transfer_bytes_accepted", "KV payload bytes the decode "
+                                    "worker accepted from prefill", labels, registry=r)
+        self.view_pages = Gauge("tandem_worker_routing_view_pages", "Pages this gateway's router believes "
+                                "the worker caches (from its cache events)", labels, registry=r)
         self.tenant_rejections = Counter("tandem_tenant_rejected", "Requests the admission queue refused, "
                                          "by tenant and reason", ["tenant", "reason"], registry=r)
 
@@ -62,6 +75,7 @@ class Metrics:
         for w in pool.workers:
             lab = (w.address, w.role)
             self.worker_up.labels(*lab).set(1 if w.healthy else 0)
+            self.view_pages.labels(*lab).set(len(w.cache) if w.cache is not None else 0)
             if w.stats is None:
                 continue
             s = w.stats
@@ -73,6 +87,11 @@ class Metrics:
             hits = sum(e.hits for e in s.experts)
             misses = sum(e.misses for e in s.experts)
             self.expert_hits.labels(*lab).set(hits)
+            self.cache_query_tokens.labels(*lab).set(s.cache_query_tokens)
+            self.cache_hit_tokens.labels(*lab).set(s.cache_hit_tokens)
+            self.kv_pages_cached.labels(*lab).set(s.kv_pages_cached)
+            self.cache_evictions.labels(*lab).set(s.cache_evictions)
+            self.transfer_bytes.labels(*lab).set(s.transfer_bytes_accepted)
             self.expert_misses.labels(*lab).set(misses)
             if hits + misses:
                 self.expert_hit_rate.labels(*lab).set(hits / (hits + misses))

@@ -63,8 +63,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; with `cached` (prompt tokens the decode workers' prefix caches
+    held) also its prompt_tokens_details.cached_tokens."""
+    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                           "total_tokens": prompt + completion}
+    if cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
 
 
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
@@ -143,7 +149,7 @@ class Formatter:
         prompt = prompt_tokens(choices)
         return {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
                 "created": self.created, "model": self.model, "choices": out,
-                "usage": usage(prompt, sum(len(c.token_ids) for c in choices))}
+                "usage": usage(prompt, sum(len(c.token_ids) for c in choices), cached_tokens(choices))}
 
     def chunk(self, c: ChoiceState, text: str, entries: list[wpb.TokenLogprobs], first: bool = False,
               offset: int = 0, ids: list[int] | None = None) -> dict[str, Any]:
@@ -163,13 +169,16 @@ class Formatter:
                                  "choices": [body]}
         self._streamed[c.index] = self._streamed.get(c.index, 0) + len(ids or [])
         if self.continuous_usage:
-            chunk["usage"] = usage(c.prompt_tokens, self._streamed[c.index])
+            # the choice's cached tokens come with its Finish: in its last chunk
+            chunk["usage"] = usage(c.prompt_tokens, self._streamed[c.index],
+                                   c.finish.cached_tokens if c.finish is not None else None)
         return chunk
 
     def usage_chunk(self, choices: list[ChoiceState]) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
                 "created": self.created, "model": self.model, "choices": [],
-                "usage": usage(prompt_tokens(choices), sum(len(c.token_ids) for c in choices))}
+                "usage": usage(prompt_tokens(choices), sum(len(c.token_ids) for c in choices),
+                               cached_tokens(choices))}
 
 
 def prompt_tokens(choices: list[ChoiceState]) -> int:
@@ -177,4 +186,15 @@ def prompt_tokens(choices: list[ChoiceState]) -> int:
     seen: dict[int, int] = {}
     for c in choices:
         seen[c.prompt_group] = c.prompt_tokens
+    return sum(seen.values())
+
+
+def cached_tokens(choices: list[ChoiceState]) -> int:
+    """Prompt tokens served from the decode workers' prefix caches (Finish.cached_tokens),
+    counted once per prompt like `prompt_tokens`: of a prompt's n choices, the fewest any of
+    them got (each choice's prompt is matched on its own)."""
+    seen: dict[int, int] = {}
+    for c in choices:
+        got = c.finish.cached_tokens if c.finish is not None else 0
+        seen[c.prompt_group] = min(seen.get(c.prompt_group, got), got)
     return sum(seen.values())

@@ -13,6 +13,7 @@ from engine.params import MAX_LOGPROBS, SamplingParams
 
 INT32_MAX, UINT32_MAX = 2**31 - 1, 2**32 - 1
 MAX_COMPLETION_LOGPROBS = 5          # /v1/completions' logprobs, as OpenAI
+MAX_CACHE_SALT_CHARS = 256           # vLLM's cache_salt: what one request may send
 # integer fields of both endpoints and the values accepted (the worker protocol's types bound them)
 INT_RANGES = {"max_tokens": (1, UINT32_MAX), "n": (1, INT32_MAX), "seed": (0, 2**63 - 1),
               "top_k": (-1, INT32_MAX), "min_tokens": (0, UINT32_MAX)}
@@ -46,6 +47,9 @@ class _Common(BaseModel):
     no_stop_trim: bool = False
     ignore_eos: bool = False
     return_token_ids: bool = False   # each choice (and stream chunk) also carries its token ids
+    # vLLM's: with the tenant it salts the prefix cache's keys, so only requests that send the
+    # same salt (and tenant) share cached pages (engine/prefix_cache.py cache_salt)
+    cache_salt: str | None = None
 
     @property
     @abstractmethod
@@ -54,12 +58,16 @@ class _Common(BaseModel):
         (each endpoint spells it its own way)."""
 
     def out_of_range(self, vocab_size: int) -> tuple[str, str] | None:
-        """The first integer field outside what the server accepts, as (field, message), answered
-        with 400 before anything else is done with the request (the wire types are 32-bit)."""
+        """The first field outside what the server accepts, as (field, message), answered with
+        400 before anything else is done with the request: an integer past its wire type (32-bit),
+        a cache_salt over MAX_CACHE_SALT_CHARS, a stop token not in the vocabulary."""
         for name, (low, high) in self.int_ranges().items():
             value = getattr(self, name, None)
             if isinstance(value, int) and not isinstance(value, bool) and not low <= value <= high:
                 return name, f"{name}={_show(value)} is out of range: it must be in {low}..{high}"
+        if self.cache_salt is not None and len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
+            return "cache_salt", (f"cache_salt has {len(self.cache_salt)} characters; at most "
+                                  f"{MAX_CACHE_SALT_CHARS} are allowed")
         for i, t in enumerate(self.stop_token_ids or ()):
             if not 0 <= t < vocab_size:
                 return "stop_token_ids", (f"stop_token_ids[{i}]={_show(t)} is not a token of this model's "

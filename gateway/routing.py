@@ -1,5 +1,21 @@
 """The workers the gateway knows, what their `Health` and `Stats` last said, a circuit
-breaker each, and the choice of a decode and a prefill worker for a request."""
+breaker each, a view of each one's prefix cache (gateway/cache_view.py), and the choice of a
+decode and a prefill worker for a request.
+
+The choice (`choose`), with routing "prefix": among the candidates (healthy, not excluded, with
+room) take those whose load is within a slack of the least loaded one's,
+
+    load(w) <= least + LOAD_SLACK_FRACTION * least + slack_min
+
+and of those the one expected to hold the longest leading run of the prompt's page keys in its
+prefix cache; ties (a cold prompt: 0 everywhere) go to the least loaded, then to the first
+known.  Load is requests for a decode worker (this gateway's on it, plus its running and
+waiting), slack_min DECODE_SLACK_REQUESTS; for a prefill worker it is prompt tokens queued,
+slack_min the request's own prompt length (one more prompt's work).  So a worker that holds a
+hot prefix gets its requests until it is that much busier than the others; then the next one
+goes elsewhere (and that worker caches the prefix too).  With routing "load" the cache is not
+consulted: the least loaded candidate wins.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +26,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from gateway.cache_view import CacheView, PrefixKeys, capacity_pages, follow
 from kv_transfer.auth import aio_interceptors
 from kv_transfer.tls import TlsIdentity, open_aio_channel
 from proto import worker_pb2 as wpb
@@ -20,7 +37,12 @@ log = logging.getLogger("tandem.gateway")
 FAILURES_TO_OPEN = 3
 OPEN_S = 5.0
 CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 20_000),
-                   ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1)]
+                   ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1),
+                   # a CacheEvents reset carries every key a worker caches (16 bytes a page): a big pool's
+                   # passes gRPC's default 4 MiB (64 MiB: some 3.5 million pages)
+                   ("grpc.max_receive_message_length", 64 << 20)]
+LOAD_SLACK_FRACTION = 0.5         # prefix routing: how much busier than the least loaded a worker
+DECODE_SLACK_REQUESTS = 2         # may be and still win by its cached prefix (module docstring)
 
 
 @dataclass
@@ -38,6 +60,9 @@ class Worker:
     open_until: float = 0.0
     decode_stub: wpb_grpc.DecodeServiceStub | None = None     # decode and colocated workers
     prefill_stub: wpb_grpc.PrefillServiceStub | None = None   # prefill workers
+    cache: CacheView | None = None          # its prefix cache, from its CacheEvents (prefix routing)
+    cache_task: asyncio.Task[None] | None = field(default=None, repr=False)   # following them
+    cache_events: bool = True               # False once it answered UNIMPLEMENTED
 
     def connect(self) -> None:
         self.channel = open_aio_channel(self.address, self.tls, CHANNEL_OPTIONS, aio_interceptors(self.secret))
@@ -69,10 +94,23 @@ class Worker:
     def succeeded(self) -> None:
         self.failures, self.open_until = 0, 0.0
 
+    def cached_tokens(self, keys: PrefixKeys | None) -> int:
+        """The prompt's leading tokens its prefix cache is expected to hold (0: none known)."""
+        return self.cache.cached_tokens(keys) if self.cache is not None else 0
+
+    @property
+    def load(self) -> int:
+        """Decode: requests on it (this gateway's, and its running and waiting); prefill: prompt
+        tokens queued."""
+        if self.role == Role.PREFILL:
+            return self.queued_tokens + (self.stats.waiting_tokens if self.stats else 0)
+        return self.outstanding + (self.stats.running + self.stats.waiting if self.stats else 0)
+
 
 class WorkerPool:
     def __init__(self, decode: tuple[str, ...], prefill: tuple[str, ...], colocated: tuple[str, ...],
-                 secret: bytes, tls: TlsIdentity | None = None) -> None:
+                 secret: bytes, tls: TlsIdentity | None = None, routing: str = "prefix") -> None:
+        self.routing = routing            # "prefix" (follow the workers' caches) or "load"
         self.secret = secret              # the cluster secret the workers' calls are authenticated with
         self.tls = tls                    # mutual TLS to the workers when they run it (across nodes)
         self.workers = [Worker(a, r, secret, tls) for r, addrs in ((Role.DECODE, decode), (Role.PREFILL, prefill),
@@ -91,6 +129,7 @@ class WorkerPool:
         have = {(w.address, w.role) for w in self.workers}
         for w in [w for w in self.workers if (w.address, w.role) not in want]:
             self.workers.remove(w)
+            self._unfollow(w)
             self._retired.append(w)           # no new requests; closed once none is left on it
         for w in [w for w in self._retired if w.outstanding == 0]:
             self._retired.remove(w)
@@ -111,6 +150,7 @@ class WorkerPool:
         try:
             w.health = await w.stub.Health(wpb.HealthRequest(), timeout=2.0)
             w.stats = await w.stub.Stats(wpb.StatsRequest(), timeout=2.0)
+            self._follow(w)
         except grpc.aio.AioRpcError as e:
             if w.health is not None:
                 log.warning("worker %s (%s) stopped answering: %s", w.address, w.role, e.code().name)
@@ -128,21 +168,70 @@ class WorkerPool:
         return max((w.health.kv_capacity_tokens for w in self.of(Role.DECODE, Role.COLOCATED)
                     if w.healthy and w.health is not None), default=0)
 
-    def pick_decode(self, need_tokens: int, exclude: set[str]) -> Worker | None:
-        """A decode (or colocated) worker with room for `need_tokens` and the least work."""
+    def _follow(self, w: Worker) -> None:
+        """Follow the worker's cache events while it says it caches prefixes (prefix routing)."""
+        h = w.health
+        wanted = (self.routing == "prefix" and w.cache_events and h is not None and h.prefix_cache
+                  and h.kv_page_size > 0)
+        if wanted and w.cache_task is None:
+            assert h is not None
+            view = w.cache = CacheView(capacity_pages(h))
+            w.cache_task = asyncio.get_running_loop().create_task(self._subscription(w, view))
+        elif not wanted and w.cache_task is not None:
+            self._unfollow(w)
+
+    async def _subscription(self, w: Worker, view: CacheView) -> None:
+        try:
+            await follow(view, lambda: w.stub.CacheEvents(wpb.CacheEventsRequest()), w.address)
+            w.cache_events = False            # UNIMPLEMENTED: an older worker
+        except Exception:  # a bug must not end routing: this worker is routed by load alone
+            log.exception("following the cache events of %s failed", w.address)
+            view.clear()
+
+    def _unfollow(self, w: Worker) -> None:
+        if w.cache_task is not None:
+            w.cache_task.cancel()
+        w.cache_task, w.cache = None, None
+
+    def page_sizes(self) -> set[int]:
+        """The page sizes of the caches the workers' views follow (for the prompts' keys)."""
+        return {w.cache.page_size for w in self.workers if w.cache is not None and w.cache.page_size}
+
+    def pick_decode(self, need_tokens: int, exclude: set[str], keys: PrefixKeys | None = None) -> Worker | None:
+        """A decode (or colocated) worker with room for `need_tokens`: the least loaded, or with
+        prefix routing and `keys` (the prompt's) the one `choose` prefers."""
         prefill_up = any(p.available() for p in self.of(Role.PREFILL))
         ok = [w for w in self.of(Role.DECODE, Role.COLOCATED) if w.available() and w.address not in exclude
               and w.health is not None and w.health.kv_capacity_tokens >= need_tokens
               and (w.role == Role.COLOCATED or prefill_up)]
         roomy = [w for w in ok if w.stats is None or w.stats.kv_tokens_free >= need_tokens] or ok
-        return min(roomy, key=lambda w: w.outstanding + (w.stats.running + w.stats.waiting if w.stats else 0),
-                   default=None)
+        return choose(roomy, keys if self.routing == "prefix" else None, DECODE_SLACK_REQUESTS)
 
-    def pick_prefill(self, exclude: set[str]) -> Worker | None:
+    def pick_prefill(self, exclude: set[str], keys: PrefixKeys | None = None, prompt_tokens: int = 0
+                     ) -> Worker | None:
+        """A prefill worker: the least loaded, or with prefix routing the one `choose` prefers
+        (`prompt_tokens`: the request's, its load slack)."""
         ok = [w for w in self.of(Role.PREFILL) if w.available() and w.address not in exclude]
-        return min(ok, key=lambda w: w.queued_tokens + (w.stats.waiting_tokens if w.stats else 0), default=None)
+        return choose(ok, keys if self.routing == "prefix" else None, prompt_tokens)
 
     async def close(self) -> None:
+        tasks = [w.cache_task for w in self.workers + self._retired if w.cache_task is not None]
+        for w in self.workers + self._retired:
+            self._unfollow(w)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for w in self.workers:
             if w.channel is not None:
                 await w.channel.close()
+
+
+def choose(candidates: list[Worker], keys: PrefixKeys | None, slack_min: float) -> Worker | None:
+    """The worker for a request (module docstring): within the load slack of the least loaded,
+    the longest expected cached prefix of `keys`, then the least load.  None: no candidate."""
+    if not candidates:
+        return None
+    least = min(w.load for w in candidates)
+    if keys is None:
+        return next(w for w in candidates if w.load == least)
+    bound = least + LOAD_SLACK_FRACTION * least + slack_min
+    near = [w for w in candidates if w.load <= bound]
+    return max(near, key=lambda w: (w.cached_tokens(keys), -w.load))

@@ -14,7 +14,7 @@ from typing import Any
 import uvicorn
 
 from gateway.app import create_app
-from gateway.config import GatewayConfig, api_keys
+from gateway.config import ROUTING_MODES, GatewayConfig, api_keys
 from kv_transfer.tls import TlsIdentity
 
 
@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                     "/v1/server_info (repeatable; none: /metrics is open)")
     ap.add_argument("--stream-idle-timeout", type=float, default=30.0,
                     help="close a response the client has not read for this many seconds")
+    ap.add_argument("--routing", default="prefix", choices=ROUTING_MODES,
+                    help="prefix: weigh each worker's cached prefix of the prompt against its load; load: least loaded")
     args = ap.parse_args(argv)
     keys = api_keys(args.api_keys_file, args.api_key)
     # the workers' secret, hex (as deploy/worker.py reads it): every worker call is authenticated
@@ -101,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                            request_timeout_s=args.request_timeout, cluster_secret=secret,
                            tls=TlsIdentity.load(args.tls_dir) if args.tls_dir else None,
                            ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
-                           admin_keys=tuple(args.admin_key), stream_idle_timeout_s=args.stream_idle_timeout)
+                           admin_keys=tuple(args.admin_key), stream_idle_timeout_s=args.stream_idle_timeout,
+                           routing=args.routing)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info", **uvicorn_limits(config))
     return 0
 

@@ -63,7 +63,11 @@ def test_continuous_usage_stats_puts_usage_in_every_chunk(client):
     assert all(c.usage.prompt_tokens == full.usage.prompt_tokens for c in chunks)
     so_far = [c.usage.completion_tokens for c in chunks]
     assert so_far == sorted(so_far) and so_far[0] <= 1
-    assert chunks[-2].usage == chunks[-1].usage == full.usage      # the last content chunk, then usage alone
+    assert chunks[-2].usage == chunks[-1].usage      # the last content chunk, then usage alone
+    last, whole = chunks[-1].usage, full.usage           # (a later time more of the prompt may be cached)
+    assert (last.prompt_tokens, last.completion_tokens) == (whole.prompt_tokens, whole.completion_tokens)
+    assert 0 <= whole.prompt_tokens_details.cached_tokens <= last.prompt_tokens_details.cached_tokens
+    assert last.prompt_tokens_details.cached_tokens < last.prompt_tokens
     assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
     plain = list(client.chat.completions.create(model="tiny-moe", messages=CHAT, max_tokens=24, temperature=0,
                                                 stream=True, stream_options={"include_usage": True}))
