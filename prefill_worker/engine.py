@@ -2,9 +2,12 @@
 `EngineCore`, batched and chunked by its scheduler), first-token sampling, and a `Pusher` per
 request that sends its pages while later layers still compute.
 
-    submit()    -> PrefillJob (a future)  queued; pages reserved for the prompt when admitted
-    before_run  for every request whose last chunk is in the batch, start its pusher; the
-                forward pass's layer hook hands it each layer group as soon as it is written
+    submit()    -> PrefillJob (a future)  queued; pages reserved for the prompt when admitted,
+                the leading ones shared from this worker's prefix cache (salted with the tenant
+                and the request's cache_salt) and not computed again
+    before_run  for every request whose last chunk is in the batch, start its pusher (pages
+                from the decode worker's cached prefix on); the forward pass's layer hook hands
+                it each layer group as soon as it is written
     after_run   the token path detached the request after its first token (pages kept):
                 the pusher commits with it
     drain       a push ended (acknowledged or failed): the request's pages are freed here, on

@@ -320,3 +320,47 @@ def test_colocated_roles_share_one_cache_without_double_counting(reference):
         wait_idle(worker)
     finally:
         worker.stop()
+
+
+class FakeContext:
+    """What CacheEventStreams uses of a grpc.ServicerContext."""
+
+    def __init__(self) -> None:
+        self.active = True
+
+    def is_active(self) -> bool:
+        return self.active
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise RuntimeError(f"{code.name}: {details}")
+
+
+def test_an_event_stream_sends_heartbeats_when_idle_deltas_when_not_and_ends_with_the_worker():
+    from engine.prefix_cache import CacheEventLog
+    from worker.cache_events import CacheEventStreams
+
+    log = CacheEventLog(page_size=S)
+    log.stored(b"k" * 16)
+    closing = threading.Event()
+    streams = CacheEventStreams(log, closing.is_set, max_subscribers=1, wait_s=0.01, heartbeat_s=0.02)
+    stream = streams.stream(FakeContext())
+    reset = msgpack.unpackb(next(stream).events)
+    assert reset["reset"] and reset["stored"] == [b"k" * 16] and reset["seq"] == 1
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED: at most 1 CacheEvents subscribers"):
+        next(streams.stream(FakeContext()))
+    beat = msgpack.unpackb(next(stream).events)          # nothing changed: a heartbeat
+    assert not beat["reset"] and beat["stored"] == beat["evicted"] == [] and beat["seq"] == 1
+    log.evicted(b"k" * 16)
+    log.stored(b"m" * 16)
+    delta = msgpack.unpackb(next(stream).events)
+    assert (delta["stored"], delta["evicted"], delta["seq"]) == ([b"m" * 16], [b"k" * 16], 3)
+    assert streams.subscribers == 1
+    closing.set()
+    with pytest.raises(StopIteration):
+        next(stream)
+    assert streams.subscribers == 0
+    cancelled = FakeContext()
+    stream = streams.stream(cancelled)                    # the place was given back
+    next(stream)
+    cancelled.active = False
+    assert list(stream) == [] and streams.subscribers == 0
