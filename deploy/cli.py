@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 
-from deploy.settings import PLACEMENT_STRATEGIES, ServeSettings
+from deploy.settings import PLACEMENT_STRATEGIES, ROUTING_MODES, ServeSettings
 
 COMMANDS_GROUP = "tandem.commands"
 API_KEYS_ENV = "TANDEM_API_KEYS"     # KEY[:TENANT],KEY[:TENANT],... (not shown by `ps`, unlike --api-key)
@@ -187,6 +187,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                     "more than one node)")
     sv.add_argument("--ssl-certfile", default=None, help="the gateway serves HTTPS with this certificate (PEM)")
     sv.add_argument("--ssl-keyfile", default=None, help="... and this private key (PEM)")
+    sv.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                    help="no prefix cache on any worker: every prompt is computed and its KV moved in full")
+    sv.add_argument("--routing", default="prefix", choices=ROUTING_MODES,
+                    help="how the gateway picks a request's workers: prefix weighs the prompt's prefix each "
+                    "worker caches against its load; load takes the least loaded (default: prefix)")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sv.set_defaults(func=_serve)
 
@@ -215,7 +220,8 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
         worker_cores=args.worker_cores, verify_experts=args.verify_experts, tls=args.tls,
         ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, default_max_tokens=args.default_max_tokens,
         tenant_max_kv_tokens=args.tenant_max_kv_tokens, stream_idle_timeout_s=args.stream_idle_timeout,
-        admin_keys=admin_keys(os.environ.get(ADMIN_KEYS_ENV)))
+        admin_keys=admin_keys(os.environ.get(ADMIN_KEYS_ENV)), prefix_cache=args.prefix_cache,
+        routing=args.routing)
 
 
 def admin_keys(env: str | None) -> tuple[str, ...]:

@@ -156,7 +156,7 @@ class Deployment:
                     tls=self._identity(f"gateway-{replica}", ray.get_runtime_context().get_node_id()),
                     ssl_certfile=s.ssl_certfile, ssl_keyfile=s.ssl_keyfile,
                     default_max_tokens=s.default_max_tokens, tenant_max_kv_tokens=s.tenant_max_kv_tokens,
-                    admin_keys=s.admin_keys, stream_idle_timeout_s=s.stream_idle_timeout_s)
+                    admin_keys=s.admin_keys, stream_idle_timeout_s=s.stream_idle_timeout_s, routing=s.routing)
 
     def _wait_healthy(self, url: str, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s

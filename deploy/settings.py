@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import SHIPPED_MODEL
+from gateway.config import ROUTING_MODES
 from worker.types import Role
 
 # Ray's placement group strategies (ray.util.placement_group): PACK and SPREAD are best effort,
@@ -55,6 +56,8 @@ class ServeSettings:
     tenant_max_kv_tokens: int | None = None  # KV a tenant may hold reserved; None: half the cluster's
     admin_keys: tuple[str, ...] = field(default=(), repr=False)   # /metrics and /v1/server_info need one
     stream_idle_timeout_s: float = 30.0     # a response its client does not read this long is reset
+    prefix_cache: bool = True               # False (--no-prefix-cache): every worker computes and moves whole prompts
+    routing: str = "prefix"                 # how the gateway picks workers (gateway/routing.py): ROUTING_MODES
 
     def __post_init__(self) -> None:
         if not (Path(self.model) / "config.json").is_file():
@@ -86,6 +89,8 @@ class ServeSettings:
             raise ValueError("an empty admin key would let anyone in: refused")
         if not 0 < self.stream_idle_timeout_s < float("inf"):
             raise ValueError(f"--stream-idle-timeout must be > 0, got {self.stream_idle_timeout_s}")
+        if self.routing not in ROUTING_MODES:
+            raise ValueError(f"--routing {self.routing}: choose one of {', '.join(ROUTING_MODES)}")
         if self.tls not in TLS_MODES:
             raise ValueError(f"--tls {self.tls}: choose one of {', '.join(TLS_MODES)}")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
@@ -111,7 +116,7 @@ class ServeSettings:
         cfg: dict[str, str | int | float | bool | None] = dict(
             model=self.model, dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
             paged_experts_num_resident=self.paged_experts_num_resident, transfer=self.transfer,
-            verify_experts=self.verify_experts)
+            verify_experts=self.verify_experts, prefix_cache=self.prefix_cache)
         if self.kv_cache_tokens is not None:
             cfg["kv_cache_tokens"] = self.kv_cache_tokens
         if self.mem_fraction is not None:

@@ -1,22 +1,19 @@
 """The gateway's side of the prefix cache: `cache_salt` (checked, passed on), the cached tokens
-in `usage`, the view of each worker's cache built from its CacheEvents stream, and routing
-that weighs the cached prefix against load.  Fake workers (tests/gateway_helpers.py) play the
-workers' side from a script."""
+in `usage`, routing that weighs each worker's cached prefix against its load, the cache in
+/metrics and /v1/server_info, and `tandem serve --no-prefix-cache --routing`.  Fake workers
+(tests/gateway_helpers.py) play the workers' side from a script; the view of a worker's cache
+is tested in test_gateway_cache_view.py."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Iterator
 
-import grpc
-import msgpack
 import pytest
 
-from engine.prefix_cache import cache_salt, page_keys
-from gateway import cache_view
-from gateway.cache_view import BadBatch, CacheBatch, CacheView, PrefixKeys, capacity_pages, decode_batch, follow
+from gateway.cache_view import CacheBatch, CacheView, PrefixKeys
+from gateway.config import GatewayConfig
 from gateway.routing import Worker, WorkerPool, choose
 from proto import worker_pb2 as wpb
 from tests.gateway_helpers import FakeWorker, get, post, start_gateway, wait_ready
@@ -24,7 +21,6 @@ from tests.workers import SECRET
 from worker.types import Role
 
 IDS = list(range(1, 41))              # 40 tokens: 2 full pages of 16 may be cached (never the last token)
-K = [bytes([i]) * 16 for i in range(8)]
 
 
 def text(ids=IDS, **kw):
@@ -102,140 +98,6 @@ def test_usage_reports_the_cached_prompt_tokens_per_tenant_and_salt(fakes):
         gw.stop()
 
 
-# ---- the view of a worker's cache ------------------------------------------------------------------
-def batch(epoch="e1", reset=False, stored=(), evicted=(), page_size=16) -> CacheBatch:
-    return CacheBatch(epoch, 0, page_size, reset, list(stored), list(evicted))
-
-
-def test_the_view_follows_stored_evicted_reset_and_a_new_epoch():
-    v = CacheView(max_pages=100)
-    v.apply(batch(reset=True, stored=K[:3]))
-    assert v.cached_pages(K[:4]) == 3 and v.page_size == 16
-    v.apply(batch(stored=[K[3]], evicted=[K[1]]))
-    assert v.cached_pages(K[:4]) == 1 and K[3] in v and len(v) == 3      # a chain ends at the first gap
-    v.apply(batch(reset=True, stored=[K[5]]))
-    assert len(v) == 1 and K[5] in v                                     # a reset replaces the view
-    v.apply(batch(epoch="e2", stored=[K[6]]))
-    assert len(v) == 1 and K[6] in v and v.epoch == "e2"                 # a restarted worker: start over
-    v.apply(batch(epoch="e2", stored=[K[7]], page_size=32))
-    assert len(v) == 1 and v.page_size == 32
-    v.clear()
-    assert len(v) == 0 and v.page_size == 0 and v.cached_tokens(PrefixKeys(SECRET, "t", "", IDS)) == 0
-
-
-def test_the_view_is_bounded_dropping_the_keys_heard_of_longest_ago():
-    v = CacheView(max_pages=3)
-    v.apply(batch(reset=True, stored=K[:5]))
-    assert len(v) == 3 and v.dropped == 2 and K[0] not in v and K[4] in v
-    v.apply(batch(stored=K[5:8]))
-    assert len(v) == 3 and [k in v for k in K[5:8]] == [True] * 3
-    health = wpb.HealthReply(kv_capacity_tokens=1600, kv_page_size=16)
-    assert capacity_pages(health) == 100 + cache_view.VIEW_SLACK_PAGES
-    with pytest.raises(ValueError, match="max_pages"):
-        CacheView(0)
-
-
-def test_a_malformed_batch_is_refused_naming_what_is_wrong():
-    good = {"epoch": "e", "seq": 1, "page_size": 16, "reset": False, "stored": [K[0]], "evicted": []}
-    assert decode_batch(msgpack.packb(good)).stored == [K[0]]
-    for bad, why in ((b"\xc1", "msgpack"), (msgpack.packb([1]), "map"), (msgpack.packb({**good, "epoch": 3}), "epoch"),
-                     (msgpack.packb({**good, "page_size": 0}), "page_size"),
-                     (msgpack.packb({**good, "stored": [b"short"]}), "16-byte")):
-        with pytest.raises(BadBatch, match=why):
-            decode_batch(bad)
-
-
-def test_prefix_keys_match_the_workers_and_stop_before_the_last_token():
-    keys = PrefixKeys(SECRET, "acme", "", IDS)
-    assert keys.get(16) == page_keys(cache_salt(SECRET, "acme", ""), IDS[:32], 16)
-    assert len(keys.get(16)) == 2 and len(keys.get(8)) == 4
-    assert len(PrefixKeys(SECRET, "acme", "", IDS[:32]).get(16)) == 1        # 32 tokens: the 2nd page has the last
-    assert keys.get(16) != PrefixKeys(SECRET, "globex", "", IDS).get(16)
-    assert keys.get(16) != PrefixKeys(SECRET, "acme", "s", IDS).get(16)
-
-
-class Stream:
-    """A scripted CacheEvents call: yields its batches, then raises `end` (None: ends)."""
-
-    def __init__(self, batches: list[bytes], end: BaseException | None) -> None:
-        self.batches, self.end, self.cancelled = batches, end, False
-
-    def __aiter__(self):
-        return self._gen()
-
-    async def _gen(self):
-        for raw in self.batches:
-            yield wpb.CacheEventBatch(events=raw)
-        if self.end is not None:
-            raise self.end
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-class Quiet(Stream):
-    """A stream that never sends."""
-
-    def __init__(self) -> None:
-        super().__init__([], None)
-
-    async def _gen(self):
-        await asyncio.Event().wait()
-        yield wpb.CacheEventBatch()
-
-
-def rpc_error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata())
-
-
-def raw(reset=False, stored=(), epoch="e1") -> bytes:
-    return msgpack.packb({"epoch": epoch, "seq": 1, "page_size": 16, "reset": reset, "stored": list(stored),
-                          "evicted": []})
-
-
-def test_a_broken_stream_clears_the_view_and_resubscribes_until_unimplemented(monkeypatch):
-    monkeypatch.setattr(cache_view, "BACKOFF_MIN_S", 0.0)
-    view = CacheView(100)
-    seen: list[int] = []
-    calls = iter([Stream([raw(True, K[:2])], rpc_error(grpc.StatusCode.UNAVAILABLE)),
-                  Stream([raw(True, K[:1]), b"not msgpack"], None),
-                  Stream([], None),
-                  Stream([raw(True, K[:3])], rpc_error(grpc.StatusCode.UNIMPLEMENTED))])
-    opened: list[Stream] = []
-
-    def subscribe() -> Stream:
-        seen.append(len(view))            # what the view held when the next stream opened
-        opened.append(next(calls))
-        return opened[-1]
-
-    asyncio.run(asyncio.wait_for(follow(view, subscribe, "w"), 10))
-    assert seen == [0, 0, 0, 0] and len(view) == 0         # cleared after each break, and at the end
-    assert all(s.cancelled for s in opened) and len(opened) == 4
-
-
-def test_the_subscription_is_cancelled_with_the_pool():
-    async def main() -> None:
-        pool = WorkerPool(("127.0.0.1:1",), ("127.0.0.1:2",), (), SECRET)
-        w = pool.workers[0]
-        w.health = wpb.HealthReply(ready=True, kv_capacity_tokens=1024, kv_page_size=16, prefix_cache=True)
-
-        class Stub:
-            def CacheEvents(self, request):
-                return Quiet()
-        w.decode_stub = Stub()  # type: ignore[assignment]
-        pool._follow(w)
-        task = w.cache_task
-        assert task is not None and w.cache is not None and w.cache.max_pages == 64 + cache_view.VIEW_SLACK_PAGES
-        await asyncio.sleep(0.01)
-        await pool.close()
-        assert task.cancelled() and w.cache_task is None
-        off = pool.workers[1]
-        off.health = wpb.HealthReply(ready=True, kv_capacity_tokens=1024, kv_page_size=16, prefix_cache=False)
-        pool._follow(off)
-        assert off.cache_task is None                    # a worker without a prefix cache: not followed
-    asyncio.run(main())
-
-
 # ---- routing -------------------------------------------------------------------------------------
 def worker(address: str, load: int, cached: list[bytes] = (), role: Role = Role.DECODE) -> Worker:
     w = Worker(address, role)
@@ -243,7 +105,7 @@ def worker(address: str, load: int, cached: list[bytes] = (), role: Role = Role.
     w.stats = wpb.StatsReply(running=load if role != Role.PREFILL else 0, kv_tokens_free=1 << 20,
                              waiting_tokens=load if role == Role.PREFILL else 0)
     w.cache = CacheView(1000)
-    w.cache.apply(batch(reset=True, stored=cached))
+    w.cache.apply(CacheBatch("e1", 0, 16, True, list(cached), []))
     return w
 
 
@@ -326,3 +188,17 @@ def test_metrics_and_server_info_show_each_workers_cache(fakes):
         assert p.cache is None or len(p.cache) == 0
     finally:
         gw.stop()
+
+
+def test_serve_flags_turn_the_cache_off_on_every_worker_and_choose_the_routing():
+    from deploy.cli import build_parser, serve_settings
+    args = build_parser().parse_args(["serve", "--no-prefix-cache", "--routing", "load"])
+    s = serve_settings(args)
+    assert s.worker_config()["prefix_cache"] is False and s.routing == "load"
+    s = serve_settings(build_parser().parse_args(["serve"]))
+    assert s.worker_config()["prefix_cache"] is True and s.routing == "prefix"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--routing", "random"])
+    with pytest.raises(ValueError, match="routing"):
+        GatewayConfig(decode_workers=("127.0.0.1:1",), prefill_workers=("127.0.0.1:2",), cluster_secret=SECRET,
+                      routing="random")
