@@ -202,3 +202,24 @@ def test_serve_flags_turn_the_cache_off_on_every_worker_and_choose_the_routing()
     with pytest.raises(ValueError, match="routing"):
         GatewayConfig(decode_workers=("127.0.0.1:1",), prefill_workers=("127.0.0.1:2",), cluster_secret=SECRET,
                       routing="random")
+
+
+def test_real_workers_report_cached_tokens_and_the_router_follows_their_cache():
+    from tests.gateway_helpers import gateway_cluster
+    from tests.workers import config
+    prompt = {"model": "tiny-moe", "prompt": [5 + i % 300 for i in range(100)], "max_tokens": 3,
+              "temperature": 0, "ignore_eos": True}
+    with gateway_cluster(config(), config()) as (gw, decode, prefill):
+        _, first = post(gw.url, "/v1/completions", prompt)
+        _, again = post(gw.url, "/v1/completions", prompt)
+        _, other = post(gw.url, "/v1/completions", prompt, key="sk-other")
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached > 0 and cached % 16 == 0 and cached < 100              # whole pages, never the last token
+        assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0   # another tenant's salt
+        assert again["choices"][0]["text"] == first["choices"][0]["text"] == other["choices"][0]["text"]
+        wait_for(lambda: (view_pages(gw.url)[decode.address] or 0) >= cached // 16, "the decode worker's events")
+        pool = gw.app.state.gateway.pool
+        keys = PrefixKeys(SECRET, "acme", "", prompt["prompt"])
+        w = next(w for w in pool.workers if w.address == decode.address)
+        assert w.cached_tokens(keys) == cached                  # the view agrees with the worker
