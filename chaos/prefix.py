@@ -160,10 +160,11 @@ class CrossTenant(PrefixWorkload):
 class CachePoison(PrefixWorkload):
     PREFIX_TOKENS = 128      # 8 pages
 
+    MIN_POISONED = 4         # requests in the poisoned phase at least (a delta transfer to aim at)
+
     @staticmethod
     def count(n: int) -> int:
-        k = max(1, n // 4)
-        return 2 * k + max(n, k)
+        return 2 * max(1, n // 4) + max(n, CachePoison.MIN_POISONED)
 
     def plan(self, n: int) -> list[Phase]:
         self.snapshot: dict[str, dict[int, tuple[int, str]]] = {}
@@ -173,7 +174,8 @@ class CachePoison(PrefixWorkload):
         def round_(count: int) -> list[Outcome]:
             return [self.request(VICTIMS[j % k % len(VICTIMS)], heads[j % k][0] + self.suffix(), heads[j % k][1],
                                  self.max_tokens(), stream=j % 2 == 0) for j in range(count)]
-        return [Phase("warm-up", round_(k)), Phase("poisoned", round_(max(n, k))), Phase("after", round_(k))]
+        return [Phase("warm-up", round_(k)), Phase("poisoned", round_(max(n, self.MIN_POISONED))),
+                Phase("after", round_(k))]
 
     def before(self, index: int, res: ScenarioResult) -> None:
         if index == 1:

@@ -105,7 +105,7 @@ def totals(results: list[ScenarioResult], seed: int, seconds: float) -> dict:
     }
 
 
-COLUMNS = [("scenario", 16), ("injected", 8), ("detected", 8), ("completed", 9), ("failed", 6),
+COLUMNS = [("scenario", 18), ("injected", 8), ("detected", 8), ("completed", 9), ("failed", 6),
            ("aborted", 7), ("leaks", 5), ("corrupt", 7), ("pages", 5), ("ok", 3)]
 
 
