@@ -23,7 +23,7 @@ from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from tests.workers import SECRET, channel, config, run, start_decode, start_prefill, wait_idle
 from worker.cache_events import MAX_SUBSCRIBERS
-from worker.convert import params_to_proto
+from worker.convert import params_to_proto, prefill_request
 from worker.server import WorkerHandle
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0)
@@ -100,6 +100,34 @@ def test_the_second_request_of_a_shared_prefix_transfers_only_the_delta(pair, re
     want = reference.generate([a, b], PARAMS)
     assert [first.token_ids, second.token_ids] == [w.token_ids for w in want]
     wait_idle(decode, prefill)
+
+
+def test_prefill_replies_with_its_own_hit_and_sends_from_the_decode_boundary(pair, reference):
+    """A decode worker that has seen nothing: prefill computes only what its own cache lacks,
+    replies with its own hit, and sends every page (cached ones included) from the decode
+    worker's boundary, 0, on."""
+    decode, prefill = pair
+    pch = channel(prefill.address)
+    _, (a, b) = prompts(reference, "uneven caches", " One?", " Two?")
+    assert run(channel(decode.address), pch, "uneven-a", a, PARAMS).error is None
+    fresh = start_decode(config(kv_audit=True))
+    try:
+        fch = channel(fresh.address)
+        call = wpb_grpc.DecodeServiceStub(fch).Generate(wpb.GenerateRequest(
+            request_id="uneven-b", tenant="acme", prompt_token_ids=b, params=params_to_proto(PARAMS),
+            timeout_s=60), timeout=60)
+        res = next(call).reservation
+        assert res.cached_tokens == 0
+        reply = wpb_grpc.PrefillServiceStub(pch).Prefill(prefill_request("uneven-b", "acme", b, PARAMS, res),
+                                                         timeout=60)
+        assert reply.ok and reply.cached_tokens == expected_hit(common(a, b), len(b)) > 0
+        assert reply.frames == -(-len(b) // S) * FRAMES_PER_PAGE
+        assert fresh.receiver.accepted_bytes == len(b) * KV_BYTES_PER_TOKEN
+        tokens = [t for msg in call if msg.WhichOneof("kind") == "tokens" for t in msg.tokens.token_ids]
+        assert tokens == reference.generate([b], PARAMS)[0].token_ids
+        wait_idle(fresh, decode, prefill)
+    finally:
+        fresh.stop()
 
 
 def test_a_cache_is_never_shared_across_tenants_or_cache_salts(pair, reference):
