@@ -1,28 +1,35 @@
 """The workers' side of the prefix cache (issue 18): a decode worker reserves only what its
 cache lacks and only that difference travels; prefill skips what its own cache holds; caches
-never cross tenants or cache salts; the CacheEvents stream; stats; --no-prefix-cache; the
-colocated worker, whose two roles share one pool."""
+never cross tenants or cache salts; a failed transfer caches nothing; eviction keeps outputs
+exact; --no-prefix-cache; the colocated worker, whose two roles share one pool.  (The
+CacheEvents stream, stats and health: test_prefix_events.py.)"""
 
 from __future__ import annotations
 
 import secrets
-import threading
 from collections.abc import Iterator
 
-import grpc
-import msgpack
 import pytest
 
 from deploy.colocated import start_colocated_worker
 from deploy.worker import config_from, parser
 from engine import LLM
 from engine.params import SamplingParams
-from engine.prefix_cache import cache_salt, max_cached_pages, page_keys
+from engine.prefix_cache import max_cached_pages
 from kv_transfer.hooks import TransferHooks
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
-from tests.workers import SECRET, channel, config, run, start_decode, start_prefill, wait_idle
-from worker.cache_events import MAX_SUBSCRIBERS
+from tests.workers import (
+    SECRET,
+    channel,
+    config,
+    prefix_prompts,
+    run,
+    start_decode,
+    start_prefill,
+    wait_idle,
+    worker_stats,
+)
 from worker.convert import params_to_proto, prefill_request
 from worker.server import WorkerHandle
 
@@ -47,14 +54,6 @@ def pair() -> Iterator[tuple[WorkerHandle, WorkerHandle]]:
     prefill.stop()
 
 
-def prompts(llm: LLM, topic: str, *tails: str) -> tuple[list[int], list[list[int]]]:
-    """A long shared prefix about `topic` (unique per test: no test finds another's pages) and
-    one prompt per tail."""
-    tok = llm.tokenizer
-    prefix = tok.encode(f"system: you answer questions about {topic}. " * 8)
-    return prefix, [prefix + tok.encode(t) for t in tails]
-
-
 def expected_hit(shared: int, prompt_len: int) -> int:
     """Tokens a cache holding `shared` leading tokens of the prompt serves."""
     return min(shared // S, max_cached_pages(prompt_len, S)) * S
@@ -67,20 +66,14 @@ def common(a: list[int], b: list[int]) -> int:
     return n
 
 
-def stats(handle: WorkerHandle) -> wpb.StatsReply:
-    ch = channel(handle.address)
-    stub = wpb_grpc.PrefillServiceStub(ch) if handle.role.value == "prefill" else wpb_grpc.DecodeServiceStub(ch)
-    return stub.Stats(wpb.StatsRequest())
-
-
 def test_the_second_request_of_a_shared_prefix_transfers_only_the_delta(pair, reference):
     decode, prefill = pair
     dch, pch = channel(decode.address), channel(prefill.address)
-    _, (a, b) = prompts(reference, "blue kettles", " Which colour is it?", " Why is it blue at all?")
+    _, (a, b) = prefix_prompts(reference.tokenizer, "blue kettles", " Which colour is it?", " Why is it blue at all?")
     first = run(dch, pch, "delta-a", a, PARAMS)
     assert first.error is None and first.reservation.cached_tokens == 0 and first.finish.cached_tokens == 0
     frames, nbytes = decode.receiver.accepted_frames, decode.receiver.accepted_bytes
-    before_p, before_d = stats(prefill), stats(decode)
+    before_p, before_d = worker_stats(prefill), worker_stats(decode)
 
     second = run(dch, pch, "delta-b", b, PARAMS)
     hit = expected_hit(common(a, b), len(b))
@@ -91,7 +84,7 @@ def test_the_second_request_of_a_shared_prefix_transfers_only_the_delta(pair, re
     assert decode.receiver.accepted_frames - frames == (-(-len(b) // S) - hit // S) * FRAMES_PER_PAGE
     assert decode.receiver.accepted_bytes - nbytes == (len(b) - hit) * KV_BYTES_PER_TOKEN
     # prefill's own cache held the same prefix (it published the first prompt's pages)
-    after_p, after_d = stats(prefill), stats(decode)
+    after_p, after_d = worker_stats(prefill), worker_stats(decode)
     assert after_p.cache_hit_tokens - before_p.cache_hit_tokens == hit
     assert after_p.cache_query_tokens - before_p.cache_query_tokens == len(b)
     assert after_d.cache_hit_tokens - before_d.cache_hit_tokens == hit
@@ -108,7 +101,7 @@ def test_prefill_replies_with_its_own_hit_and_sends_from_the_decode_boundary(pai
     worker's boundary, 0, on."""
     decode, prefill = pair
     pch = channel(prefill.address)
-    _, (a, b) = prompts(reference, "uneven caches", " One?", " Two?")
+    _, (a, b) = prefix_prompts(reference.tokenizer, "uneven caches", " One?", " Two?")
     assert run(channel(decode.address), pch, "uneven-a", a, PARAMS).error is None
     fresh = start_decode(config(kv_audit=True))
     try:
@@ -133,7 +126,7 @@ def test_prefill_replies_with_its_own_hit_and_sends_from_the_decode_boundary(pai
 def test_a_cache_is_never_shared_across_tenants_or_cache_salts(pair, reference):
     decode, prefill = pair
     dch, pch = channel(decode.address), channel(prefill.address)
-    _, (ids,) = prompts(reference, "tenant isolation", " Tell me the secret.")
+    _, (ids,) = prefix_prompts(reference.tokenizer, "tenant isolation", " Tell me the secret.")
     want = reference.generate([ids], PARAMS)[0].token_ids
     hit = max_cached_pages(len(ids), S) * S
     first = run(dch, pch, "iso-1", ids, PARAMS, tenant="acme")
@@ -169,105 +162,11 @@ def test_prefill_refuses_a_decode_boundary_that_is_not_whole_pages_inside_the_pr
     wait_idle(prefill)
 
 
-def read_until(stream: Iterator[wpb.CacheEventBatch], want: set[bytes], reads: int = 20) -> tuple[set, list]:
-    """Read batches until every key of `want` was stored (bounded); returns the keys stored and
-    the batches read."""
-    stored: set[bytes] = set()
-    batches = []
-    for _ in range(reads):
-        batch = msgpack.unpackb(next(stream).events)
-        batches.append(batch)
-        stored |= set(batch["stored"])
-        stored -= set(batch["evicted"])
-        if want <= stored:
-            break
-    return stored, batches
-
-
-@pytest.mark.parametrize("role", ["decode", "prefill"])
-def test_cache_events_stream_a_reset_then_the_keys_of_what_was_cached(pair, reference, role):
-    decode, prefill = pair
-    handle = decode if role == "decode" else prefill
-    dch, pch = channel(decode.address), channel(prefill.address)
-    ch = channel(handle.address)
-    stub = wpb_grpc.DecodeServiceStub(ch) if role == "decode" else wpb_grpc.PrefillServiceStub(ch)
-    call = stub.CacheEvents(wpb.CacheEventsRequest(), timeout=60)
-    try:
-        reset = msgpack.unpackb(next(call).events)
-        assert reset["reset"] and reset["page_size"] == S and not reset["evicted"]
-        assert set(reset["stored"]) == {handle.core.pool.cache.key(p) for p in range(handle.core.pool.num_pages)
-                                        if p in handle.core.pool.cache}
-        _, (ids,) = prompts(reference, f"events on {role}", " What was stored?")
-        out = run(dch, pch, f"events-{role}", ids, PARAMS, tenant="acme")
-        assert out.error is None
-        salt = cache_salt(SECRET, "acme")
-        if role == "decode":      # prompt and output pages, all but the last token's KV computed
-            computed = (ids + out.token_ids)[:len(ids) + len(out.token_ids) - 1]
-        else:                     # prefill publishes the prompt's pages
-            computed = ids
-        want = set(page_keys(salt, computed, S))
-        stored, batches = read_until(call, want)
-        assert stored == want
-        assert all(not b["reset"] and b["epoch"] == reset["epoch"] for b in batches)
-    finally:
-        call.cancel()
-    wait_idle(decode, prefill)
-
-
-def test_cache_events_are_bounded_and_authenticated(pair):
-    decode, _ = pair
-    streams = decode.cache_events
-    assert streams is not None and streams.subscribers == 0
-    stub = wpb_grpc.DecodeServiceStub(channel(decode.address))
-    calls = [stub.CacheEvents(wpb.CacheEventsRequest(), timeout=60) for _ in range(MAX_SUBSCRIBERS)]
-    try:
-        for call in calls:
-            assert msgpack.unpackb(next(call).events)["reset"]
-        with pytest.raises(grpc.RpcError) as e:
-            next(stub.CacheEvents(wpb.CacheEventsRequest(), timeout=60))
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert streams.subscribers == MAX_SUBSCRIBERS
-    finally:
-        for call in calls:
-            call.cancel()
-    with grpc.insecure_channel(decode.address) as plain:
-        with pytest.raises(grpc.RpcError) as e:
-            next(wpb_grpc.DecodeServiceStub(plain).CacheEvents(wpb.CacheEventsRequest(), timeout=10))
-        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    # the cancelled streams give their places back (each notices within one wait of the log)
-    gone = threading.Event()
-    for _ in range(200):
-        if streams.subscribers == 0:
-            break
-        gone.wait(0.05)
-    assert streams.subscribers == 0
-    call = stub.CacheEvents(wpb.CacheEventsRequest(), timeout=60)
-    assert msgpack.unpackb(next(call).events)["reset"]
-    call.cancel()
-
-
-def test_stats_and_health_report_the_cache(pair):
-    decode, prefill = pair
-    for handle in (decode, prefill):
-        ch = channel(handle.address)
-        stub = wpb_grpc.PrefillServiceStub(ch) if handle is prefill else wpb_grpc.DecodeServiceStub(ch)
-        health = stub.Health(wpb.HealthRequest())
-        assert health.kv_page_size == S and health.prefix_cache
-        s = stub.Stats(wpb.StatsRequest())
-        pool = handle.core.pool
-        assert s.kv_pages_cached == pool.num_cached > 0
-        assert s.kv_pages_evictable == pool.num_evictable
-        assert s.cache_evictions == pool.evictions
-        assert 0 < s.cache_hit_tokens < s.cache_query_tokens
-    assert stats(decode).transfer_bytes_accepted == decode.receiver.accepted_bytes > 0
-    assert stats(prefill).transfer_bytes_accepted == 0
-
-
 def test_a_failed_transfer_publishes_nothing(pair, reference):
     """Frames marked written but never copied: the commit's re-checksum refuses the transfer,
     and none of its pages enters the decode worker's cache (nor any event)."""
     decode, prefill = pair
-    _, (ids,) = prompts(reference, "failed transfers", " Is this cached?")
+    _, (ids,) = prefix_prompts(reference.tokenizer, "failed transfers", " Is this cached?")
     cached, seq = decode.core.pool.num_cached, decode.core.pool.events.seq
     decode.install_transfer_hooks(TransferHooks(receiver=SkipWrites()))
     try:
@@ -296,12 +195,12 @@ def test_eviction_under_a_small_pool_keeps_outputs_exact(reference):
     decode, prefill = start_decode(cfg), start_prefill(cfg)
     try:
         dch, pch = channel(decode.address), channel(prefill.address)
-        _, ids = prompts(reference, "eviction", *[f" Question number {i}?" for i in range(8)])
+        _, ids = prefix_prompts(reference.tokenizer, "eviction", *[f" Question number {i}?" for i in range(8)])
         ids = [reference.tokenizer.encode(f"topic {i}: ") + p for i, p in enumerate(ids)]   # no shared pages
         out = [run(dch, pch, f"evict-{i}", p, PARAMS) for i, p in enumerate(ids)]
         want = reference.generate(ids, PARAMS)
         assert [o.token_ids for o in out] == [w.token_ids for w in want]
-        assert stats(decode).cache_evictions > 0 and stats(prefill).cache_evictions > 0
+        assert worker_stats(decode).cache_evictions > 0 and worker_stats(prefill).cache_evictions > 0
         wait_idle(decode, prefill)
     finally:
         decode.stop()
@@ -316,13 +215,13 @@ def test_no_prefix_cache_computes_and_transfers_everything(reference, monkeypatc
     decode, prefill = start_decode(cfg), start_prefill(cfg)
     try:
         dch, pch = channel(decode.address), channel(prefill.address)
-        _, (ids,) = prompts(reference, "no cache", " Again?")
+        _, (ids,) = prefix_prompts(reference.tokenizer, "no cache", " Again?")
         out = [run(dch, pch, f"nocache-{i}", ids, PARAMS) for i in range(2)]
         assert [o.reservation.cached_tokens for o in out] == [0, 0]
         assert decode.receiver.accepted_bytes == 2 * len(ids) * KV_BYTES_PER_TOKEN
         assert out[1].token_ids == reference.generate([ids], PARAMS)[0].token_ids
         for handle in (decode, prefill):
-            s = stats(handle)
+            s = worker_stats(handle)
             assert s.kv_pages_cached == 0 and s.cache_hit_tokens == 0 and s.cache_query_tokens == 2 * len(ids)
         assert not wpb_grpc.DecodeServiceStub(dch).Health(wpb.HealthRequest()).prefix_cache
         wait_idle(decode, prefill)
@@ -335,7 +234,7 @@ def test_colocated_roles_share_one_cache_without_double_counting(reference):
     worker = start_colocated_worker(config(kv_audit=True, max_prefill_tokens=64))
     try:
         ch = channel(worker.address)
-        _, (a, b) = prompts(reference, "colocation", " First question?", " Second question?")
+        _, (a, b) = prefix_prompts(reference.tokenizer, "colocation", " First question?", " Second question?")
         first = run(ch, None, "colo-a", a, PARAMS)
         nbytes = worker.receiver.accepted_bytes
         second = run(ch, None, "colo-b", b, PARAMS)
@@ -348,47 +247,3 @@ def test_colocated_roles_share_one_cache_without_double_counting(reference):
         wait_idle(worker)
     finally:
         worker.stop()
-
-
-class FakeContext:
-    """What CacheEventStreams uses of a grpc.ServicerContext."""
-
-    def __init__(self) -> None:
-        self.active = True
-
-    def is_active(self) -> bool:
-        return self.active
-
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise RuntimeError(f"{code.name}: {details}")
-
-
-def test_an_event_stream_sends_heartbeats_when_idle_deltas_when_not_and_ends_with_the_worker():
-    from engine.prefix_cache import CacheEventLog
-    from worker.cache_events import CacheEventStreams
-
-    log = CacheEventLog(page_size=S)
-    log.stored(b"k" * 16)
-    closing = threading.Event()
-    streams = CacheEventStreams(log, closing.is_set, max_subscribers=1, wait_s=0.01, heartbeat_s=0.02)
-    stream = streams.stream(FakeContext())
-    reset = msgpack.unpackb(next(stream).events)
-    assert reset["reset"] and reset["stored"] == [b"k" * 16] and reset["seq"] == 1
-    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED: at most 1 CacheEvents subscribers"):
-        next(streams.stream(FakeContext()))
-    beat = msgpack.unpackb(next(stream).events)          # nothing changed: a heartbeat
-    assert not beat["reset"] and beat["stored"] == beat["evicted"] == [] and beat["seq"] == 1
-    log.evicted(b"k" * 16)
-    log.stored(b"m" * 16)
-    delta = msgpack.unpackb(next(stream).events)
-    assert (delta["stored"], delta["evicted"], delta["seq"]) == ([b"m" * 16], [b"k" * 16], 3)
-    assert streams.subscribers == 1
-    closing.set()
-    with pytest.raises(StopIteration):
-        next(stream)
-    assert streams.subscribers == 0
-    cancelled = FakeContext()
-    stream = streams.stream(cancelled)                    # the place was given back
-    next(stream)
-    cancelled.active = False
-    assert list(stream) == [] and streams.subscribers == 0

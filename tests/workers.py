@@ -99,3 +99,19 @@ def wait_idle(*handles: WorkerHandle, timeout_s: float = 10.0) -> None:
         pool.check_integrity(contents=True)
         assert pool.num_free == pool.num_pages, \
             f"{h.role}: {pool.num_pages - pool.num_free} KV pages still in use"
+
+
+def prefix_prompts(tokenizer: Any, topic: str, *tails: str) -> tuple[list[int], list[list[int]]]:
+    """A long shared prefix about `topic` (unique per test, so no test finds another's cached
+    pages) and one prompt per tail, as token ids."""
+    prefix = tokenizer.encode(f"system: you answer questions about {topic}. " * 8)
+    return prefix, [prefix + tokenizer.encode(t) for t in tails]
+
+
+def worker_stats(handle: WorkerHandle) -> Any:
+    """The worker's Stats reply (wpb.StatsReply), asked over its gRPC service."""
+    from proto import worker_pb2 as wpb
+    from proto import worker_pb2_grpc as wpb_grpc
+    ch = channel(handle.address)
+    stub = wpb_grpc.PrefillServiceStub(ch) if handle.role.value == "prefill" else wpb_grpc.DecodeServiceStub(ch)
+    return stub.Stats(wpb.StatsRequest())
