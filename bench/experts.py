@@ -115,7 +115,7 @@ def device_run(device: str, batches: tuple[int, ...] = (1, 16), tokens: int = 32
     expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * probe.model.embed.element_size()
     prompts = natural_prompts(probe, max(batches), prompt_tokens)
     del probe
-    bandwidth, _ = measure_link(device, h2d_mib << 20, repeats)    # best of `repeats` pinned copies
+    bandwidth, how = measure_link(device, h2d_mib << 20, repeats)    # best of `repeats` pinned copies
     runs, summary = [], {}
     for b in batches:
         resident = run_mode("resident", None, b, prompts, tokens, None, repeats=repeats, device=device)
@@ -131,6 +131,7 @@ def device_run(device: str, batches: tuple[int, ...] = (1, 16), tokens: int = 32
             "link_bound_tok_s": bandwidth / paged["bytes_per_token"] if paged["bytes_per_token"] else None}
     return {"device": device, "emulated": False, "num_experts": e, "top_k": top_k, "moe_layers": layers,
             "expert_bytes": expert_bytes, "K": e // 4, "h2d_pinned_gbps": bandwidth / 1e9,
+            "link_measured_by": how,
             "units": "GB/s (1e9 bytes/s)", "runs": runs, "summary": summary}
 
 

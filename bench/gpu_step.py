@@ -50,11 +50,16 @@ def device_info(device: str, quick: bool) -> Figures:
     return info
 
 
+def small(device: str, quick: bool) -> bool:
+    """Small sizes and one repetition: --quick, or no accelerator (the check's CPU path)."""
+    return quick or not device.startswith("cuda")
+
+
 def engine_speed(device: str, quick: bool) -> Figures:
     """`bench.engine`'s engine figures on `device`: tokens/s of one stream and of 16 at once."""
     from bench.engine import PROMPTS, engine_rate
     from engine import LLM
-    tokens, repeats = (8, 1) if quick else (64, 3)
+    tokens, repeats = (8, 1) if small(device, quick) else (64, 3)
     llm = LLM(device=device)
     return {"device": device, "dtype": "float32", "tokens": tokens, "repeats": repeats,
             "attention_backend": llm.attention_backend,
@@ -67,6 +72,8 @@ def experts_speed(device: str, quick: bool) -> Figures:
     from bench.experts import device_run
     if quick:
         return device_run(device, batches=(1,), tokens=4, prompt_tokens=16, repeats=1, h2d_mib=16)
+    if small(device, quick):
+        return device_run(device, batches=(1, 16), tokens=4, prompt_tokens=16, repeats=1, h2d_mib=64)
     return device_run(device, batches=(1, 16), tokens=32, repeats=3)
 
 
@@ -74,7 +81,7 @@ def transfer_speed(device: str, quick: bool) -> Figures:
     """`bench.transfer --device`: 64 MiB from a pool on `device` through local, shm and gRPC."""
     from bench.transfer import measure
     from kv_transfer.transport import TransportConfig
-    return measure(device, 1 if quick else 3, TransportConfig(), extras=False)
+    return measure(device, 1 if small(device, quick) else 3, TransportConfig(), extras=False)
 
 
 def attention_speed(device: str, quick: bool) -> Figures:
