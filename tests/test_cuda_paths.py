@@ -77,7 +77,8 @@ def test_paged_experts_bit_identical_on_cuda(k: int, cuda_reference) -> None:
             assert a.logprobs == b.logprobs      # exact, every step, every entry
     stats = llm.expert_stats()
     assert all(s["misses"] > 0 for s in stats.values())
-    assert sum(stats[i]["prefetched"] for i in stats if i > 0) > 0
+    if k == ModelConfig.from_path(SHIPPED_MODEL).num_experts // 4:   # as tests/test_paged_experts.py at K = 16
+        assert sum(stats[i]["prefetched"] for i in stats if i > 0) > 0, "the prefetcher never copied"
     llm.pool.check_integrity()
 
 
