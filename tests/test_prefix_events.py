@@ -189,3 +189,18 @@ def test_an_event_stream_sends_heartbeats_when_idle_deltas_when_not_and_ends_wit
     next(stream)
     cancelled.active = False
     assert list(stream) == [] and streams.subscribers == 0
+
+
+def test_a_large_reset_goes_out_in_messages_of_bounded_size():
+    log = CacheEventLog(page_size=S)
+    keys = [bytes([i]) * 16 for i in range(5)]
+    for k in keys:
+        log.stored(k)
+    log.evicted(keys[0])
+    streams = CacheEventStreams(log, lambda: False, wait_s=0.01, max_keys=2)
+    stream = streams.stream(FakeContext())
+    batches = [msgpack.unpackb(next(stream).events) for _ in range(2)]
+    assert [(b["reset"], b["stored"]) for b in batches] == [(True, keys[1:3]), (False, keys[3:5])]
+    log.close()
+    assert list(stream) == [] and streams.subscribers == 0
+
