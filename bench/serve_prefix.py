@@ -9,10 +9,10 @@ prefill worker:
     prefix_routing  two decode workers, --routing prefix
     load_routing    two decode workers, --routing load
 
-With one decode worker every pool holds all the prefixes besides all running requests; with two,
-each holds about half of them besides its share of the running requests, so where a request
-lands decides whether its prefix is there (SharedPrefix.compare_pools; --kv-cache-tokens sizes
-every worker's pool, prefill's too).  Every run sends the same prompts, as token ids.
+With one decode worker every pool holds all the prefixes besides the running requests; with two,
+each holds about half of them, so where a request lands decides whether its prefix is there
+(SharedPrefix.compare_pools; --kv-cache-tokens sizes every worker's pool, prefill's too).  Every
+run sends the same prompts, as token ids.
 
 Per run: the load statistics, the cached-token share of the responses (usage
 prompt_tokens_details.cached_tokens over prompt tokens) and the KV bytes the decode workers

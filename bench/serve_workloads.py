@@ -64,18 +64,24 @@ class SharedPrefix:
 
     def kv_cache_tokens(self, held_prefixes: int, running: int, page_size: int = PAGE_SIZE) -> int:
         """The KV pool (tokens) of a worker that keeps `held_prefixes` prefixes cached besides
-        `running` requests of its own.  Each counts one whole request's pages: a finished request's
-        pages enter the cache, so a cached prefix keeps the question and answer of the last request
-        that used it beside it; a running request that missed the cache holds all of its pages."""
-        return (held_prefixes + running) * pages(self.request_tokens, page_size) * page_size
+        `running` requests of its own.  A held prefix counts one whole request's pages: a finished
+        request's pages enter the cache, so a cached prefix keeps the question and answer of the
+        last request that used it beside it.  A running request whose prefix is cached holds only
+        its own pages past the prefix's full pages (a miss publishes its prompt pages at the
+        transfer's commit: it becomes one of the held prefixes)."""
+        request = pages(self.request_tokens, page_size)
+        own = request - self.prefix_len // page_size
+        return (held_prefixes * request + running * own) * page_size
 
     def compare_pools(self, decode_workers: int = 2, page_size: int = PAGE_SIZE) -> dict[str, int]:
-        """KV pools of --prefix-compare: with one decode worker, all prefixes besides all running
-        requests (the cache-on run is not limited by its pool); with `decode_workers`, each holds
-        about half of the prefixes besides its share of the running requests (placement matters)."""
+        """KV pools of --prefix-compare: with one decode worker, every prefix; with `decode_workers`,
+        about half of them (placement matters) — each besides all `concurrency` running requests
+        (prefix routing may load one worker past its share).  Checked by simulating the pool's LRU
+        under both routings: more room lets load routing keep most prefixes too, less lets an
+        uneven moment evict prefixes the prefix-routed worker needs next."""
         return {"one_decode_worker": self.kv_cache_tokens(self.num_prefixes, self.concurrency, page_size),
-                "per_decode_worker": self.kv_cache_tokens(math.ceil(self.num_prefixes / 2),
-                                                          math.ceil(self.concurrency / decode_workers), page_size)}
+                "per_decode_worker": self.kv_cache_tokens(math.ceil(self.num_prefixes / decode_workers),
+                                                          self.concurrency, page_size)}
 
 
 @dataclass(frozen=True)

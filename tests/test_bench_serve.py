@@ -207,11 +207,13 @@ def test_prompt_pieces_are_token_exact_and_the_shared_prefix_workload_draws_pref
 
 
 def test_kv_pools_hold_the_stated_prefixes_besides_the_running_requests():
-    w = SharedPrefix()                        # the workload: 1024 + 64 prompt, 64 out = 72 pages
+    w = SharedPrefix()       # the workload: 1024 + 64 prompt, 64 out = 72 pages, 8 past the prefix
     assert w.request_tokens == 1152 and pages(w.request_tokens) == 72
-    assert w.compare_pools() == {"one_decode_worker": (16 + 8) * 72 * PAGE, "per_decode_worker": (8 + 4) * 72 * PAGE}
-    odd = SharedPrefix(num_prefixes=5, prefix_len=33, question_len=2, output_len=1, concurrency=3)   # 36 -> 3 pages
-    assert odd.compare_pools() == {"one_decode_worker": (5 + 3) * 48, "per_decode_worker": (3 + 2) * 48}
+    assert w.compare_pools() == {"one_decode_worker": (16 * 72 + 8 * 8) * PAGE,
+                                 "per_decode_worker": (8 * 72 + 8 * 8) * PAGE}
+    # 36 tokens: 3 pages, of which the prefix fills 2 (its 33rd token shares a page with the question)
+    odd = SharedPrefix(num_prefixes=5, prefix_len=33, question_len=2, output_len=1, concurrency=3)
+    assert odd.compare_pools() == {"one_decode_worker": (5 * 3 + 3 * 1) * PAGE, "per_decode_worker": (3 * 3 + 3) * PAGE}
     m = MultiTurn(conversations=2, turns=3, prefix_len=20, question_len=5, output_len=4)
     assert [m.prompt_len(t) for t in range(3)] == [20, 29, 38] and m.request_tokens == 42 and m.requests == 6
 
@@ -257,7 +259,7 @@ def test_prefix_compare_report(maker, monkeypatch):
     w = SharedPrefix(num_prefixes=4, prefix_len=64, question_len=16, output_len=3, requests=16, concurrency=1)
     args = argparse.Namespace(model="m", timeout=10.0)
     report = json.loads(json.dumps(serve_prefix.prefix_compare(args, maker, w, (1e9, 1e9))))
-    one, per = (4 + 1) * 96, (2 + 1) * 96          # 83 tokens: 6 pages
+    one, per = (4 * 6 + 2) * PAGE, (2 * 6 + 2) * PAGE     # 83 tokens: 6 pages, 2 past the prefix
     assert report["workload"]["kv_cache_tokens"] == {"one_decode_worker": one, "per_decode_worker": per}
     common = ["--prefill-workers", "1", "--decode-workers"]
     assert started == [common + ["1", "--kv-cache-tokens", str(one), "--max-model-len", "83", "--no-prefix-cache"],
