@@ -126,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default=None)
     add_flags(ap)
     args = ap.parse_args(argv)
-    check_modes(ap, args)
     if args.concurrency is None and args.workload == "random" and not args.prefix_compare:
         args.concurrency = "1,2,4,8,16,32"
     resolve(args)                         # the prefix workloads' flags left unset (and --concurrency)
+    check_modes(ap, args)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.shapes = parse_shapes(args.shapes)
     maker = PromptMaker(Tokenizer(args.tokenizer), args.seed)
@@ -166,8 +166,10 @@ def check_modes(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     prefix = args.prefix_compare or args.workload != "random"
     if prefix and args.chat:
         ap.error("the prefix workloads send token-id prompts on /v1/completions: drop --chat")
-    if args.prefix_compare and args.concurrency is not None and "," in args.concurrency:
+    if args.prefix_compare and "," in args.concurrency:
         ap.error(f"--prefix-compare runs one concurrency level, got --concurrency {args.concurrency}")
+    if args.held_prefixes is not None and not 1 <= args.held_prefixes <= args.num_prefixes:
+        ap.error(f"--held-prefixes {args.held_prefixes}: between 1 and --num-prefixes ({args.num_prefixes})")
     if args.compare and args.workload != "random":
         ap.error("--compare runs the random workload: drop --workload (or use --prefix-compare)")
 

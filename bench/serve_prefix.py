@@ -124,7 +124,7 @@ def summary(runs: dict[str, dict]) -> dict:
 
 def prefix_compare(args: argparse.Namespace, maker: PromptMaker, workload: SharedPrefix,
                    slo: tuple[float, float]) -> dict:
-    pools = workload.compare_pools(decode_workers=2)
+    pools = workload.compare_pools(decode_workers=2, held=args.held_prefixes)
     prompts = workload.prompts(maker)            # the same prompts for every run
     runs = {r.name: measure_run(r, workload, prompts, pools, maker, args, slo) for r in RUNS}
     return {"url": "tandem serve (started four times)",

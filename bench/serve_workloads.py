@@ -73,14 +73,16 @@ class SharedPrefix:
         own = request - self.prefix_len // page_size
         return (held_prefixes * request + running * own) * page_size
 
-    def compare_pools(self, decode_workers: int = 2, page_size: int = PAGE_SIZE) -> dict[str, int]:
+    def compare_pools(self, decode_workers: int = 2, held: int | None = None,
+                      page_size: int = PAGE_SIZE) -> dict[str, int]:
         """KV pools of --prefix-compare: with one decode worker, every prefix; with `decode_workers`,
-        about half of them (placement matters) — each besides all `concurrency` running requests
+        `held` of them (default: their share, about half with two, so placement matters) — each
+        besides all `concurrency` running requests
         (prefix routing may load one worker past its share).  Checked by simulating the pool's LRU
         under both routings: more room lets load routing keep most prefixes too, less lets an
         uneven moment evict prefixes the prefix-routed worker needs next."""
         return {"one_decode_worker": self.kv_cache_tokens(self.num_prefixes, self.concurrency, page_size),
-                "per_decode_worker": self.kv_cache_tokens(math.ceil(self.num_prefixes / decode_workers),
+                "per_decode_worker": self.kv_cache_tokens(held or math.ceil(self.num_prefixes / decode_workers),
                                                           self.concurrency, page_size)}
 
 
@@ -129,6 +131,9 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
         full, quick = DEFAULTS[name]
         g.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"{help_} (default {full}; "
                        f"--quick: {quick})")
+    g.add_argument("--held-prefixes", type=int, default=None, help="--prefix-compare: how many prefixes each of "
+                   "the two decode workers' KV pools holds besides the running requests (default: half of "
+                   "--num-prefixes)")
     g.add_argument("--quick", action="store_true", help="a tiny version of the workload (every default above "
                    "and --concurrency take their --quick value): to see it work, not to measure")
 

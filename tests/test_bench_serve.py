@@ -214,6 +214,7 @@ def test_kv_pools_hold_the_stated_prefixes_besides_the_running_requests():
     # 36 tokens: 3 pages, of which the prefix fills 2 (its 33rd token shares a page with the question)
     odd = SharedPrefix(num_prefixes=5, prefix_len=33, question_len=2, output_len=1, concurrency=3)
     assert odd.compare_pools() == {"one_decode_worker": (5 * 3 + 3 * 1) * PAGE, "per_decode_worker": (3 * 3 + 3) * PAGE}
+    assert odd.compare_pools(held=4)["per_decode_worker"] == (4 * 3 + 3) * PAGE
     m = MultiTurn(conversations=2, turns=3, prefix_len=20, question_len=5, output_len=4)
     assert [m.prompt_len(t) for t in range(3)] == [20, 29, 38] and m.request_tokens == 42 and m.requests == 6
 
@@ -257,7 +258,7 @@ def test_prefix_compare_report(maker, monkeypatch):
     monkeypatch.setattr(serve_prefix, "start_tandem", start)
     monkeypatch.setattr(serve_prefix, "STATS_WAIT_S", 0.0)
     w = SharedPrefix(num_prefixes=4, prefix_len=64, question_len=16, output_len=3, requests=16, concurrency=1)
-    args = argparse.Namespace(model="m", timeout=10.0)
+    args = argparse.Namespace(model="m", timeout=10.0, held_prefixes=None)
     report = json.loads(json.dumps(serve_prefix.prefix_compare(args, maker, w, (1e9, 1e9))))
     one, per = (4 * 6 + 2) * PAGE, (2 * 6 + 2) * PAGE     # 83 tokens: 6 pages, 2 past the prefix
     assert report["workload"]["kv_cache_tokens"] == {"one_decode_worker": one, "per_decode_worker": per}
@@ -308,7 +309,8 @@ def test_cache_share_counts_only_reporting_responses_and_missing_metrics_stop_th
 
 
 @pytest.mark.parametrize("argv", [["--prefix-compare", "--chat"], ["--compare", "--prefix-compare"],
-                                  ["--workload", "multi-turn", "--chat"], ["--prefix-compare", "--concurrency", "4,8"]])
+                                  ["--workload", "multi-turn", "--chat"], ["--prefix-compare", "--concurrency", "4,8"],
+                                  ["--prefix-compare", "--held-prefixes", "17"]])
 def test_flag_combinations_that_cannot_run_are_refused(argv):
     with pytest.raises(SystemExit) as e:
         serve_main(argv)
