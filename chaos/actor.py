@@ -13,7 +13,8 @@ from deploy.registry import ActorHandle
 from worker.types import Role
 
 OPS = ("arm", "disarm", "injected", "ledger", "idle_check", "push_streams",       # what chaos_call may ask
-       "stall_open", "stall_status", "stall_handshake", "stall_close", "cache_pages", "squeeze", "unsqueeze")
+       "stall_open", "stall_status", "stall_handshake", "stall_close", "cache_pages", "squeeze", "unsqueeze",
+       "pool_state")
 
 
 class ChaosWorkerActor(WorkerActor):

@@ -149,10 +149,9 @@ class ChaosControl:
         return self.stalled.close()
 
     def idle_check(self, contents: bool = False) -> dict[str, Any]:
-        """The pool's accounting (I6 with the prefix cache): integrity, and the pages by state.
-        `used` counts the pages a request still holds (private ones, and cached ones some
-        table references): at idle it must be 0, every other page free or cached and
-        evictable.  `contents`: also re-hash every cached page (`cached_page_changes`)."""
+        """The pool's accounting (I6 with the prefix cache): integrity, and the pages by state
+        (`pool_state`).  `contents`: also re-hash every cached page and compare it with this
+        control's last hash of it (the integrity problem names a page that changed)."""
         h = self.handle
         pool = h.core.pool
         with h.lock:
@@ -166,10 +165,18 @@ class ChaosControl:
                 problem = f"cached pages {changed[:8]} changed while cached (same generation)"
             for experts in h.core.paged_experts().values():   # a flip no step read yet is counted here
                 experts.slots.verify(range(experts.slots.num_slots))
+            return {**self.pool_state(), "integrity": problem, "hashed": len(self._hashes) if contents else None}
+
+    def pool_state(self) -> dict[str, int]:
+        """The pool's pages by state now: `used` counts those a request holds (private ones, and
+        cached ones some table references; at idle it must be 0), `free` what an allocation can
+        get (free and evictable), and the cached, evictable and evicted counts."""
+        h = self.handle
+        pool = h.core.pool
+        with h.lock:
             private = sum(1 for p in range(pool.num_pages) if pool.owner(p) not in (None, CACHED))
             return {"used": pool.num_pages - pool.num_free, "free": pool.num_free, "private": private,
-                    "cached": pool.num_cached, "evictable": pool.num_evictable, "integrity": problem,
-                    "hashed": len(self._hashes) if contents else None}
+                    "cached": pool.num_cached, "evictable": pool.num_evictable, "evictions": pool.evictions}
 
     def _changed_pages(self, pool: PagePool) -> list[int]:
         """Cached pages whose bytes differ from when this control last hashed them under the same

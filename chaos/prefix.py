@@ -19,6 +19,7 @@ their own between the phases and a judgement of their own after the common oracl
 from __future__ import annotations
 
 import math
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -211,6 +212,7 @@ class EvictUnderLoad(PrefixWorkload):
 
     def plan(self, n: int) -> list[Phase]:
         self.squeezed: dict[str, dict[str, int]] = {}
+        self.watch: PoolWatch | None = None
         heads = [self.prefix(self.PREFIX_TOKENS) for _ in range(self.PREFIXES)]
         return [Phase("squeezed", [self.request(VICTIMS[j % len(heads) % len(VICTIMS)], heads[j % len(heads)][0]
                                                 + self.suffix(), heads[j % len(heads)][1], self.max_tokens(),
@@ -218,8 +220,11 @@ class EvictUnderLoad(PrefixWorkload):
 
     def before(self, index: int, res: ScenarioResult) -> None:
         self.squeezed = {w: self.cluster.call(w, "squeeze", keep_pages=SQUEEZE_KEEP) for w in self.decode_workers()}
+        self.watch = PoolWatch(self.cluster, self.decode_workers()).start()
 
     def end(self, res: ScenarioResult) -> None:
+        if self.watch is not None:
+            self.watch.stop()
         for w in self.squeezed:
             self.cluster.call(w, "unsqueeze")
 
@@ -230,12 +235,50 @@ class EvictUnderLoad(PrefixWorkload):
         res.figures.update(evictions=new["evictions"], hit_requests=len(hits),
                            hit_tokens=sum(o.cached_tokens or 0 for o in hits),
                            squeezed_pages=sum(s["held"] for s in self.squeezed.values()))
+        if self.watch is not None:
+            res.figures.update(peak_referenced_cached=self.watch.peak, evictions_while_referenced=self.watch.evicted,
+                               pool_readings=self.watch.readings)
         res.notes.append(f"decode pools squeezed to {SQUEEZE_KEEP} allocatable pages ("
                          + ", ".join(f"{w} held {s['held']}" for w, s in sorted(self.squeezed.items()))
                          + f"); {new['evictions']} cached pages evicted; {len(hits)} of {len(self.outcomes)} "
-                         f"requests were served {res.figures['hit_tokens']} cached tokens")
+                         f"requests were served {res.figures['hit_tokens']} cached tokens; "
+                         f"{res.figures.get('evictions_while_referenced')} evictions seen between two readings of "
+                         f"a pool in which requests held cached pages (at most "
+                         f"{res.figures.get('peak_referenced_cached')} at once, {res.figures.get('pool_readings')} "
+                         f"readings)")
         if not new["evictions"]:
             res.violations.append("no cached page was evicted: the scenario did not run under eviction")
+
+
+class PoolWatch:
+    """Reads the decode workers' pools (`pool_state`) every `every_s` in a thread of its own, from
+    `start` to `stop`: the most cached pages requests held at once, and the evictions that
+    happened between two readings of a pool in which requests held cached pages."""
+
+    def __init__(self, cluster: ChaosCluster, workers: list[str], every_s: float = 0.05) -> None:
+        self.cluster, self.workers, self.every_s = cluster, workers, every_s
+        self.peak = self.evicted = self.readings = 0
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-pool-watch", daemon=True)
+
+    def start(self) -> PoolWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._halt.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        last: dict[str, tuple[int, int]] = {}          # worker -> (evictions, cached pages held)
+        while not self._halt.wait(self.every_s):
+            for w in self.workers:
+                s = self.cluster.call(w, "pool_state")
+                held = s["used"] - s["private"]
+                self.peak, self.readings = max(self.peak, held), self.readings + 1
+                if w in last and s["evictions"] > last[w][0] and (held or last[w][1]):
+                    self.evicted += s["evictions"] - last[w][0]
+                last[w] = (s["evictions"], held)
 
 
 WORKLOADS: dict[str, type[PrefixWorkload]] = {"cross_tenant": CrossTenant, "poison": CachePoison,

@@ -147,6 +147,8 @@ def test_the_squeeze_evicts_cached_pages_and_gives_every_page_back():
     assert pool.evictions == 0 and pool.num_evictable == 4          # the free list went first
     pool.allocate("r", 5)                                            # a request needing room evicts
     assert pool.evictions == 3
+    assert control.pool_state() == {"used": 31, "free": 1, "private": 31, "cached": 1, "evictable": 1,
+                                    "evictions": 3}
     pool.free("r")
     assert control.unsqueeze() == 26 and not pool.has(SQUEEZE_ID)
     assert control.idle_check()["used"] == 0
