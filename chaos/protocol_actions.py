@@ -1,23 +1,31 @@
 """The world `chaos.protocol_model` explores, and the actions it can take.
 
-A real `PagePool` (float32, one head of width one: a page's layer is 2 * page_size * 4 bytes),
-a real `TransferReceiver` in front of it, and requests r0, r1, ... that the pool owner admits
-in order.  Admitting a request allocates its pages, reserves a transfer and has a real
-`TransferSender` build its frames (one per page and layer) and its commit.  Every payload byte
-of request r's logical page i is `Bounds.identity(r, i)`, so the bytes a page holds name the
-reservation and page whose frame wrote them.
+A real `PagePool` with its prefix cache (float32, one head of width one: a page's layer is
+2 * page_size * 4 bytes; `audit` on, so every published page is hashed), a real
+`TransferReceiver` in front of it, and requests r0, r1, ... of one tenant that the pool owner
+admits in order.  Every prompt starts with the same `Bounds.shared_pages` pages of tokens, so a
+later request finds the pages an earlier one published.  Admitting a request takes the longest
+cached prefix of its page keys (`allocate_prefixed`, evicting least recently used unreferenced
+cached pages when the free list is short), reserves a transfer for the rest
+(`cached_tokens`) and has a real `TransferSender` build the frames from that boundary on (one
+per page and layer) and the commit.  Every payload byte of request r's logical page i is
+`Bounds.identity(r, i)`, so the bytes a page holds name the reservation and page whose frame
+wrote them; a cached page keeps its publisher's bytes.
 
 Actions (the pool owner's, the senders' and an adversary's):
 
-    admit r        allocate r's pages (when enough are free) and reserve its transfer
+    admit r        give r its cached prefix and pages for the rest (when they fit), reserve
     frame r.fK     send r's frame K: a first send, a duplicate, or a stale replay
+    poison r.pK    r's sender ignores the boundary: a genuine frame (r's tag) for cached page K
     forge r.fK->s  r's frame K aimed at s's transfer (transfer id, request, tenant, prompt
                    digest: s's; ownership tag and payload: r's; checksum recomputed)
     end CALL       let a frame parked inside its page copy finish
     commit r       send r's commit (waits while writes into r's pages are running)
     close r        r's stream ends
+    publish r      the pool owner publishes r's prompt pages, once r committed
     release r      the pool owner ends r (waits until no write into r's pages is running)
-    free r         the pool owner frees r's pages, once its release returned
+    free r         the pool owner frees r's pages once its release returned (publishing them
+                   first if r committed): cached pages lose a reference, the rest go free
 """
 
 from __future__ import annotations
@@ -26,54 +34,21 @@ import copy
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
-import torch
-
+from chaos.protocol_senders import SALT, SECRET, TENANT, Bounds, Frame, build_frames, model_pool
 from chaos.protocol_threads import DONE, PARKED, Board, Call, TracedCondition
 from engine.kv_pool import PagePool
-from engine.prefix_cache import CacheEventLog
+from engine.prefix_cache import CacheEventLog, max_cached_pages, page_keys
 from kv_transfer.frame import frame_checksum, prompt_digest
-from kv_transfer.pages import Payload, pool_bytes, read_bytes
+from kv_transfer.pages import read_bytes
 from kv_transfer.receiver import TransferReceiver
-from kv_transfer.reservation import Reservation
-from kv_transfer.sender import TransferSender, TransferTicket
+from kv_transfer.reservation import Reservation, State
+from kv_transfer.sender import TransferTicket
 from proto import kv_transfer_pb2 as pb
 
-SECRET = b"protocol-model-cluster-secret-32"
-TENANT = "acme"
 MIXED = -1           # a page layer whose bytes are not all one identity
 
 MakeReceiver = Callable[[PagePool, bytes], TransferReceiver]
 Contents = tuple[tuple[int, ...], ...]     # [pool page][layer] -> identity byte, 0 or MIXED
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """How big a world the model explores (every field a bound of the search)."""
-    requests: int = 2            # request ids r0, r1, ... admitted in this order
-    pages_per_request: int = 2   # prompt pages of every request (all full)
-    pool_pages: int = 3          # fewer than requests * pages_per_request: pages are reused
-    layers: int = 1              # one frame per (page, layer)
-    page_size: int = 2
-    max_depth: int = 40          # actions on one path; deeper states are not expanded
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.pages_per_request <= self.pool_pages:
-            raise ValueError(f"pages_per_request={self.pages_per_request} must be in "
-                             f"[1, pool_pages={self.pool_pages}]")
-        if self.requests * self.pages_per_request >= 255:
-            raise ValueError("identity bytes run out: requests * pages_per_request must be < 255")
-
-    @property
-    def prompt_len(self) -> int:
-        return self.pages_per_request * self.page_size
-
-    def identity(self, request: int, page_index: int) -> int:
-        """The byte of every payload byte of request `request`'s page `page_index` (0: none)."""
-        return 1 + request * self.pages_per_request + page_index
-
-    def writer(self, identity: int) -> tuple[int, int]:
-        """(request, page index) of an identity byte."""
-        return divmod(identity - 1, self.pages_per_request)
 
 
 class Action(NamedTuple):
@@ -89,52 +64,25 @@ class Action(NamedTuple):
             return f"end {self.label}"
         if self.kind == "forge":
             return f"forge r{self.request}.f{self.frame}->r{self.target}"
+        if self.kind == "poison":
+            return f"poison r{self.request}.p{self.frame}"
         if self.kind == "frame":
             return f"frame r{self.request}.f{self.frame}"
         return f"{self.kind} r{self.request}"
-
-
-class Frame(NamedTuple):
-    """A frame as the sender built it, and the identity byte its payload carries."""
-    header: pb.FrameHeader
-    payload: bytes
-    identity: int
-
-
-class _Capture:
-    """A SenderStream that keeps the frames and the commit."""
-
-    def __init__(self) -> None:
-        self.frames: list[tuple[pb.FrameHeader, bytes]] = []
-        self.commits: list[pb.Commit] = []
-
-    def stage(self, nbytes: int) -> None:
-        return None
-
-    def send(self, header: pb.FrameHeader, payload: Payload) -> None:
-        h = pb.FrameHeader()
-        h.CopyFrom(header)
-        self.frames.append((h, bytes(payload)))
-
-    def flush(self) -> None:
-        pass
-
-    def commit(self, commit: pb.Commit) -> pb.PushReply:
-        self.commits.append(commit)
-        return pb.PushReply(ok=True)
-
-    def close(self) -> None:
-        pass
 
 
 @dataclass
 class Request:
     index: int
     rid: str
+    keys: list[bytes]                    # the prefix cache's key of each prompt page
     phase: str = "new"                   # new open releasing released freed
     res: Reservation | None = None
     frames: list[Frame] = field(default_factory=list)
+    poison: list[Frame] = field(default_factory=list)   # genuine frames for its cached pages
     commit: pb.Commit | None = None
+    published: bool = False
+    evicted: int = 0                     # cached pages its admission evicted
 
     @property
     def reservation(self) -> Reservation:
@@ -148,30 +96,43 @@ class World:
 
     def __init__(self, bounds: Bounds, make_receiver: MakeReceiver = TransferReceiver) -> None:
         self.bounds = bounds
-        self.pool = self._pool(bounds.pool_pages)
+        self.pool = model_pool(bounds, bounds.pool_pages)
         self.recv = make_receiver(self.pool, SECRET)
         self.recv._lock = TracedCondition()   # the same lock, reporting waits to the board
         self.board = Board()
-        self.requests = [Request(i, f"r{i}") for i in range(bounds.requests)]
+        self.requests = [Request(i, f"r{i}", page_keys(SALT, bounds.prompt(i), bounds.page_size))
+                         for i in range(bounds.requests)]
         self.free_order: list[int] = []
+        self.evicted: set[tuple[int, int]] = set()    # (page, generation) of cached pages evicted
 
-    def _pool(self, pages: int) -> PagePool:
-        return PagePool(pages, self.bounds.page_size, self.bounds.layers, 1, 1, torch.float32)
+    def _lookup(self, q: Request) -> list[bytes]:
+        """The keys of q's pages a cache hit may cover (never the prompt's last token)."""
+        return q.keys[:max_cached_pages(self.bounds.prompt_len, self.bounds.page_size)]
+
+    def _fits(self, q: Request) -> bool:
+        """Whether `allocate_prefixed` can admit q now: its private pages fit in the free and
+        evictable pages, less the evictable pages its hits take off the LRU."""
+        hits = self.pool.cache.match(self._lookup(q), SALT)
+        taken = sum(self.pool.cache.refcount(p) == 0 for p in hits)
+        return self.bounds.pages_per_request - len(hits) <= self.pool.num_free - taken
 
     # ---- actions -------------------------------------------------------------------
     def enabled(self) -> list[Action]:
         acts: list[Action] = []
         waiting = [q for q in self.requests if q.phase == "new"]
-        if waiting and self.pool.num_free >= self.bounds.pages_per_request:
+        if waiting and self._fits(waiting[0]):
             acts.append(Action("admit", waiting[0].index))
         admitted = [q for q in self.requests if q.phase != "new"]
         for q in admitted:
             frames = range(len(q.frames))
             acts += [Action("frame", q.index, k) for k in frames]
+            acts += [Action("poison", q.index, k) for k in range(len(q.poison))]
             acts += [Action("forge", q.index, k, t.index) for t in admitted if t is not q for k in frames]
             if not any(c.label == f"commit r{q.index}" for c in self.board.live()):
                 acts.append(Action("commit", q.index))   # a sender awaits its commit's reply
             acts.append(Action("close", q.index))
+            if self._committed(q) and not q.published and q.phase != "freed":
+                acts.append(Action("publish", q.index))
             acts += [Action(k, q.index) for k, p in (("release", "open"), ("free", "released"))
                      if q.phase == p]
         parked = sorted({c.label for c in self.board.calls if c.status == PARKED})
@@ -210,34 +171,32 @@ class World:
         res = self.recv.get(q.reservation.transfer_id)
         return res is not None and res.writers > 0
 
+    def _committed(self, q: Request) -> bool:
+        return q.res is not None and q.res.state == State.COMMITTED
+
     def _admit(self, a: Action) -> None:
         q = self.requests[a.request]
-        self.pool.allocate(q.rid, self.bounds.pages_per_request)
-        q.res = self.recv.reserve(q.rid, TENANT, self.bounds.prompt_len, self._digest(q))
-        q.frames, q.commit = self._send_all(q)
+        evictable = [(p, self.pool.generation(p)) for p in range(self.bounds.pool_pages)
+                     if p in self.pool.cache and self.pool.cache.refcount(p) == 0]
+        hits = self.pool.allocate_prefixed(q.rid, self.bounds.pages_per_request, self._lookup(q), SALT)
+        evicted = {(p, g) for p, g in evictable if self.pool.generation(p) != g}
+        q.evicted, self.evicted = len(evicted), self.evicted | evicted
+        q.res = self.recv.reserve(q.rid, TENANT, self.bounds.prompt_len, self._digest(q),
+                                  cached_tokens=hits * self.bounds.page_size)
+        ticket = TransferTicket(q.reservation.transfer_id, q.rid, TENANT, self._digest(q))
+        q.frames, q.commit = build_frames(self.bounds, q.index, ticket, hits)
+        q.poison = [f for f in build_frames(self.bounds, q.index, ticket, 0)[0] if f.header.page_index < hits]
         q.phase = "open"
 
     def _digest(self, q: Request) -> bytes:
-        """The prompt digest of q's prompt (token ids q.index, q.index, ...: one per request)."""
-        return prompt_digest([q.index] * self.bounds.prompt_len)
-
-    def _send_all(self, q: Request) -> tuple[list[Frame], pb.Commit]:
-        """The frames and commit a sender builds from a prefill pool holding q's identity bytes."""
-        src = self._pool(self.bounds.pages_per_request)
-        pages = src.allocate(q.rid, self.bounds.pages_per_request)
-        for i, page in enumerate(pages):
-            pool_bytes(src)[:, :, page] = self.bounds.identity(q.index, i)
-        stream = _Capture()
-        ticket = TransferTicket(q.reservation.transfer_id, q.rid, TENANT, self._digest(q))
-        sender = TransferSender(stream, ticket, SECRET, src, pages, self.bounds.prompt_len)
-        for layer in range(self.bounds.layers):
-            sender.send_layers(layer, layer + 1)
-        sender.commit(first_token_id=1, first_logprob=0.0)
-        frames = [Frame(h, p, self.bounds.identity(q.index, h.page_index)) for h, p in stream.frames]
-        return frames, stream.commits[0]
+        return prompt_digest(self.bounds.prompt(q.index))
 
     def _frame(self, a: Action) -> None:
         f = self.requests[a.request].frames[a.frame]
+        self._deliver(a, f.header, f.payload, f.identity)
+
+    def _poison(self, a: Action) -> None:
+        f = self.requests[a.request].poison[a.frame]
         self._deliver(a, f.header, f.payload, f.identity)
 
     def _forge(self, a: Action) -> None:
@@ -265,8 +224,15 @@ class World:
         q.phase = "releasing"
         self._call(a, lambda: self.recv.release(q.reservation.transfer_id), self._busy(q))
 
+    def _publish(self, a: Action) -> None:
+        q = self.requests[a.request]
+        self.pool.publish(q.rid, q.keys, SALT)
+        q.published = True
+
     def _free(self, a: Action) -> None:
         q = self.requests[a.request]
+        if self._committed(q) and not q.published:
+            self._publish(a)           # a request's end publishes what it computed, then releases
         self.pool.free(q.rid)
         q.phase = "freed"
         self.free_order.append(q.index)
@@ -281,11 +247,13 @@ class World:
     def fingerprint(self) -> tuple:
         """The abstract state: what decides every later outcome, without counters, reasons,
         transfer ids or deadlines."""
-        pages = tuple((self.pool.owner(p), self.pool.generation(p), self.pool.is_written(p))
-                      for p in range(self.bounds.pool_pages))
+        cache = self.pool.cache
+        pages = tuple((self.pool.owner(p), self.pool.generation(p), self.pool.is_written(p),
+                       cache.key(p), cache.refcount(p)) for p in range(self.bounds.pool_pages))
         calls = tuple(sorted((c.label, c.status) for c in self.board.live()))
+        lru = tuple(cache._lru)        # the eviction order decides which page the next admission takes
         return (tuple(map(_request_key, self.requests)), calls, pages, self.contents(),
-                tuple(self.free_order))
+                tuple(self.free_order), lru)
 
     def clone(self) -> World:
         """A deep copy of this world, which has no call in flight: the same pool, receiver and
@@ -295,7 +263,8 @@ class World:
                 id(self.bounds): self.bounds,   # the cache's event log is no part of the state: a fresh one
                 id(self.pool.events): CacheEventLog(self.bounds.page_size, epoch=self.pool.events.epoch)}
         for q in self.requests:   # frames and commits never change: shared, not copied
-            memo.update({id(x): x for x in (q.commit, q.frames, *(f.header for f in q.frames))})
+            memo.update({id(x): x for x in (q.commit, q.frames, q.poison, q.keys,
+                                            *(f.header for f in q.frames + q.poison))})
         return copy.deepcopy(self, memo)
 
     def close(self) -> None:
@@ -308,7 +277,8 @@ def _request_key(q: Request) -> tuple:
         return (q.phase,)
     frames = tuple(sorted((seq, r.page, r.header.ownership_tag == q.res.tag)
                           for seq, r in q.res.frames.items()))
-    return (q.phase, q.res.state.value, tuple(map(bytes, q.res.layers_done)), frames, q.res.writers)
+    return (q.phase, q.res.state.value, tuple(map(bytes, q.res.layers_done)), frames, q.res.writers,
+            q.res.cached_tokens, q.published)
 
 
 def _identity(block: bytes) -> int:

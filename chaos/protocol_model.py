@@ -1,34 +1,50 @@
-"""An exhaustive model check of the KV transfer receiver, for small bounds.
+"""An exhaustive model check of the KV transfer receiver and the pool's prefix cache, for
+small bounds.
 
-The model drives the real `TransferReceiver` in front of a real `PagePool` (see
-`chaos.protocol_actions` for the world and its actions, `chaos.protocol_threads` for how a
-call is stopped inside its page copy or while it waits for writers).  It searches breadth
-first over every sequence of actions — admit, frame, forged frame, end of a parked write,
-commit, stream close, release, free, and re-admission of freed pages to the next request —
-and checks after each one:
+The model drives the real `TransferReceiver` in front of a real `PagePool` with its prefix
+cache (see `chaos.protocol_actions` for the world and its actions, `chaos.protocol_senders`
+for the prompts and frames, `chaos.protocol_checks` for the checks, `chaos.protocol_threads`
+for how a call is stopped inside its page copy or while it waits for writers).  It searches
+breadth first over every sequence of actions — admit (with the longest cached prefix,
+evicting unreferenced cached pages when the free list is short), frame, a frame aimed at a
+cached page, forged frame, end of a parked write, commit, stream close, publish, release,
+free, and re-admission of freed or evicted pages to the next request — and checks after each
+one:
 
     ownership (I3, I5)  every page whose bytes changed holds the bytes of a frame accepted in
                         that action, of the reservation that owns the page now (same request,
-                        same generation, same logical page); no frame writes a free page or
-                        another reservation's page, and a refused frame writes nothing
-    coverage (I4)       a commit succeeds only when every prompt page, every layer, holds that
-                        reservation's own bytes
-    accounting (I6)     `pool.check_integrity()`; once every admitted request is freed, all
-                        pages are free and no transfer is open
+                        same generation, same logical page); no frame writes a free page, a
+                        cached page or another reservation's page, and a refused frame writes
+                        nothing
+    coverage (I4)       a commit succeeds only when every prompt page past its cached prefix,
+                        every layer, holds that reservation's own bytes, and every page of the
+                        prefix is still the cached page it was given, under its own key,
+                        holding the bytes of a request whose page had that key
+    the cache           no cached page's bytes change while it is cached (compared before and
+                        after every action, and `check_integrity(contents=True)`: each page
+                        still hashes as at publish)
+    accounting (I6)     `pool.check_integrity()` (refcounts == tables holding each cached
+                        page, the evictable set, free + private + cached == capacity); once
+                        every admitted request is freed, every page is free or evictable and
+                        no transfer is open
     liveness            no call waits on the receiver while no write is in flight, no call
                         hangs, and the receiver raises nothing but TransferRefused
 
 A state is expanded once, keyed by `World.fingerprint()` (phases, reservation states, layers
-claimed, frames, writers, calls in flight, page owners, generations, contents): the model
-assumes it decides every later outcome.  The world is real objects and threads, so a state
-with no call in flight is kept as a deep copy of its world, and one with calls in flight as
-the nearest such copy plus the actions since, replayed on a fresh copy (each replay must
-reach the recorded fingerprint: `divergent_replays`).  Breadth first, so a violation's trace
-is a shortest one.  Timeouts (`expire`), corrupt or misshapen frames and protocol versions are
-left to tests/test_kv_transfer_machine.py; this model is about who may write which page when.
+claimed, frames, writers, calls in flight, page owners, generations, cache keys, refcounts
+and eviction order, contents): the model assumes it decides every later outcome.  The world
+is real objects and threads, so a state with no call in flight is kept as a deep copy of its
+world, and one with calls in flight as the nearest such copy plus the actions since, replayed
+on a fresh copy (each replay must reach the recorded fingerprint: `divergent_replays`).
+Breadth first, so a violation's trace is a shortest one.  Timeouts (`expire`), corrupt or
+misshapen frames and protocol versions are left to tests/test_kv_transfer_machine.py; this
+model is about who may write which page when.
 
-At the default bounds (r0 and r1 of two pages each, a pool of three pages, so r1 reuses a
-page r0 freed) the search is complete: 403 states, 4732 transitions, 16 actions deep.
+At the default bounds (r0 and r1 of two pages each whose first pages share their tokens, a
+pool of three pages: r1 reuses a page r0 freed, or shares r0's published first page while r0
+still holds it) the search is complete: 412 states, 4812 transitions, 15 actions deep.  With
+`--pool-pages 2` r1 evicts and reuses r0's unreferenced cached page: 367 states, 4231
+transitions, 15 deep.
 
     python -m chaos.protocol_model [--requests 2 --pages-per-request 2 --pool-pages 3 ...]
 
@@ -45,10 +61,12 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from chaos.protocol_actions import MIXED, Action, Bounds, Contents, MakeReceiver, World
-from chaos.protocol_threads import DONE, PARKED, WAITING, Call, Hang, gated_writes
+from chaos.protocol_actions import Action, MakeReceiver, World
+from chaos.protocol_checks import check_step
+from chaos.protocol_senders import Bounds
+from chaos.protocol_threads import DONE, Call, Hang, gated_writes
+from engine.kv_pool import CACHED
 from kv_transfer.receiver import TransferReceiver
-from kv_transfer.reservation import Reservation
 
 __all__ = ["Bounds", "Result", "explore"]
 
@@ -143,6 +161,7 @@ def _close(world: World) -> None:
 def _step(world: World, action: Action, result: Result) -> tuple[str, list[str]]:
     """Take one action and check every invariant.  Returns the trace line and the problems."""
     before, first_new = world.contents(), len(world.board.calls)
+    was_cached = [world.pool.owner(p) == CACHED for p in range(world.bounds.pool_pages)]
     result.transitions += 1
     result.actions[action.kind] += 1
     try:
@@ -151,102 +170,41 @@ def _step(world: World, action: Action, result: Result) -> tuple[str, list[str]]
         return f"{action} -> hang", [f"hang: {e}"]
     pending = [c for c in world.board.calls[first_new:] if c.status != DONE]
     line = f"{action} -> {_tally(world, action, finished + pending, result)}"
-    after = world.contents()
-    problems = (_writes(world, before, after, finished) + _commits(world, after, finished) +
-                _errors(finished) + _accounting(world) + _stuck(world))
-    return line, problems
+    return line, check_step(world, before, was_cached, finished)
 
 
 def _tally(world: World, action: Action, calls: list[Call], result: Result) -> str:
     """Count the outcomes ("release ok on end": a waiting release returned when a write
     ended) and describe them for the trace."""
     if action.kind == "admit":
-        refs = world.pool.refs(world.requests[action.request].rid)
-        result.outcomes["admit reuses a page" if any(r.generation > 1 for r in refs) else "admit"] += 1
-        return "pages " + ", ".join(f"{r.page} (generation {r.generation})" for r in refs)
+        q = world.requests[action.request]
+        refs, hits = world.pool.refs(q.rid), q.reservation.first_page
+        result.outcomes["admit reuses a page" if any(r.generation > 1 for r in refs[hits:]) else "admit"] += 1
+        result.outcomes["admit hits the cache"] += hits > 0
+        result.outcomes["admit evicts a cached page"] += q.evicted > 0
+        result.outcomes["admit shares a cached page in use"] += any(
+            world.pool.cache.refcount(r.page) > 1 for r in refs[:hits])
+        return "pages " + ", ".join(f"{r.page} (generation {r.generation}{', cached' if i < hits else ''})"
+                                    for i, r in enumerate(refs))
     for c in calls:
         on = "" if c.action == action else f" on {action.kind}"
-        result.outcomes[f"{c.action.kind} {c.outcome}{on}"] += 1
+        result.outcomes[f"{c.action.kind} {c.outcome}{on}{_reused(world, c)}"] += 1
+    if action.kind == "publish":
+        result.outcomes["publish"] += 1
     own = (str(action), action.label)
     return "; ".join(c.outcome if c.label in own else f"{c.label}: {c.outcome}" for c in calls) or "done"
 
 
-def _writes(world: World, before: Contents, after: Contents, finished: list[Call]) -> list[str]:
-    """Ownership: every page copy was an accepted frame's, into a page its reservation owns
-    now (same request, generation and logical page); no page changed any other way."""
-    problems: list[str] = []
-    copied: set[tuple[int, int]] = set()
-    for c in finished:
-        for page, l0, l1 in c.writes:
-            copied.update((page, layer) for layer in range(l0, l1))
-            layers = f"layer {l0}" if l1 == l0 + 1 else f"layers {l0}..{l1 - 1}"
-            where = f"{c.label} copied {_name(world, c.identity)} into pool page {page} {layers}"
-            problems += [f"{where}, and was refused ({c.outcome})"] if c.error is not None else []
-            problems += [f"{where}, but {wrong}" for wrong in _owned(world, page, c.identity)]
-    return problems + [f"pool page {p} layer {k} changed to {_name(world, now[k])}, no frame copying"
-                       for p, (was, now) in enumerate(zip(before, after))
-                       for k in range(len(now)) if now[k] != was[k] and (p, k) not in copied]
-
-
-def _owned(world: World, page: int, ident: int) -> list[str]:
-    """[] if `page` is, now, the page the reservation of `ident`'s request holds as its page."""
-    r, i = world.bounds.writer(ident)
-    q = world.requests[r]
-    owner, gen = world.pool.owner(page), world.pool.generation(page)
-    ref = q.reservation.pages[i]
-    if (owner, gen, page) == (q.rid, ref.generation, ref.page):
-        return []
-    now = "free" if owner is None else f"{owner}'s"
-    return [f"the page is now {now} (generation {gen}); {q.rid} reserved pool page {ref.page} "
-            f"generation {ref.generation} as its page {i}"]
-
-
-def _commits(world: World, after: Contents, finished: list[Call]) -> list[str]:
-    """Coverage: a successful commit finds every prompt page holding its own bytes."""
-    problems: list[str] = []
-    for call in (c for c in finished if c.action.kind == "commit" and c.error is None):
-        r = call.action.request
-        assert isinstance(call.result, Reservation)   # what a commit returns
-        for i, ref in enumerate(call.result.pages):
-            want, where = world.bounds.identity(r, i), f"committed r{r}'s page {i} (pool page {ref.page})"
-            wrong = [f"layer {k} holds {_name(world, g)}" for k, g in enumerate(after[ref.page])
-                     if g != want] or _owned(world, ref.page, want)
-            problems += [f"{where}: {', '.join(wrong)}"] if wrong else []
-    return problems
-
-
-def _errors(finished: list[Call]) -> list[str]:
-    return [f"{c.label}: receiver {c.outcome}" for c in finished if c.error is not None and not c.refused]
-
-
-def _accounting(world: World) -> list[str]:
-    try:
-        world.pool.check_integrity()
-    except AssertionError as e:
-        return [f"pool integrity: {e}"]
-    admitted = [q for q in world.requests if q.phase != "new"]
-    if admitted and all(q.phase == "freed" for q in admitted):
-        if world.pool.num_free != world.pool.num_pages or world.recv.open_transfers:
-            return [f"all requests freed, but {world.pool.num_free} of {world.pool.num_pages} "
-                    f"pages are free and {world.recv.open_transfers} transfers open"]
-    return []
-
-
-def _stuck(world: World) -> list[str]:
-    live = world.board.live()
-    if any(c.status == PARKED for c in live):
-        return []
-    return [f"{c.label} waits on the receiver, but no write is in flight"
-            for c in live if c.status == WAITING]
-
-
-def _name(world: World, ident: int) -> str:
-    if ident == MIXED:
-        return "mixed bytes"
-    if ident == 0:
-        return "never-written bytes"
-    r, i = world.bounds.writer(ident)
-    return f"r{r} page {i}'s bytes"
+def _reused(world: World, c: Call) -> str:
+    """How a frame's reserved page changed since: given to another request after it was freed
+    ("into a reused page"), or cached, evicted and given to another request."""
+    if c.action.kind not in ("frame", "forge", "poison"):
+        return ""
+    r, i = world.bounds.writer(c.identity)
+    ref = world.requests[r].reservation.pages[i]
+    if (ref.page, ref.generation) in world.evicted:
+        return " into an evicted and reused page"
+    return " into a reused page" if world.pool.generation(ref.page) != ref.generation else ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -152,6 +152,7 @@ class TransferReceiver:
 
             def well_formed() -> None:
                 res.check_geometry(h, len(payload), self.pool)
+                res.check_uncached(h)
                 res.check_new(h)
             self._guard(res, well_formed)
         t0 = perf_counter()

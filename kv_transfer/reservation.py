@@ -117,10 +117,6 @@ class Reservation:
         if h.page_index >= len(self.pages):
             raise TransferRefused(Refusal.OUT_OF_RANGE, f"page {h.page_index} outside the reservation "
                                   f"of {len(self.pages)} prompt pages")
-        if h.page_index < self.first_page:
-            raise TransferRefused(Refusal.CACHED_PAGE, f"page {h.page_index} is a cached prefix page "
-                                  f"(the first {self.first_page} pages, {self.cached_tokens} tokens, "
-                                  f"are shared and read-only)")
         if not 0 <= h.layer_start < h.layer_end <= self.num_layers:
             raise TransferRefused(Refusal.OUT_OF_RANGE, f"layers [{h.layer_start}, {h.layer_end}) "
                                   f"outside [0, {self.num_layers})")
@@ -133,6 +129,14 @@ class Reservation:
         bad = [f"{k}={got[k]} (expected {want[k]})" for k in want if got[k] != want[k]]
         if bad:
             raise TransferRefused(Refusal.BAD_GEOMETRY, f"page {h.page_index}: " + ", ".join(bad))
+
+    def check_uncached(self, h: pb.FrameHeader) -> None:
+        """Raises TransferRefused(CACHED_PAGE) for a frame aimed at the cached prefix (a page
+        index checked by check_geometry)."""
+        if h.page_index < self.first_page:
+            raise TransferRefused(Refusal.CACHED_PAGE, f"page {h.page_index} is a cached prefix page "
+                                  f"(the first {self.first_page} pages, {self.cached_tokens} tokens, "
+                                  f"are shared and read-only)")
 
     def check_new(self, h: pb.FrameHeader) -> None:
         """Raises TransferRefused(DUPLICATE) if this seq or any of its (page, layer) was received."""

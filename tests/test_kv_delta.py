@@ -270,3 +270,16 @@ def test_the_sender_validates_its_first_page(rig):
     for bad in (-1, 10):
         with pytest.raises(ValueError, match=r"first_page=-?\d+ must lie in \[0, 10\)"):
             sender_for(src, res, CaptureStream(), bad)
+
+
+def test_without_the_cached_page_check_the_page_owner_check_still_refuses(rig, monkeypatch):
+    """Defence in depth: a cached page is not the request's own (owner CACHED), so a frame for it
+    that got past the boundary check is refused STALE_PAGE before any byte is copied."""
+    src, dst, recv, _ = rig
+    monkeypatch.setattr(Reservation, "check_uncached", lambda self, h: None)
+    res = reserve(dst, recv, "a", CACHED_TOKENS)
+    full = captured(src, res, 0)
+    before = dst.kv.clone()
+    with pytest.raises(TransferRefused) as e:
+        recv.receive(*next((h, p) for h, p in full.frames if h.page_index == 0))
+    assert e.value.reason == Refusal.STALE_PAGE and torch.equal(dst.kv, before)

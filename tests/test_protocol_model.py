@@ -1,8 +1,11 @@
-"""The protocol model (`chaos.protocol_model`) over the real receiver and pool: at the default
-bounds no interleaving of reserve, frames (genuine, duplicate, stale, forged), commit, close,
-release, free and page reuse breaks ownership, coverage or accounting; the search is
-exhaustive, deterministic and reaches the corners that matter; and receivers with a known
-hole are caught, each with a shortest trace."""
+"""The protocol model (`chaos.protocol_model`) over the real receiver and pool with its prefix
+cache: at the default bounds (two requests overlapping, the second sharing the first's cached
+page while both hold it) and at the eviction bounds (a pool of two pages: the second request
+evicts and reuses a page the first published) no interleaving of admission with a cached
+prefix, frames (genuine, duplicate, stale, forged, aimed at a cached page), commit, close,
+publish, release, free, eviction and page reuse breaks ownership, coverage, the cache's
+read-only pages or accounting; the search is exhaustive, deterministic and reaches the corners
+that matter; and receivers with a known hole are caught, each with a shortest trace."""
 
 from __future__ import annotations
 
@@ -32,7 +35,19 @@ CORNERS = [
     "forge BAD_TAG",              # r0's frame aimed at r1's transfer
     "forge EXPIRED",
     "frame AFTER_FAILURE",
+    "publish",                    # r0's committed pages enter the cache ...
+    "admit hits the cache",       # ... r1 is admitted with r0's first page as its cached prefix
+    "admit shares a cached page in use",   # ... while r0 still holds it (refcount 2)
+    "poison CACHED_PAGE",         # r1's own sender aims a genuine frame at that page
 ]
+EVICTION_CORNERS = [
+    "admit evicts a cached page",            # r1 takes r0's unreferenced cached page 1 ...
+    "admit hits the cache",                  # ... and keeps r0's page 0 as its prefix
+    "frame EXPIRED into an evicted and reused page",   # r0's stale frame for the evicted page
+    "forge BAD_TAG into an evicted and reused page",   # ... aimed at r1's transfer
+    "poison CACHED_PAGE",
+]
+EVICTION = Bounds(pool_pages=2)
 
 
 @pytest.fixture(scope="module")
@@ -40,22 +55,29 @@ def default_run() -> Result:
     return explore(Bounds())
 
 
-def test_no_interleaving_breaks_ownership_coverage_or_accounting(default_run):
-    assert default_run.violations == []
+@pytest.fixture(scope="module")
+def eviction_run() -> Result:
+    return explore(EVICTION)
 
 
-def test_the_search_is_exhaustive_and_deterministic(default_run):
-    r = default_run
-    assert r.complete and r.divergent_replays == 0
-    assert r.states >= 350 and r.transitions >= 4000     # 403 and 4732 when written
-    assert 12 <= r.max_depth_reached < Bounds().max_depth
+def test_no_interleaving_breaks_ownership_coverage_the_cache_or_accounting(default_run, eviction_run):
+    assert default_run.violations == [] and eviction_run.violations == []
 
 
-def test_the_search_reaches_every_corner(default_run):
-    assert set(default_run.actions) == {"admit", "frame", "forge", "end", "commit", "close",
-                                        "release", "free"}
+def test_the_search_is_exhaustive_and_deterministic(default_run, eviction_run):
+    for r in (default_run, eviction_run):
+        assert r.complete and r.divergent_replays == 0
+        assert 12 <= r.max_depth_reached < Bounds().max_depth
+    assert default_run.states >= 380 and default_run.transitions >= 4500    # 412 and 4812 when written
+    assert eviction_run.states >= 330 and eviction_run.transitions >= 4000  # 367 and 4231 when written
+
+
+def test_the_search_reaches_every_corner(default_run, eviction_run):
+    kinds = {"admit", "frame", "poison", "forge", "end", "commit", "close", "publish", "release", "free"}
+    assert set(default_run.actions) == set(eviction_run.actions) == kinds
     missing = [c for c in CORNERS if not default_run.outcomes[c]]
-    assert not missing, (missing, default_run.outcomes)
+    missing += [c for c in EVICTION_CORNERS if not eviction_run.outcomes[c]]
+    assert not missing, (missing, default_run.outcomes, eviction_run.outcomes)
 
 
 class EagerRelease(TransferReceiver):
@@ -103,6 +125,27 @@ def test_a_commit_without_the_coverage_check_is_caught(monkeypatch):
         "committed r0's page 0 (pool page 0): layer 0 holds never-written bytes",
         "committed r0's page 1 (pool page 1): layer 0 holds never-written bytes"]
     assert r.violations[0][0] == [ADMIT_R0, "commit r0 -> ok"]
+
+
+WARM_R1 = ["frame r0.f0 -> parked", "frame r0.f1 -> parked", "commit r0 -> waiting", "end frame r0.f0 -> ok",
+           "end frame r0.f1 -> ok; commit r0: ok"]
+
+
+def test_a_receiver_that_lets_a_frame_into_the_cached_prefix_is_caught(monkeypatch):
+    """Without the CACHED_PAGE check and the page owner check (STALE_PAGE: a cached page is not
+    the request's), r1's genuine frame for the page it shares with r0 lands in the cache."""
+    monkeypatch.setattr(Reservation, "check_uncached", lambda self, h: None)
+    monkeypatch.setattr(TransferReceiver, "_check_page", lambda self, res, ref: None)
+    r = explore(Bounds(), stop_after=1)
+    trace = [ADMIT_R0, *WARM_R1, "publish r0 -> done",
+             "admit r1 -> pages 0 (generation 1, cached), 2 (generation 1)", "poison r1.p0 -> parked",
+             "end poison r1.p0 -> raised AssertionError('page 0 is cached (read-only): r1 cannot write it')"]
+    assert all(t == trace for t, _ in r.violations)
+    assert [m for _, m in r.violations][1:3] == [
+        "poison r1.p0 copied r1 page 0's bytes into pool page 0 layer 0, but the page is now cached "
+        "(generation 1); r1 reserved pool page 0 generation 1 as its page 0",
+        "cached pool page 0 changed from r0 page 0's bytes to r1 page 0's bytes"]
+    assert r.violations[-1][1] == "pool integrity: cached page 0 was written after it was published"
 
 
 def test_the_command_prints_one_json_line(capsys):
