@@ -17,7 +17,7 @@ def _device(f: dict[str, Any]) -> str:
 
 
 def _experts(f: dict[str, Any]) -> str:
-    parts = [f"H2D pinned {_num(f.get('h2d_pinned_gbps'))} GB/s, K={f.get('K')}"]
+    parts = [f"link {_num(f.get('h2d_pinned_gbps'))} GB/s ({f.get('link_measured_by')}), K={f.get('K')}"]
     for batch, s in f.get("summary", {}).items():
         parts.append(f"{batch}: paged/resident {_num(s.get('paged_vs_resident'))} hit {_num(s.get('hit_rate'))} "
                      f"bound/seq {_num(s.get('link_bound_tok_s_per_seq'))} tok/s")
