@@ -68,12 +68,25 @@ def child_env() -> tuple[dict[str, str], str | None]:
     workers import is missing here and EXTRA_SITE exists."""
     paths = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     missing = [m for m in ("cryptography", "_cffi_backend") if importlib.util.find_spec(m) is None]
-    extra = str(EXTRA_SITE) if missing and EXTRA_SITE.is_dir() else None
+    extra = str(EXTRA_SITE) if (missing or grpc_too_old()) and EXTRA_SITE.is_dir() else None
     if extra:
-        paths.append(extra)
+        paths.insert(1, extra)      # before the machine's site-packages: its grpcio replaces an old one
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "TOKENIZERS_PARALLELISM": "false"}
     env.pop("TRITON_INTERPRET", None)   # only the kernel tests' own child sets it
     return env, extra
+
+
+def grpc_too_old() -> bool:
+    """Whether the installed grpcio is older than the one proto/*_pb2_grpc.py were generated
+    with (they refuse to import then): EXTRA_SITE may carry a newer one."""
+    try:
+        from importlib.metadata import version
+        have = tuple(int(x) for x in version("grpcio").split(".")[:3])
+    except Exception:
+        return True
+    text = (ROOT / "proto" / "worker_pb2_grpc.py").read_text()
+    want = text.split("GRPC_GENERATED_VERSION = '", 1)[1].split("'", 1)[0]
+    return have < tuple(int(x) for x in want.split(".")[:3])
 
 
 def run_module_step(name: str, device: str, quick: bool, limit_s: float, env: dict[str, str],
