@@ -6,7 +6,8 @@ with `--json`, as one JSON object for operators and scripts:
                   "node_id": "...", "address": "10.0.0.7:50052",
                   "transfer_endpoint": "grpc://10.0.0.7:50061", "tls": true,
                   "health": "ok", "kv_tokens_used": 0, "kv_tokens_capacity": 16384,
-                  "expert_hit_rate": 0.93}, ...]}
+                  "expert_hit_rate": 0.93, "cache_pages": 120, "cache_hit_tokens": 30720,
+                  "cache_query_tokens": 40960, "cache_evictions": 0}, ...]}
 
 `transfer_endpoint` is where prefill pushes KV to a decode worker (null on a prefill worker);
 `tls` whether its services run mutual TLS; `health` is "ok" or the gRPC status
@@ -61,12 +62,15 @@ def read_stats(w: dict) -> dict[str, Any]:
         s = wpb.StatsReply.FromString(ray.get(actor.stats.remote(), timeout=10))
         hits, misses = sum(e.hits for e in s.experts), sum(e.misses for e in s.experts)
         return {"health": "ok", "kv_tokens_used": s.kv_tokens_used, "kv_tokens_capacity": s.kv_tokens_capacity,
-                "expert_hit_rate": hits / (hits + misses) if hits + misses else None}
+                "expert_hit_rate": hits / (hits + misses) if hits + misses else None,
+                "cache_pages": s.kv_pages_cached, "cache_hit_tokens": s.cache_hit_tokens,
+                "cache_query_tokens": s.cache_query_tokens, "cache_evictions": s.cache_evictions}
     except Exception as e:  # no such actor, the actor or the worker does not answer
         cause = getattr(e, "cause", None) or e        # a RayTaskError carries the grpc.RpcError
         code = cause.code().name.lower() if isinstance(cause, grpc.RpcError) else type(cause).__name__.lower()
         return {"health": code, "kv_tokens_used": None, "kv_tokens_capacity": None,
-                "expert_hit_rate": None}
+                "expert_hit_rate": None, "cache_pages": None, "cache_hit_tokens": None,
+                "cache_query_tokens": None, "cache_evictions": None}
 
 
 def format_json(reports: list[WorkerReport]) -> str:
@@ -75,10 +79,14 @@ def format_json(reports: list[WorkerReport]) -> str:
 
 def format_text(reports: list[WorkerReport]) -> str:
     lines = [f"{'worker':14s} {'role':10s} {'node':15s} {'address':22s} {'health':8s} {'KV used/capacity':>22s} "
-             f"{'expert hit rate':>15s}"]
+             f"{'expert hit rate':>15s} {'cache pages':>11s} {'cache hit/query tokens':>24s} {'evictions':>9s}"]
     for r in reports:
         kv = f"{r['kv_tokens_used']}/{r['kv_tokens_capacity']}" if r["kv_tokens_capacity"] is not None else "-"
         rate = f"{r['expert_hit_rate']:.3f}" if r["expert_hit_rate"] is not None else "-"
+        known = r.get("cache_pages") is not None
+        pages = str(r["cache_pages"]) if known else "-"
+        hits = f"{r['cache_hit_tokens']}/{r['cache_query_tokens']}" if known else "-"
+        evicted = str(r["cache_evictions"]) if known else "-"
         lines.append(f"{r['worker_id']:14s} {r['role']:10s} {r['node_ip'] or '-':15s} {r['address']:22s} "
-                     f"{r['health'][:8]:8s} {kv:>22s} {rate:>15s}")
+                     f"{r['health'][:8]:8s} {kv:>22s} {rate:>15s} {pages:>11s} {hits:>24s} {evicted:>9s}")
     return "\n".join(lines)
