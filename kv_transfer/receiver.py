@@ -18,7 +18,7 @@ from collections import Counter, OrderedDict, deque
 from time import perf_counter
 from typing import Callable, NoReturn
 
-from engine.kv_pool import PagePool, PageRef
+from engine.kv_pool import CACHED, PagePool, PageRef
 from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.frame import (
     PROMPT_DIGEST_BYTES,
@@ -220,9 +220,9 @@ class TransferReceiver:
                 self._guard(res, lambda: self._raise(Refusal.RECHECK_FAILED, f"destination pages of frames "
                                                      f"{bad[:8]} do not hash as sent"))
 
-            def pages_unchanged() -> None:      # the cached prefix is the pool's, not this transfer's
-                for ref in res.sent_pages:
-                    self._check_page(res, ref)
+            def pages_unchanged() -> None:     # and the cached prefix is still the pages it was given
+                for i, ref in enumerate(res.pages):
+                    self._check_page(res, ref, cached=i < res.first_page)
             self._guard(res, pages_unchanged)
             res.state, res.first_token_id, res.first_logprob = State.COMMITTED, c.first_token_id, c.first_logprob
             res.first_top = dict(zip(c.first_top_ids, c.first_top_logprobs))
@@ -268,11 +268,14 @@ class TransferReceiver:
         return tags_equal(msg.ownership_tag, ownership_tag(self._secret, res.tenant, res.request_id,
                                                            res.transfer_id, msg.prompt_digest))
 
-    def _check_page(self, res: Reservation, ref: PageRef) -> None:
+    def _check_page(self, res: Reservation, ref: PageRef, cached: bool = False) -> None:
+        """Raises STALE_PAGE unless `ref` still has its generation and belongs to the request (a
+        page frames write) or to the cache (a page of the cached prefix)."""
         owner, gen = self.pool.owner(ref.page), self.pool.generation(ref.page)
-        if owner != res.request_id or gen != ref.generation:
+        want = CACHED if cached else res.request_id
+        if owner != want or gen != ref.generation:
             self._raise(Refusal.STALE_PAGE, f"page {ref.page} is now ({owner}, generation {gen}), "
-                        f"reserved as ({res.request_id}, generation {ref.generation})")
+                        f"reserved as ({want}, generation {ref.generation})")
 
     def _guard(self, res: Reservation, check: Callable[[], object]) -> None:
         try:

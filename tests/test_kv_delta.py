@@ -283,3 +283,23 @@ def test_without_the_cached_page_check_the_page_owner_check_still_refuses(rig, m
     with pytest.raises(TransferRefused) as e:
         recv.receive(*next((h, p) for h, p in full.frames if h.page_index == 0))
     assert e.value.reason == Refusal.STALE_PAGE and torch.equal(dst.kv, before)
+
+
+def test_a_commit_refuses_a_cached_prefix_page_that_is_no_longer_the_one_reserved(rig):
+    """Defence in depth: a pool owner that frees the request before its transfer ends (a bug)
+    lets its cached prefix be evicted and reused; the commit finds the page changed and fails."""
+    src, dst, recv, failed = rig
+    res = reserve(dst, recv, "a", CACHED_TOKENS)
+    cap = captured(src, res, res.first_page)
+    for h, p in cap.frames:
+        recv.receive(h, p)
+    dst.free("a")
+    dst.allocate("thief", dst.num_free)          # every free page, then every evictable one
+    assert dst.evictions >= 4
+    with pytest.raises(TransferRefused) as e:
+        recv.commit(cap.commits[0])
+    page = res.pages[0].page
+    assert e.value.reason == Refusal.STALE_PAGE
+    assert e.value.detail == (f"page {page} is now (thief, generation {dst.generation(page)}), "
+                              f"reserved as (<cached>, generation {res.pages[0].generation})")
+    assert res.state == State.FAILED and failed == [res]

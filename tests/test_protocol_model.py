@@ -135,7 +135,7 @@ def test_a_receiver_that_lets_a_frame_into_the_cached_prefix_is_caught(monkeypat
     """Without the CACHED_PAGE check and the page owner check (STALE_PAGE: a cached page is not
     the request's), r1's genuine frame for the page it shares with r0 lands in the cache."""
     monkeypatch.setattr(Reservation, "check_uncached", lambda self, h: None)
-    monkeypatch.setattr(TransferReceiver, "_check_page", lambda self, res, ref: None)
+    monkeypatch.setattr(TransferReceiver, "_check_page", lambda self, res, ref, cached=False: None)
     r = explore(Bounds(), stop_after=1)
     trace = [ADMIT_R0, *WARM_R1, "publish r0 -> done",
              "admit r1 -> pages 0 (generation 1, cached), 2 (generation 1)", "poison r1.p0 -> parked",
