@@ -82,33 +82,51 @@ def decode_rate(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float,
     return produced / elapsed, {k: after.get(k, 0) - before.get(k, 0) for k in after}, steps
 
 
-def run_mode(mode: str, k: int | None, batch: int, prompts: list[list[int]], tokens: int,
-             link: EmulatedLink | None, prefetch: bool = False, repeats: int = 3,
-             device: str = "cpu") -> dict[str, Any]:
-    prefetch = prefetch and mode == "paged"
-    llm = LLM(paged_experts_num_resident=k, paged_experts_prefetch=prefetch, max_num_seqs=64, device=device)
+def build(mode: str, k: int | None, link: EmulatedLink | None, prefetch: bool = False,
+          device: str = "cpu") -> LLM:
+    """An engine for one mode (resident, paged or stream_all); paged modes copy over `link` when given."""
+    llm = LLM(paged_experts_num_resident=k, paged_experts_prefetch=prefetch and mode == "paged", max_num_seqs=64,
+              device=device)
     for experts in llm.paged_experts().values():
         experts.cache = mode != "stream_all"
         if link is not None:            # paged modes run behind the emulated link
             experts.slots.copier = link
-    decode_rate(llm, prompts[:batch], 4)  # warm-up: caches and allocator, not timed
-    trials = sorted((decode_rate(llm, prompts[:batch], tokens) for _ in range(repeats)), key=lambda r: r[0])
-    rate, c, steps = trials[len(trials) // 2]  # the median run
+    return llm
+
+
+def median_trial(trials: list[tuple[float, dict[str, int], int]]) -> tuple[float, dict[str, int], int]:
+    return sorted(trials, key=lambda r: r[0])[len(trials) // 2]
+
+
+def row(llm: LLM, mode: str, batch: int, trial: tuple[float, dict[str, int], int]) -> dict[str, Any]:
+    """One run's figures from its (tokens/s, expert counters, decode steps)."""
+    rate, c, steps = trial
     looked = c.get("hits", 0) + c.get("misses", 0)
-    return {"mode": mode, "K": k if k is not None else llm.model_config.num_experts, "batch": batch,
-            "prefetch": prefetch,
+    return {"mode": mode, "K": llm.config.paged_experts_num_resident or llm.model_config.num_experts,
+            "batch": batch, "prefetch": bool(llm.config.paged_experts_prefetch),
             "tok_s": rate, "hit_rate": c["hits"] / looked if looked else 1.0,
             "bytes_per_token": c.get("bytes_paged", 0) / max(1, steps * batch),
             "waves_per_step": c["waves"] / c["steps"] if c.get("steps") else 1.0,
             "prefetch_hit_rate": c.get("prefetch_hits", 0) / c["prefetched"] if c.get("prefetched") else None}
 
 
-def device_run(device: str, batches: tuple[int, ...] = (1, 16), tokens: int = 32, prompt_tokens: int = 32,
-               repeats: int = 3, h2d_mib: int = 256) -> dict[str, Any]:
-    """Resident against paged (K = E/4, CUDA copy streams, prefetch on) on a real device, and
-    the link bound: at hit rate h a token misses L * k * (1 - h) experts, so a link of B bytes/s
+def run_mode(mode: str, k: int | None, batch: int, prompts: list[list[int]], tokens: int,
+             link: EmulatedLink | None, prefetch: bool = False, repeats: int = 3) -> dict[str, Any]:
+    llm = build(mode, k, link, prefetch)
+    decode_rate(llm, prompts[:batch], 4)  # warm-up: caches and allocator, not timed
+    return row(llm, mode, batch, median_trial([decode_rate(llm, prompts[:batch], tokens) for _ in range(repeats)]))
+
+
+def device_run(device: str, batches: tuple[int, ...] = (1, 16), tokens: int = 64, prompt_tokens: int = 32,
+               repeats: int = 5, h2d_mib: int = 256) -> dict[str, Any]:
+    """Resident against paged (K = E/4, CUDA copy streams, prefetch on and off) on a real device,
+    the runs of one batch interleaved (resident, paged, paged without prefetch, again) so drift
+    in the machine hits all alike; each figure is the median of `repeats`.
+
+    The link bound: at hit rate h a token misses L * k * (1 - h) experts, so a link of B bytes/s
     caps decode at B / (L * k * (1 - h) * expert bytes) tokens/s per sequence (None: no misses);
-    `link_bound_tok_s` is B over the bytes the batch really paged per token."""
+    `link_bound_tok_s` is B over the bytes the batch really paged per token (prefetches included).
+    `paged_overhead_ms_per_step`: how much longer a paged decode step took than a resident one."""
     probe = LLM(device=device)
     cfg = probe.model_config
     e, top_k, layers = cfg.num_experts, cfg.num_experts_per_tok, len(cfg.moe_layers)
@@ -116,23 +134,31 @@ def device_run(device: str, batches: tuple[int, ...] = (1, 16), tokens: int = 32
     prompts = natural_prompts(probe, max(batches), prompt_tokens)
     del probe
     bandwidth, how = measure_link(device, h2d_mib << 20, repeats)    # best of `repeats` pinned copies
+    engines = {"resident": build("resident", None, None, device=device),
+               "paged": build("paged", e // 4, None, prefetch=True, device=device),
+               "paged_no_prefetch": build("paged", e // 4, None, prefetch=False, device=device)}
     runs, summary = [], {}
     for b in batches:
-        resident = run_mode("resident", None, b, prompts, tokens, None, repeats=repeats, device=device)
-        paged = run_mode("paged", e // 4, b, prompts, tokens, None, prefetch=True, repeats=repeats, device=device)
+        trials: dict[str, list] = {name: [] for name in engines}
+        for llm in engines.values():
+            decode_rate(llm, prompts[:b], 4)        # warm-up, not timed
+        for _ in range(repeats):
+            for name, llm in engines.items():
+                trials[name].append(decode_rate(llm, prompts[:b], tokens))
+        res, paged, plain = (row(llm, "resident" if n == "resident" else "paged", b, median_trial(trials[n]))
+                             for n, llm in engines.items())
+        runs += [res, paged, plain]
         miss = 1.0 - paged["hit_rate"]
-        runs += [resident, paged]
         summary[f"b{b}"] = {
-            "paged_vs_resident": paged["tok_s"] / resident["tok_s"], "hit_rate": paged["hit_rate"],
-            "paged_tok_s": paged["tok_s"], "resident_tok_s": resident["tok_s"],
-            # the issue's bound, per sequence, from the miss rate ...
+            "paged_vs_resident": paged["tok_s"] / res["tok_s"], "hit_rate": paged["hit_rate"],
+            "paged_no_prefetch_vs_resident": plain["tok_s"] / res["tok_s"],
+            "paged_tok_s": paged["tok_s"], "resident_tok_s": res["tok_s"],
+            "paged_overhead_ms_per_step": (b / paged["tok_s"] - b / res["tok_s"]) * 1e3,
             "link_bound_tok_s_per_seq": bandwidth / (layers * top_k * miss * expert_bytes) if miss > 0 else None,
-            # ... and for the batch, from the bytes it really paged per token (prefetches included)
             "link_bound_tok_s": bandwidth / paged["bytes_per_token"] if paged["bytes_per_token"] else None}
     return {"device": device, "emulated": False, "num_experts": e, "top_k": top_k, "moe_layers": layers,
-            "expert_bytes": expert_bytes, "K": e // 4, "h2d_pinned_gbps": bandwidth / 1e9,
-            "link_measured_by": how,
-            "units": "GB/s (1e9 bytes/s)", "runs": runs, "summary": summary}
+            "expert_bytes": expert_bytes, "K": e // 4, "h2d_pinned_gbps": bandwidth / 1e9, "link_measured_by": how,
+            "tokens": tokens, "repeats": repeats, "units": "GB/s (1e9 bytes/s)", "runs": runs, "summary": summary}
 
 
 def main() -> None:

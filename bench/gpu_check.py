@@ -17,8 +17,9 @@ Writes one JSON (`--out`, default in a new temporary folder):
    "figures", "details"}], "failures": int, ...}
 and prints a one-screen summary (on stderr with --json, which puts the JSON on stdout).
 Exits 1 when any step failed.  The check needs neither Ray nor FastAPI/uvicorn/pydantic.  When
-`cryptography` is missing (the workers' TLS module imports it) and `.whl/gpu-site` holds a copy
-(see docs/operating.md), the steps' processes find it there.
+`cryptography` is missing (the workers' TLS module imports it) or grpcio is older than the one
+proto/*_pb2_grpc.py were generated with (they refuse to import), and `.whl/gpu-site` holds
+unpacked wheels of them (see docs/operating.md), the steps' processes find them there first.
 """
 
 from __future__ import annotations

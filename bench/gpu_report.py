@@ -13,7 +13,7 @@ def _device(f: dict[str, Any]) -> str:
     where = f.get("name") or f.get("device", "?")
     mem = f" free {_num(f['free_gib'], '.1f')}/{_num(f['total_gib'], '.1f')} GiB" if "free_gib" in f else ""
     return (f"{where}{mem}  torch {f.get('torch')} (CUDA {f.get('torch_cuda')})  triton {f.get('triton')}  "
-            f"python {f.get('python')}  driver {f.get('nvidia_smi', f.get('driver_api_version', '-'))}")
+            f"python {f.get('python')}  driver {f.get('driver', '-')}  grpc {f.get('packages', {}).get('grpc')}")
 
 
 def _experts(f: dict[str, Any]) -> str:

@@ -10,6 +10,7 @@ to FILE and exits 0, or 1 when the step raised (the traceback is in "details").
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -25,6 +26,17 @@ import torch
 Figures = dict[str, Any]
 
 
+def package_versions() -> dict[str, str | None]:
+    """The versions this process imports (the check may put .whl/gpu-site first on the path)."""
+    out: dict[str, str | None] = {}
+    for name in ("grpc", "google.protobuf", "cryptography", "transformers", "safetensors", "tokenizers"):
+        try:
+            out[name] = getattr(importlib.import_module(name), "__version__", "?")
+        except Exception as e:    # recorded: a missing package is what the step reports
+            out[name] = f"missing ({type(e).__name__})"
+    return out
+
+
 def device_info(device: str, quick: bool) -> Figures:
     """Versions, the device, its driver and free memory.  `device` "auto": cuda when there is one."""
     import triton
@@ -32,19 +44,20 @@ def device_info(device: str, quick: bool) -> Figures:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     info: Figures = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
                      "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
-                     "cpu_count": os.cpu_count(), "platform": platform.platform(), "device": device}
+                     "cpu_count": os.cpu_count(), "platform": platform.platform(), "device": device,
+                     "packages": package_versions()}
     if device == "cpu" or not torch.cuda.is_available():
         return info
     dev = torch.device(device)
     props = torch.cuda.get_device_properties(dev)
     free, total = torch.cuda.mem_get_info(dev)
     info.update(name=props.name, capability=f"{props.major}.{props.minor}", multiprocessors=props.multi_processor_count,
-                total_gib=total / 2**30, free_gib=free / 2**30, device_count=torch.cuda.device_count(),
-                driver_api_version=getattr(torch._C, "_cuda_getDriverVersion", lambda: None)())
+                total_gib=total / 2**30, free_gib=free / 2**30, device_count=torch.cuda.device_count())
     if shutil.which("nvidia-smi"):
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name,memory.total,clocks.max.memory",
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,memory.total,clocks.max.memory",
                               "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
         info["nvidia_smi"] = out.stdout.strip() or out.stderr.strip()
+        info["driver"] = info["nvidia_smi"].split(",")[0].strip()
     pinned = torch.empty(1 << 20, dtype=torch.uint8).pin_memory()
     info["pinned_host_memory"] = pinned.is_pinned()
     return info
@@ -74,7 +87,7 @@ def experts_speed(device: str, quick: bool) -> Figures:
         return device_run(device, batches=(1,), tokens=4, prompt_tokens=16, repeats=1, h2d_mib=16)
     if small(device, quick):
         return device_run(device, batches=(1, 16), tokens=4, prompt_tokens=16, repeats=1, h2d_mib=64)
-    return device_run(device, batches=(1, 16), tokens=32, repeats=3)
+    return device_run(device)
 
 
 def transfer_speed(device: str, quick: bool) -> Figures:
