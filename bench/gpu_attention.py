@@ -6,6 +6,9 @@ sequences of 4,096 tokens, 8 KV heads of 128, 32 query heads, bf16, 16-token pag
 shuffled order, and divides the bytes it must read (K, V, q, the page table) and write (out)
 by the median time.  It is compared with the device's published peak (PEAK_BYTES_PER_S, with
 the source of each figure) and with a device-to-device copy measured in the same run.
+`same_bytes` repeats the measurement with the same cache split into fewer, longer sequences
+and more, shorter ones: the kernel runs one program per (sequence, KV head), so this shows
+how its bandwidth depends on the number of programs.
 """
 
 from __future__ import annotations
@@ -55,7 +58,24 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30, repeats: int = 5) -> floa
 def attention_bandwidth(device: str = "cuda", seqs: int = 64, tokens: int = 4096, kv_heads: int = 8,
                         q_heads: int = 32, head_dim: int = 128, page_size: int = 16,
                         dtype: torch.dtype = torch.bfloat16, repeats: int = 10) -> dict[str, Any]:
-    """Time the kernel on the shape above; checks two sequences against the torch reference first
+    """The figures of the module doc for the stated shape, with `same_bytes`."""
+    result = kernel_bandwidth(device, seqs, tokens, kv_heads, q_heads, head_dim, page_size, dtype, repeats)
+    name = torch.cuda.get_device_name(torch.device(device))
+    peak, source = published_peak(name)
+    copy = copy_bandwidth(device)
+    achieved = result["achieved_gbps"] * 1e9
+    result.update(peak_gbps=peak / 1e9 if peak else None, peak_source=source,
+                  fraction_of_peak=achieved / peak if peak else None, d2d_copy_gbps=copy / 1e9,
+                  fraction_of_copy=achieved / copy, units="GB/s (1e9 bytes/s)")
+    result["same_bytes"] = {f"{s}x{t}": kernel_bandwidth(device, s, t, kv_heads, q_heads, head_dim, page_size,
+                                                         dtype, repeats)["achieved_gbps"]
+                            for s, t in ((seqs // 4, tokens * 4), (seqs * 4, tokens // 4))}
+    return result
+
+
+def kernel_bandwidth(device: str, seqs: int, tokens: int, kv_heads: int, q_heads: int, head_dim: int,
+                     page_size: int, dtype: torch.dtype, repeats: int) -> dict[str, Any]:
+    """Time the kernel on one shape; checks two sequences against the torch reference first
     (raises AssertionError when they differ)."""
     from engine.kernels.paged_attention import paged_decode_attention_ref
     from engine.kernels.triton.paged_attention import paged_decode_attention
@@ -74,13 +94,7 @@ def attention_bandwidth(device: str = "cuda", seqs: int = 64, tokens: int = 4096
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     seconds = _median_seconds(lambda: paged_decode_attention(q, k, v, table, lens, scale), repeats)
     nbytes = 2 * k.numel() * k.element_size() + 2 * q.numel() * q.element_size() + table.numel() * 4
-    achieved = nbytes / seconds
-    name = torch.cuda.get_device_name(torch.device(device))
-    peak, source = published_peak(name)
-    copy = copy_bandwidth(device)
     return {"shape": {"seqs": seqs, "tokens": tokens, "kv_heads": kv_heads, "q_heads": q_heads,
                       "head_dim": head_dim, "page_size": page_size, "dtype": str(dtype).removeprefix("torch.")},
             "bytes_moved": nbytes, "median_ms": seconds * 1e3, "repeats": repeats,
-            "achieved_gbps": achieved / 1e9, "peak_gbps": peak / 1e9 if peak else None, "peak_source": source,
-            "fraction_of_peak": achieved / peak if peak else None, "d2d_copy_gbps": copy / 1e9,
-            "fraction_of_copy": achieved / copy, "units": "GB/s (1e9 bytes/s)"}
+            "achieved_gbps": nbytes / seconds / 1e9}
