@@ -117,7 +117,7 @@ class ChaosControl:
             "role": self.role.value, "pid": os.getpid(), "counts": dict(h.counts()),
             "injected": self._transfer_log() + self.expert_log,
             "corrupt_slots": sum(c["corrupt_slots"] for c in h.core.expert_stats().values()),
-            "evictions": h.core.pool.evictions, "page_size": h.core.pool.page_size}
+            "page_size": h.core.pool.page_size}
         if h.receiver is not None:
             out.update(refusals=list(h.receiver.refusal_log), failures=list(h.receiver.failure_log),
                        accepted_bytes=h.receiver.accepted_bytes)

@@ -203,7 +203,7 @@ def _ms(x: float | None) -> str:
 def new_entries(before: dict, after: dict) -> dict:
     """What the workers logged between two ledgers (a restarted worker counts from zero)."""
     out = {"injected": [], "refusals": [], "failures": [], "corrupt_slots": 0, "reserved": 0,
-           "submitted": 0, "accepted_bytes": 0, "evictions": 0}
+           "submitted": 0, "accepted_bytes": 0}
     for wid, a in after.items():
         b = before.get(wid, {})
         if b.get("pid") != a["pid"]:
@@ -212,7 +212,6 @@ def new_entries(before: dict, after: dict) -> dict:
             out[key] += a.get(key, [])[len(b.get(key, [])):]
         out["corrupt_slots"] += a["corrupt_slots"] - b.get("corrupt_slots", 0)
         out["accepted_bytes"] += a.get("accepted_bytes", 0) - b.get("accepted_bytes", 0)
-        out["evictions"] += a.get("evictions", 0) - b.get("evictions", 0)
         for key in ("reserved", "submitted"):
             out[key] += a["counts"].get(key, 0) - b.get("counts", {}).get(key, 0)
     return out
