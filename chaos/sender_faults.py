@@ -221,6 +221,7 @@ class FaultInjector:
         forged = _copy(h)
         forged.page_index, forged.first_token = h.page_index - 1, h.first_token - page_size
         forged.num_tokens = page_size
+        forged.seq = h.seq + (1 << 20)                   # a seq no genuine frame of the transfer uses
         forged.shape[2] = page_size                      # [layers, 2, tokens, heads, dim]
         nbytes = len(payload_view(payload)) // h.num_tokens * page_size
         bad: Payload = torch.full((nbytes,), 0x5A, dtype=torch.uint8) if isinstance(payload, torch.Tensor) \

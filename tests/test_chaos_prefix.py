@@ -25,7 +25,7 @@ from engine.kv_pool import CACHED, PagePool
 from engine.prefix_cache import max_cached_pages, page_keys
 from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.receiver import TransferReceiver
-from kv_transfer.reservation import State
+from kv_transfer.reservation import Reservation, State
 from kv_transfer.sender import TransferSender, TransferTicket
 from kv_transfer.transport import connect
 from kv_transfer.transport.local import LocalServer
@@ -95,6 +95,22 @@ def test_a_frame_for_a_cached_page_is_refused_and_the_page_keeps_its_bytes(rig):
     recv.release(res.transfer_id)
     dst.free("victim")
     dst.check_integrity()
+
+
+def test_without_the_receivers_check_the_poison_lands_and_the_hashes_show_it(rig, monkeypatch):
+    src, dst, recv, server = rig
+    """With neither the CACHED_PAGE nor the owner check (STALE_PAGE), the forged frame is written
+    into the shared page; only the pool's read-only assertion stops it, after the bytes changed."""
+    monkeypatch.setattr(Reservation, "first_page", property(lambda self: 0))
+    monkeypatch.setattr(TransferReceiver, "_check_page", lambda self, res, ref, cached=False: None)
+    faults = FaultInjector(seed=1)
+    faults.arm("poison_cached", times=1)
+    warm(dst, "victim", 4)
+    before = cached_page_digests(dst)
+    with pytest.raises(AssertionError, match="is cached"):
+        push(src, dst, recv, server, "victim", 4, faults)
+    assert faults.fired["poison_cached"] == 1
+    assert digests_changed(before, cached_page_digests(dst))[1] == [dst.page_table("victim")[3]]
 
 
 def test_an_unarmed_injector_leaves_a_delta_transfer_alone(rig):
