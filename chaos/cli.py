@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "list":
         from chaos.scenarios import SCENARIOS
         for s in SCENARIOS:
-            print(f"{s.name:<16} {s.group:<9} {s.about}")
+            print(f"{s.name:<18} {s.group:<9} {s.about}")
         return 0
     try:
         scenarios = select(args.scenarios)
