@@ -251,7 +251,7 @@ class World:
         pages = tuple((self.pool.owner(p), self.pool.generation(p), self.pool.is_written(p),
                        cache.key(p), cache.refcount(p)) for p in range(self.bounds.pool_pages))
         calls = tuple(sorted((c.label, c.status) for c in self.board.live()))
-        lru = tuple(cache._lru)        # the eviction order decides which page the next admission takes
+        lru = tuple(cache.evictable())        # the eviction order decides which page the next admission takes
         return (tuple(map(_request_key, self.requests)), calls, pages, self.contents(),
                 tuple(self.free_order), lru)
 

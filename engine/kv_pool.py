@@ -240,7 +240,8 @@ class PagePool:
 
     # ---- invariants ------------------------------------------------------------
     def _hash(self, page: int) -> bytes:
-        return hashlib.blake2b(self.kv[:, :, page].cpu().numpy().tobytes(), digest_size=16).digest()
+        raw = self.kv[:, :, page].contiguous().view(torch.uint8).cpu()   # bytes of any dtype, bf16 too
+        return hashlib.blake2b(raw.numpy().tobytes(), digest_size=16).digest()
 
     def check_integrity(self, contents: bool = False) -> None:
         """free + private + cached == capacity; no private page held twice or by a table other

@@ -167,6 +167,10 @@ class CacheIndex:
     def num_evictable(self) -> int:
         return len(self._lru)
 
+    def evictable(self) -> list[int]:
+        """The evictable pages in eviction order (oldest first)."""
+        return list(self._lru)
+
     def refcount(self, page: int) -> int:
         return self._refs[page]
 

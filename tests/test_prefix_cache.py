@@ -222,3 +222,24 @@ def test_handoff_reservations_and_aborts():
     core.abort(fresh[1])                                    # an abort publishes what was computed
     assert llm.pool.num_cached == 5
     assert_idle(llm)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_the_contents_audit_reads_pages_of_every_dtype(dtype):
+    """check_integrity(contents=True) re-hashes cached pages of any pool dtype (bf16 has no numpy
+    type) and notices a cached page whose bytes changed."""
+    import torch
+
+    from engine.kv_pool import PagePool
+    pool = PagePool(4, 4, 2, 1, 8, getattr(torch, dtype), audit=True)
+    salt = cache_salt(b"", "t")
+    keys = page_keys(salt, [1, 2, 3, 4, 5, 6, 7, 8], 4)
+    pool.allocate_prefixed("a", 2, keys, salt)
+    pool.kv[:, :, pool.page_table("a")] = 1.5
+    pool.mark_tokens_written("a", 0, 8)
+    assert pool.publish("a", keys, salt) == 2
+    pool.free("a")
+    pool.check_integrity(contents=True)
+    pool.kv[0, 0, pool.cache.evictable()[0], 0, 0, 0] = 2.5     # a write behind the pool's back
+    with pytest.raises(AssertionError):
+        pool.check_integrity(contents=True)
