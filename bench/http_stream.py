@@ -1,7 +1,10 @@
 """One streaming OpenAI request, timed: POST a JSON body (gateway.http_client), read the
 server-sent events, time every chunk that carries text.
 
-The arrival time of each content chunk is what TTFT and inter-token latency come from."""
+The arrival time of each content chunk is what TTFT and inter-token latency come from.  Besides
+the text it reads the usage chunk's prompt and cached prompt tokens
+(`usage.prompt_tokens_details.cached_tokens`, sent when `stream_options.include_usage` is set)
+and the generated token ids (`token_ids` in each chunk when the body asks `return_token_ids`)."""
 
 from __future__ import annotations
 
@@ -22,6 +25,10 @@ class StreamResult:
     output_tokens: int = 0          # from the usage chunk when the server sends one
     text: str = ""
     error: str | None = None
+    prompt_tokens: int = 0                 # usage.prompt_tokens
+    cached_tokens: int | None = None       # usage.prompt_tokens_details.cached_tokens; None: not reported
+    token_ids: list[int] = field(default_factory=list)   # generated ids, when the server sends them
+    sent_token_ids: bool = False           # whether any chunk carried token_ids
 
     @property
     def ttft(self) -> float | None:
@@ -34,7 +41,8 @@ class StreamResult:
 
 
 async def post_stream(url: str, path: str, body: dict, api_key: str | None, timeout_s: float) -> StreamResult:
-    """POST `body` (with "stream": true) and read the SSE stream to the end."""
+    """POST `body` (with "stream": true) and read the SSE stream to the end; errors are recorded
+    in the result (`error`), never raised."""
     u = urlparse(url)
     res = StreamResult(start=time.perf_counter())
     try:
@@ -78,9 +86,16 @@ def _event(event: str, res: StreamResult) -> None:
         if "error" in msg:
             res.error = f"{msg['error'].get('code')}: {msg['error'].get('message')}"
             return
-        if msg.get("usage"):
-            res.output_tokens = msg["usage"].get("completion_tokens", 0)
+        if usage := msg.get("usage"):
+            res.output_tokens = usage.get("completion_tokens", 0)
+            res.prompt_tokens = usage.get("prompt_tokens", 0)
+            details = usage.get("prompt_tokens_details") or {}
+            if details.get("cached_tokens") is not None:
+                res.cached_tokens = int(details["cached_tokens"])
         for choice in msg.get("choices", []):
+            if "token_ids" in choice:
+                res.sent_token_ids = True
+                res.token_ids += choice["token_ids"] or []
             text = choice.get("text")
             if text is None:
                 text = (choice.get("delta") or {}).get("content")

@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from bench.serve_stream import TurnResult, post_turn
+from bench.http_stream import StreamResult, post_stream
 
 Prompt = str | list[int]     # text, or token ids (/v1/completions only: exact lengths)
 
@@ -37,20 +37,20 @@ class Target:
             b["return_token_ids"] = True
         return b
 
-    async def one(self, prompt: Prompt, output_len: int, token_ids: bool = False) -> TurnResult:
+    async def one(self, prompt: Prompt, output_len: int, token_ids: bool = False) -> StreamResult:
         path = "/v1/chat/completions" if self.chat else "/v1/completions"
-        return await post_turn(self.url, path, self.body(prompt, output_len, token_ids), self.api_key,
+        return await post_stream(self.url, path, self.body(prompt, output_len, token_ids), self.api_key,
                                self.timeout_s)
 
 
 async def run_level(target: Target, prompts: Sequence[Prompt], output_len: int, concurrency: int,
-                    progress: Progress | None = None) -> tuple[list[TurnResult], float]:
+                    progress: Progress | None = None) -> tuple[list[StreamResult], float]:
     """Send every prompt, at most `concurrency` at a time, in order.  Returns results (in
     completion order) and wall time."""
     queue: asyncio.Queue[Prompt] = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
-    results: list[TurnResult] = []
+    results: list[StreamResult] = []
 
     async def worker() -> None:
         while not queue.empty():
@@ -66,7 +66,7 @@ async def run_level(target: Target, prompts: Sequence[Prompt], output_len: int, 
 
 async def interference(target: Target, short: list[str], short_out: int, long: list[str],
                        decode_concurrency: int, long_concurrency: int,
-                       progress: Progress | None = None) -> tuple[list[TurnResult], float]:
+                       progress: Progress | None = None) -> tuple[list[StreamResult], float]:
     """Keep `decode_concurrency` short-prompt / long-output requests going while
     `long_concurrency` long-prompt / one-token requests keep arriving; returns the short
     requests' results (their ITL is what long prefills disturb) and the wall time."""

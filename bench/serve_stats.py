@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from bench.http_stream import StreamResult
-from bench.serve_stream import TurnResult
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -46,7 +45,7 @@ def summarize(results: Sequence[StreamResult], wall_s: float, slo_ttft_ms: float
     return out
 
 
-def cache_share(results: Sequence[TurnResult]) -> dict[str, float | None]:
+def cache_share(results: Sequence[StreamResult]) -> dict[str, float | None]:
     """Prompt tokens, cached prompt tokens and their ratio over the responses that reported
     `usage.prompt_tokens_details.cached_tokens` (None when no response did: a share that was not
     seen is never reported as 0)."""

@@ -10,17 +10,17 @@ import time
 
 from tqdm import tqdm
 
+from bench.http_stream import StreamResult
 from bench.serve_load import Progress, Target, run_level
 from bench.serve_prompts import PromptMaker
 from bench.serve_stats import cache_share, summarize
-from bench.serve_stream import TurnResult
 from bench.serve_workloads import MultiTurn, SharedPrefix
 from engine.tokenizer import Tokenizer
 
 
 async def run_conversations(target: Target, conversations: list[list[list[int]]], output_len: int,
                             concurrency: int, tok: Tokenizer,
-                            progress: Progress | None = None) -> tuple[list[TurnResult], float]:
+                            progress: Progress | None = None) -> tuple[list[StreamResult], float]:
     """At most `concurrency` conversations at a time, each turn's prompt being the previous
     prompt, its answer (the server's token ids when it sends them, else the answer text encoded)
     and the turn's new message.  A failed turn ends its conversation (the next one would have no
@@ -28,7 +28,7 @@ async def run_conversations(target: Target, conversations: list[list[list[int]]]
     queue: asyncio.Queue[list[list[int]]] = asyncio.Queue()
     for c in conversations:
         queue.put_nowait(c)
-    results: list[TurnResult] = []
+    results: list[StreamResult] = []
 
     async def worker() -> None:
         while not queue.empty():

@@ -17,7 +17,6 @@ from bench.serve_load import Target, run_level
 from bench.serve_metrics import MissingMetric, cache_delta, run_delta
 from bench.serve_prompts import PromptMaker
 from bench.serve_stats import cache_share, percentile, summarize
-from bench.serve_stream import TurnResult
 from bench.serve_turns import run_conversations
 from bench.serve_workloads import DEFAULTS, MultiTurn, SharedPrefix, pages, resolve
 from engine.config import SHIPPED_MODEL
@@ -300,8 +299,8 @@ def test_summary_targets_and_a_figure_not_reported():
 
 
 def test_cache_share_counts_only_reporting_responses_and_missing_metrics_stop_the_run():
-    a, b, c = TurnResult(start=0, prompt_tokens=100, cached_tokens=50), TurnResult(start=0, prompt_tokens=100), \
-        TurnResult(start=0, prompt_tokens=100, cached_tokens=30, error="HTTP 500")
+    a, b, c = StreamResult(start=0, prompt_tokens=100, cached_tokens=50), StreamResult(start=0, prompt_tokens=100), \
+        StreamResult(start=0, prompt_tokens=100, cached_tokens=30, error="HTTP 500")
     assert cache_share([a, b, c]) == {"prompt_tokens": 100, "cached_tokens": 50, "cached_share": 0.5}
     assert cache_share([b]) == {"prompt_tokens": None, "cached_tokens": None, "cached_share": None}
     with pytest.raises(MissingMetric, match="tandem_worker_transfer_bytes_accepted of a decode worker"):
