@@ -8,7 +8,7 @@ Storage of all layers, K and V together:
 
 A page is in one of three states:
 
-    free ──allocate──▶ private ──publish──▶ cached ──evict (refcount 0, LRU)──▶ private
+    free ──allocate──▶ private ──publish──▶ cached ──evict (refcount 0, segmented LRU)──▶ private
       ▲                  │ owned by one       read-only, keyed (engine/prefix_cache.py),
       └─────free─────────┘ request, writable  shared by every request whose prefix matches
 

@@ -141,10 +141,23 @@ class CacheEventLog:
         return self._closed
 
 
+PROTECTED_SHARE = 0.75   # of the pool: evictable pages that were hit, kept before any never hit
+
+
 class CacheIndex:
     """The pool's published pages: key -> page, per page its key, salt and reference count, and
-    the LRU of evictable pages (cached, referenced by no request).  Only `PagePool` calls the
-    mutating methods; every store and eviction is appended to `events`."""
+    the evictable pages (cached, referenced by no request) in eviction order.
+
+    Eviction is a segmented LRU: a page some request found in the cache (a hit) is *protected*,
+    one only its publisher held is *probationary*; the least recently used probationary page
+    goes first, a protected one only when no probationary page is left.  So the unique tails of
+    finished requests (their questions and answers) go before a shared prefix that is reused,
+    however recently they were released; with plain LRU a cycle over slightly more prefixes than
+    fit evicts each one just before it is needed.  At most PROTECTED_SHARE of the pool stays
+    protected: past that the least recently used protected page is demoted to the newest
+    probationary one, so a prefix that stopped being used cannot hold the pool forever.
+
+    Only `PagePool` calls the mutating methods; every store and eviction is appended to `events`."""
 
     def __init__(self, num_pages: int, events: CacheEventLog):
         self.events = events
@@ -152,7 +165,10 @@ class CacheIndex:
         self._key: list[bytes | None] = [None] * num_pages
         self._salt: list[bytes | None] = [None] * num_pages
         self._refs = [0] * num_pages
-        self._lru: OrderedDict[int, None] = OrderedDict()    # oldest (evicted first) first
+        self._hit = [False] * num_pages                          # found by a request since published
+        self._probation: OrderedDict[int, None] = OrderedDict()  # evictable, never hit; oldest first
+        self._protected: OrderedDict[int, None] = OrderedDict()  # evictable, hit; oldest first
+        self._protected_cap = max(1, int(num_pages * PROTECTED_SHARE))
         self.evictions = 0
 
     # ---- queries ---------------------------------------------------------------------
@@ -165,11 +181,14 @@ class CacheIndex:
 
     @property
     def num_evictable(self) -> int:
-        return len(self._lru)
+        return len(self._probation) + len(self._protected)
 
     def evictable(self) -> list[int]:
-        """The evictable pages in eviction order (oldest first)."""
-        return list(self._lru)
+        """The evictable pages in eviction order: probationary oldest first, then protected."""
+        return list(self._probation) + list(self._protected)
+
+    def was_hit(self, page: int) -> bool:
+        return self._hit[page]
 
     def refcount(self, page: int) -> int:
         return self._refs[page]
@@ -200,35 +219,51 @@ class CacheIndex:
 
     # ---- changes (the pool's) ----------------------------------------------------------
     def ref(self, page: int) -> None:
+        """A request found `page` in the cache: one reference more, and the page is protected."""
         assert page in self, f"page {page} is not cached"
         if self._refs[page] == 0:
-            del self._lru[page]
+            (self._protected if self._hit[page] else self._probation).pop(page)
         self._refs[page] += 1
+        self._hit[page] = True
 
     def unref(self, page: int) -> None:
-        """One reference fewer; at zero the page becomes the most recently used evictable one."""
+        """One reference fewer; at zero the page becomes the most recently used evictable one of
+        its segment."""
         assert self._refs[page] > 0, f"cached page {page} released more often than referenced"
         self._refs[page] -= 1
         if self._refs[page] == 0:
-            self._lru[page] = None
+            self._release(page)
+
+    def _release(self, page: int) -> None:
+        if not self._hit[page]:
+            self._probation[page] = None
+            return
+        self._protected[page] = None
+        while len(self._protected) > self._protected_cap:
+            oldest, _ = self._protected.popitem(last=False)
+            self._hit[oldest] = False                  # demoted: it must be hit again to return
+            self._probation[oldest] = None
 
     def insert(self, page: int, key: bytes, salt: bytes, refs: int) -> None:
         """Publish `page` under `key` (not cached yet), held by `refs` requests."""
         assert page not in self and key not in self._page_of, f"page {page} or its key is already cached"
         self._page_of[key] = page
         self._key[page], self._salt[page], self._refs[page] = key, salt, refs
+        self._hit[page] = False
         if refs == 0:
-            self._lru[page] = None
+            self._probation[page] = None
         self.events.stored(key)
 
     def evict(self) -> int:
-        """Drop the least recently used evictable page from the cache; returns it (the caller
-        reuses it).  Raises KeyError when none is evictable."""
-        page, _ = self._lru.popitem(last=False)
+        """Drop the next evictable page (the oldest probationary one, else the oldest protected)
+        from the cache; returns it (the caller reuses it).  Raises KeyError when none is evictable."""
+        segment = self._probation if self._probation else self._protected
+        page, _ = segment.popitem(last=False)
         key = self._key[page]
         assert key is not None and self._refs[page] == 0
         del self._page_of[key]
         self._key[page] = self._salt[page] = None
+        self._hit[page] = False
         self.evictions += 1
         self.events.evicted(key)
         return page
@@ -247,6 +282,10 @@ class CacheIndex:
         extra = set(holders) - cached
         assert not extra, f"pages {sorted(extra)} are held as cached but are not in the cache"
         evictable = {p for p in cached if self._refs[p] == 0}
-        assert set(self._lru) == evictable, \
-            f"evictable set {sorted(self._lru)} != cached pages with refcount 0 {sorted(evictable)}"
+        listed = self.evictable()
+        assert len(listed) == len(set(listed)) and set(listed) == evictable, \
+            f"evictable pages {sorted(listed)} != cached pages with refcount 0 {sorted(evictable)}"
+        assert all(self._hit[p] for p in self._protected) and not any(self._hit[p] for p in self._probation), \
+            "a page is in the wrong eviction segment"
+        assert len(self._protected) <= self._protected_cap, "more protected pages than the cap"
         assert all(r == 0 for p, r in enumerate(self._refs) if p not in cached), "a non-cached page has references"

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine.kv_pool import CACHED, PagePool, PoolExhausted
-from engine.prefix_cache import cache_salt, max_cached_pages, page_keys
+from engine.prefix_cache import PROTECTED_SHARE, cache_salt, max_cached_pages, page_keys
 
 S = 2
 SALTS = [cache_salt(b"k", "t1"), cache_salt(b"k", "t2")]
@@ -69,6 +69,42 @@ def test_release_makes_pages_evictable_later_pages_first():
     pool.check_integrity()
 
 
+def test_a_reused_prefix_outlives_newer_unique_tails():
+    """Segmented LRU: pages a request found in the cache are evicted only after every page no
+    request reused, however recently those were released; plain LRU would take the prefix first
+    (it is the oldest), which a cycle over a few more prefixes than fit turns into a miss every
+    time."""
+    pool = make_pool(12)
+    prefix = [7, 7, 7, 7]                                      # two full pages, shared
+    prefill(pool, "a", prefix + [1, 1, 1], SALTS[0], 4)       # publishes the prefix and a tail page
+    assert prefill(pool, "b", prefix + [2, 2, 2], SALTS[0], 4) == 2   # a hit: the prefix is protected
+    pool.free("a")
+    pool.free("b")
+    for i, rid in enumerate("cd"):                             # newer requests, unique tails only
+        prefill(pool, rid, [9 + i] * 7, SALTS[0], 4)
+        pool.free(rid)
+    assert pool.num_evictable == 10 and pool.num_free == 12
+    pool.allocate("x", 10)                                     # takes 2 free and evicts 8 pages
+    assert pool.evictions == 8
+    assert pool.match(page_keys(SALTS[0], prefix, S), SALTS[0]) == 2    # the oldest, yet kept
+    pool.check_integrity()
+
+
+def test_protected_pages_are_capped_and_demoted_oldest_first():
+    pool = make_pool(7)                                        # at most int(7 * 0.75) = 5 protected
+    for i, rid in enumerate("abc"):
+        doc = [i + 1] * 4 + [0]
+        prefill(pool, rid, doc, SALTS[0], 3)                   # 2 prefix pages + 1 private
+        pool.free(rid)
+        assert prefill(pool, rid + "2", doc, SALTS[0], 3) == 2  # a hit: protected once released
+        pool.free(rid + "2")
+    assert pool.evictions == 0 and pool.num_evictable == 6
+    assert [pool.cache.was_hit(p) for p in pool.cache.evictable()] == [False] + [True] * 5
+    first = page_keys(SALTS[0], [1] * 4, S)
+    assert pool.cache.key(pool.cache.evictable()[0]) == first[1]   # demoted: the oldest protected
+    pool.check_integrity()
+
+
 def test_exhausted_prefixed_allocation_changes_nothing():
     pool = make_pool(4)
     prefill(pool, "a", [1, 2, 3, 4, 5], SALTS[0], 3)
@@ -123,14 +159,17 @@ def test_check_integrity_catches_refcount_salt_and_content_violations():
 
 
 class PrefixPoolMachine(RuleBasedStateMachine):
-    """The pool against a reference model of keys, refcounts, the LRU and the free list."""
+    """The pool against a reference model of keys, refcounts, the segmented LRU (probationary
+    pages, never hit, evicted before protected ones) and the free list."""
 
     def __init__(self):
         super().__init__()
         self.pool = make_pool(10, audit=True)
         self.salt_of: dict[bytes, bytes] = {}                 # cached key -> salt
         self.refs: dict[bytes, int] = {}
-        self.lru: OrderedDict[bytes, None] = OrderedDict()
+        self.probation: OrderedDict[bytes, None] = OrderedDict()
+        self.protected: OrderedDict[bytes, None] = OrderedDict()
+        self.hit: set[bytes] = set()                          # keys found by a request since published
         self.reqs: dict[str, dict] = {}                       # rid -> tokens, salt, pages (key | None)
         self.private = 0
         self.max_gen = [0] * 10
@@ -141,10 +180,25 @@ class PrefixPoolMachine(RuleBasedStateMachine):
     def free_list(self) -> int:
         return 10 - self.private - len(self.salt_of)
 
+    @property
+    def num_evictable(self) -> int:
+        return len(self.probation) + len(self.protected)
+
     def _expect_evictions(self, n: int) -> None:
         for _ in range(max(0, n - self.free_list)):
-            key, _ = self.lru.popitem(last=False)
+            key, _ = (self.probation if self.probation else self.protected).popitem(last=False)
             del self.salt_of[key], self.refs[key]
+            self.hit.discard(key)
+
+    def _released(self, key: bytes) -> None:
+        if key not in self.hit:
+            self.probation[key] = None
+            return
+        self.protected[key] = None
+        while len(self.protected) > int(10 * PROTECTED_SHARE):
+            old, _ = self.protected.popitem(last=False)
+            self.hit.discard(old)
+            self.probation[old] = None
 
     def _check_generations(self, rid: str, pages: list[int]) -> None:
         for p in pages:
@@ -163,14 +217,16 @@ class PrefixPoolMachine(RuleBasedStateMachine):
         while hits < len(keys) and self.salt_of.get(keys[hits]) == salt:
             hits += 1
         evictable_hits = sum(self.refs[k] == 0 for k in keys[:hits])
-        if total - hits > self.free_list + len(self.lru) - evictable_hits:
+        if total - hits > self.free_list + self.num_evictable - evictable_hits:
             with pytest.raises(PoolExhausted):
                 self.pool.allocate_prefixed(rid, total, keys, salt)
             return
         assert self.pool.allocate_prefixed(rid, total, keys, salt) == hits
         for k in keys[:hits]:
-            self.lru.pop(k, None)
+            self.probation.pop(k, None)
+            self.protected.pop(k, None)
             self.refs[k] += 1
+            self.hit.add(k)
         self._expect_evictions(total - hits)
         self.private += total - hits
         self.reqs[rid] = {"tokens": doc[:total * S], "salt": salt, "pages": keys[:hits] + [None] * (total - hits),
@@ -228,14 +284,14 @@ class PrefixPoolMachine(RuleBasedStateMachine):
                 continue
             self.refs[key] -= 1
             if self.refs[key] == 0:
-                self.lru[key] = None
+                self._released(key)
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data(), n=st.integers(1, 4))
     def grow(self, data, n):
         """More private pages for a running request: evicts when the free list is short."""
         rid = data.draw(st.sampled_from(sorted(self.reqs)))
-        if n > self.free_list + len(self.lru):
+        if n > self.free_list + self.num_evictable:
             with pytest.raises(PoolExhausted):
                 self.pool.allocate(rid, n)
             return
@@ -248,12 +304,12 @@ class PrefixPoolMachine(RuleBasedStateMachine):
     def matches_the_model(self):
         pool = self.pool
         pool.check_integrity(contents=True)
-        assert pool.num_cached == len(self.salt_of) and pool.num_evictable == len(self.lru)
-        assert pool.num_free == self.free_list + len(self.lru)
+        assert pool.num_cached == len(self.salt_of) and pool.num_evictable == self.num_evictable
+        assert pool.num_free == self.free_list + self.num_evictable
         for key, salt in self.salt_of.items():
             page = pool.cache.lookup(key, salt)
             assert page is not None and pool.cache.refcount(page) == self.refs[key]
-        assert [pool.cache.key(p) for p in pool.cache._lru] == list(self.lru)
+        assert [pool.cache.key(p) for p in pool.cache.evictable()] == list(self.probation) + list(self.protected)
         for rid, r in self.reqs.items():
             lead = next((i for i, k in enumerate(r["pages"]) if k is None), len(r["pages"]))
             assert pool.cached_pages(rid) == lead
