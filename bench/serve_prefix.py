@@ -11,8 +11,12 @@ prefill worker:
 
 With one decode worker every pool holds all the prefixes besides the running requests; with two,
 each holds about half of them, so where a request lands decides whether its prefix is there
-(SharedPrefix.compare_pools; --kv-cache-tokens sizes every worker's pool, prefill's too).  Every
-run sends the same prompts, as token ids.
+(SharedPrefix.compare_pools: --kv-cache-tokens sizes the decode workers' pools).  The prefill
+worker's pool holds every prefix in every run (--prefill-kv-cache-tokens), so the runs differ in
+the decode side only: a prefill pool of the decode workers' size would miss on every request of
+a round-robin over more prefixes than it holds, and its recomputation, not the decode worker's
+cache or the routing, would set the two-worker runs' TTFT.  Every run sends the same prompts,
+as token ids.
 
 Per run: the load statistics, the cached-token share of the responses (usage
 prompt_tokens_details.cached_tokens over prompt tokens) and the KV bytes the decode workers
@@ -58,6 +62,7 @@ def serve_flags(run: PrefixRun, workload: SharedPrefix, pools: dict[str, int]) -
     pools of small workloads pass the start-up check against the model's context)."""
     kv = pools["one_decode_worker"] if run.decode_workers == 1 else pools["per_decode_worker"]
     flags = ["--prefill-workers", "1", "--decode-workers", str(run.decode_workers), "--kv-cache-tokens", str(kv),
+             "--prefill-kv-cache-tokens", str(pools["one_decode_worker"]),
              "--max-model-len", str(workload.request_tokens)]
     if not run.prefix_cache:
         flags.append("--no-prefix-cache")

@@ -160,6 +160,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--device", default="cpu")
     sv.add_argument("--max-model-len", type=int, default=None)
     sv.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool per worker, in tokens")
+    sv.add_argument("--prefill-kv-cache-tokens", type=int, default=None,
+                    help="the prefill workers' KV pool (their prefix cache), in tokens; default: as the others")
     sv.add_argument("--mem-fraction", type=float, default=None, help="KV pool as a share of free memory")
     sv.add_argument("--paged-experts-num-resident", type=int, default=None)
     sv.add_argument("--verify-experts", action="store_true",
@@ -213,8 +215,9 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
         decode_workers=1 if args.decode_workers is None else args.decode_workers,
         colocated=args.colocated, colocated_workers=args.colocated_workers, host=args.host, port=args.port,
         api_keys=keys, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-        kv_cache_tokens=args.kv_cache_tokens, mem_fraction=args.mem_fraction,
-        paged_experts_num_resident=args.paged_experts_num_resident, gpus_per_worker=args.gpus_per_worker,
+        kv_cache_tokens=args.kv_cache_tokens, prefill_kv_cache_tokens=args.prefill_kv_cache_tokens,
+        mem_fraction=args.mem_fraction, paged_experts_num_resident=args.paged_experts_num_resident,
+        gpus_per_worker=args.gpus_per_worker,
         placement_strategy=args.placement_strategy, log_level=args.log_level, transfer=args.transfer,
         worker_resources=parse_resources(args.worker_resources), gateway_replicas=args.gateway_replicas,
         worker_cores=args.worker_cores, verify_experts=args.verify_experts, tls=args.tls,
@@ -246,9 +249,11 @@ def _check_kv(settings: ServeSettings) -> None:
     from engine.config import ModelConfig
     mc = ModelConfig.from_path(settings.model)
     context = min(settings.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-    if settings.kv_cache_tokens is not None and settings.kv_cache_tokens < context:
-        raise ValueError(f"--kv-cache-tokens {settings.kv_cache_tokens} cannot hold one request of the maximum "
-                         f"context ({context} tokens): raise it to at least {context} or lower --max-model-len")
+    for flag, tokens in (("--kv-cache-tokens", settings.kv_cache_tokens),
+                         ("--prefill-kv-cache-tokens", settings.prefill_kv_cache_tokens)):
+        if tokens is not None and tokens < context:
+            raise ValueError(f"{flag} {tokens} cannot hold one request of the maximum context ({context} "
+                             f"tokens): raise it to at least {context} or lower --max-model-len")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -104,7 +104,7 @@ class Deployment:
         for i, role in enumerate(roles):
             wid = f"{role.value}-{counts.setdefault(role, 0)}"
             counts[role] += 1
-            config = {**s.worker_config(), "tls": self._identity(wid, node_of.get(i))}
+            config = {**s.worker_config(role), "tls": self._identity(wid, node_of.get(i))}
             self.workers[wid] = actor_class.options(
                 name=f"tandem-{wid}", namespace=reg.NAMESPACE, max_restarts=s.max_restarts,
                 num_cpus=bundles[i].get("CPU", 0), num_gpus=bundles[i].get("GPU", 0),

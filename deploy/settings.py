@@ -37,6 +37,7 @@ class ServeSettings:
     device: str = "cpu"
     max_model_len: int | None = None
     kv_cache_tokens: int | None = None
+    prefill_kv_cache_tokens: int | None = None   # prefill workers' pool (their prefix cache); None: as the rest
     mem_fraction: float | None = None
     paged_experts_num_resident: int | None = None
     gpus_per_worker: float = 0.0
@@ -69,6 +70,11 @@ class ServeSettings:
             raise ValueError("--kv-cache-tokens and --mem-fraction both size the KV cache: give one")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ValueError(f"--kv-cache-tokens must be >= 1, got {self.kv_cache_tokens}")
+        if self.prefill_kv_cache_tokens is not None and self.prefill_kv_cache_tokens < 1:
+            raise ValueError(f"--prefill-kv-cache-tokens must be >= 1, got {self.prefill_kv_cache_tokens}")
+        if self.prefill_kv_cache_tokens is not None and self.colocated:
+            raise ValueError("--prefill-kv-cache-tokens sizes prefill workers: --colocated has none "
+                             "(use --kv-cache-tokens)")
         if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
             raise ValueError(f"--mem-fraction must be in (0, 1), got {self.mem_fraction}")
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
@@ -111,8 +117,9 @@ class ServeSettings:
             return [Role.COLOCATED] * self.colocated_workers
         return [Role.PREFILL] * self.prefill_workers + [Role.DECODE] * self.decode_workers
 
-    def worker_config(self) -> dict:
-        """What every worker gets (WorkerConfig fields; the secret travels separately)."""
+    def worker_config(self, role: Role | None = None) -> dict:
+        """What a worker of `role` gets (WorkerConfig fields; the secret travels separately):
+        the same for every role but a prefill worker's KV pool with --prefill-kv-cache-tokens."""
         cfg: dict[str, str | int | float | bool | None] = dict(
             model=self.model, dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
             paged_experts_num_resident=self.paged_experts_num_resident, transfer=self.transfer,
@@ -121,6 +128,9 @@ class ServeSettings:
             cfg["kv_cache_tokens"] = self.kv_cache_tokens
         if self.mem_fraction is not None:
             cfg["mem_fraction"] = self.mem_fraction
+        if role == Role.PREFILL and self.prefill_kv_cache_tokens is not None:
+            cfg["kv_cache_tokens"] = self.prefill_kv_cache_tokens
+            cfg.pop("mem_fraction", None)
         return cfg
 
     def use_tls(self, nodes: int) -> bool:

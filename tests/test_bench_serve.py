@@ -262,10 +262,11 @@ def test_prefix_compare_report(maker, monkeypatch):
     one, per = (4 * 6 + 2) * PAGE, (2 * 6 + 2) * PAGE     # 83 tokens: 6 pages, 2 past the prefix
     assert report["workload"]["kv_cache_tokens"] == {"one_decode_worker": one, "per_decode_worker": per}
     common = ["--prefill-workers", "1", "--decode-workers"]
-    assert started == [common + ["1", "--kv-cache-tokens", str(one), "--max-model-len", "83", "--no-prefix-cache"],
-                       common + ["1", "--kv-cache-tokens", str(one), "--max-model-len", "83"],
-                       common + ["2", "--kv-cache-tokens", str(per), "--max-model-len", "83", "--routing", "prefix"],
-                       common + ["2", "--kv-cache-tokens", str(per), "--max-model-len", "83", "--routing", "load"]]
+    pre = ["--prefill-kv-cache-tokens", str(one), "--max-model-len", "83"]   # prefill holds every prefix
+    assert started == [common + ["1", "--kv-cache-tokens", str(one), *pre, "--no-prefix-cache"],
+                       common + ["1", "--kv-cache-tokens", str(one), *pre],
+                       common + ["2", "--kv-cache-tokens", str(per), *pre, "--routing", "prefix"],
+                       common + ["2", "--kv-cache-tokens", str(per), *pre, "--routing", "load"]]
     runs = {r["mode"]: r for r in report["runs"]}
     assert list(runs) == ["cache_off", "cache_on", "prefix_routing", "load_routing"]
     off, on = runs["cache_off"], runs["cache_on"]

@@ -52,3 +52,21 @@ def test_a_plugged_in_command_runs_without_deploy_importing_it(capsys):
     """`tandem chaos` comes from the `tandem.commands` entry point group (chaos.cli:main)."""
     assert main(["chaos", "list"]) == 0
     assert "flipped_bit" in capsys.readouterr().out
+
+
+def test_prefill_workers_get_their_own_kv_pool():
+    """--prefill-kv-cache-tokens sizes the prefill workers' pool (their prefix cache) only;
+    refused below one request of the context and with --colocated."""
+    from deploy.cli import _check_kv, build_parser, serve_settings
+    from worker.types import Role
+    s = serve_settings(build_parser().parse_args(
+        ["serve", "--kv-cache-tokens", "4096", "--prefill-kv-cache-tokens", "16384", "--max-model-len", "1024"]))
+    assert s.worker_config(Role.PREFILL)["kv_cache_tokens"] == 16384
+    assert s.worker_config(Role.DECODE)["kv_cache_tokens"] == 4096
+    _check_kv(s)
+    small = serve_settings(build_parser().parse_args(["serve", "--prefill-kv-cache-tokens", "512",
+                                                      "--max-model-len", "1024"]))
+    with pytest.raises(ValueError, match="--prefill-kv-cache-tokens 512 cannot hold"):
+        _check_kv(small)
+    with pytest.raises(ValueError, match="--colocated has none"):
+        serve_settings(build_parser().parse_args(["serve", "--colocated", "--prefill-kv-cache-tokens", "4096"]))
