@@ -120,3 +120,17 @@ def pages_equal(src: PagePool, dst: PagePool, rid: str, prompt_len: int) -> bool
         if not torch.equal(src.kv[:, :, a, :n], dst.kv[:, :, b, :n]):
             return False
     return True
+
+
+def open_transfer(src: PagePool, dst: PagePool, recv: TransferReceiver, server, rid: str,
+                  faults: SenderHooks, prompt_len: int) -> tuple[Reservation, TransferSender]:
+    """Pages for `rid` on both sides, a reservation on `recv`, and a sender (through `server`'s
+    endpoint, with the fault hooks `faults`) that has sent nothing yet."""
+    from kv_transfer.transport import connect
+    src.allocate(rid, src.pages_for(prompt_len))
+    dst.allocate(rid, dst.pages_for(prompt_len) + 1)
+    res = recv.reserve(rid, "acme", prompt_len, digest_of(rid, prompt_len))
+    sender = TransferSender(connect(server.endpoint, res.transfer_id),
+                            TransferTicket(res.transfer_id, rid, "acme", res.prompt_digest), SECRET, src,
+                            src.page_table(rid), prompt_len, hooks=faults)
+    return res, sender

@@ -17,20 +17,12 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import SHIPPED_MODEL, ModelConfig
+from tests.test_paged_experts import NATURAL  # the same prompts as the CPU test
 
 DEVICE = "cuda"
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-NATURAL = [
-    "def read_lines(path):\n    with open(path) as f:", "import os\nimport re\n", "class Buffer:\n",
-    "<|im_start|>user\nRepeat after me: amber-77 owl<|im_end|>\n<|im_start|>assistant\n",
-    "    return self._cache.get(key, default)", "# Convert a string to bytes", "for name in sorted(",
-    "raise ValueError('invalid literal", "while queue:\n    item = queue.pop()", "x",
-    "def __eq__(self, other):", "if not isinstance(value, int):", "data = json.loads(",
-    "try:\n    import zlib\nexcept ImportError:", "parser.add_argument(", "lines = text.splitlines()",
-    "assert len(result) ==",
-]
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
 
 
@@ -153,16 +145,8 @@ def _cuda_pool(seed: int):
 
 
 def _open(src, dst, recv, server, rid, faults):
-    from kv_transfer.sender import TransferSender, TransferTicket
-    from kv_transfer.transport import connect
-    from tests.kv_helpers import SECRET, digest_of
-    src.allocate(rid, src.pages_for(FAULT_PROMPT))
-    dst.allocate(rid, dst.pages_for(FAULT_PROMPT) + 1)
-    res = recv.reserve(rid, "acme", FAULT_PROMPT, digest_of(rid, FAULT_PROMPT))
-    sender = TransferSender(connect(server.endpoint, res.transfer_id),
-                            TransferTicket(res.transfer_id, rid, "acme", res.prompt_digest), SECRET, src,
-                            src.page_table(rid), FAULT_PROMPT, hooks=faults)
-    return res, sender
+    from tests.kv_helpers import open_transfer
+    return open_transfer(src, dst, recv, server, rid, faults, FAULT_PROMPT)
 
 
 def _send(sender):

@@ -9,10 +9,9 @@ from chaos.sender_faults import POINTS, FaultInjector
 from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import State
-from kv_transfer.sender import TransferSender, TransferTicket
-from kv_transfer.transport import connect
 from kv_transfer.transport.local import LocalServer
-from tests.kv_helpers import LAYERS, SECRET, digest_of, make_pool, pages_equal
+from tests import kv_helpers
+from tests.kv_helpers import LAYERS, SECRET, make_pool, pages_equal
 
 PROMPT = 18     # 5 pages
 
@@ -29,13 +28,7 @@ def cluster():
 
 
 def open_transfer(src, dst, recv, server, rid, faults):
-    src.allocate(rid, src.pages_for(PROMPT))
-    dst.allocate(rid, dst.pages_for(PROMPT) + 1)
-    res = recv.reserve(rid, "acme", PROMPT, digest_of(rid, PROMPT))
-    sender = TransferSender(connect(server.endpoint, res.transfer_id),
-                            TransferTicket(res.transfer_id, rid, "acme", res.prompt_digest), SECRET, src,
-                            src.page_table(rid), PROMPT, hooks=faults)
-    return res, sender
+    return kv_helpers.open_transfer(src, dst, recv, server, rid, faults, PROMPT)
 
 
 def run(sender) -> TransferRefused | None:
