@@ -9,8 +9,8 @@ room) take those whose load is within a slack of the least loaded one's,
 
 and of those the one expected to hold the longest leading run of the prompt's page keys in its
 prefix cache; ties (a cold prompt: 0 everywhere) go to the least loaded, then to the first
-known.  Load is requests for a decode worker (this gateway's on it, plus its running and
-waiting), slack_min DECODE_SLACK_REQUESTS; for a prefill worker it is prompt tokens queued,
+known.  Load is requests for a decode worker (this gateway's on it, plus the others' its last
+Stats showed: `Worker.load`), slack_min DECODE_SLACK_REQUESTS; for a prefill worker it is prompt tokens queued,
 slack_min the request's own prompt length (one more prompt's work).  So a worker that holds a
 hot prefix gets its requests until it is that much busier than the others; then the next one
 goes elsewhere (and that worker caches the prefix too).  With routing "load" the cache is not
@@ -56,6 +56,7 @@ class Worker:
     stats: wpb.StatsReply | None = None
     outstanding: int = 0                    # requests this gateway has on it now
     queued_tokens: int = 0                  # prefill: prompt tokens this gateway sent, unanswered
+    mine_at_stats: tuple[int, int] = (0, 0)  # (outstanding, queued_tokens) when `stats` was asked for
     failures: int = 0
     open_until: float = 0.0
     decode_stub: wpb_grpc.DecodeServiceStub | None = None     # decode and colocated workers
@@ -100,11 +101,16 @@ class Worker:
 
     @property
     def load(self) -> int:
-        """Decode: requests on it (this gateway's, and its running and waiting); prefill: prompt
-        tokens queued."""
+        """Decode: requests on it; prefill: prompt tokens queued.  This gateway's own, counted
+        now, plus the others' (other gateways'): what the worker's last Stats counted beyond this
+        gateway's own at that moment.  Stats are up to a refresh old, so adding them to this
+        gateway's count would count its requests twice and follow them a second late."""
+        mine_then_requests, mine_then_tokens = self.mine_at_stats
         if self.role == Role.PREFILL:
-            return self.queued_tokens + (self.stats.waiting_tokens if self.stats else 0)
-        return self.outstanding + (self.stats.running + self.stats.waiting if self.stats else 0)
+            others = self.stats.waiting_tokens - mine_then_tokens if self.stats else 0
+            return self.queued_tokens + max(0, others)
+        others = self.stats.running + self.stats.waiting - mine_then_requests if self.stats else 0
+        return self.outstanding + max(0, others)
 
 
 class WorkerPool:
@@ -149,7 +155,9 @@ class WorkerPool:
     async def _refresh(self, w: Worker) -> None:
         try:
             w.health = await w.stub.Health(wpb.HealthRequest(), timeout=2.0)
+            mine = (w.outstanding, w.queued_tokens)
             w.stats = await w.stub.Stats(wpb.StatsRequest(), timeout=2.0)
+            w.mine_at_stats = mine
             self._follow(w)
         except grpc.aio.AioRpcError as e:
             if w.health is not None:

@@ -223,3 +223,21 @@ def test_real_workers_report_cached_tokens_and_the_router_follows_their_cache():
         keys = PrefixKeys(SECRET, "acme", "", prompt["prompt"])
         w = next(w for w in pool.workers if w.address == decode.address)
         assert w.cached_tokens(keys) == cached                  # the view agrees with the worker
+
+
+def test_load_counts_this_gateways_requests_once():
+    """A worker's load is this gateway's requests now plus what its last Stats counted beyond
+    this gateway's own at that moment (other gateways'): never this gateway's twice."""
+    w = Worker("d0", Role.DECODE)
+    w.outstanding = 4
+    w.mine_at_stats = (4, 0)
+    w.stats = wpb.StatsReply(running=3, waiting=1)       # all four were this gateway's
+    assert w.load == 4
+    w.outstanding = 2                                    # two finished since the Stats
+    assert w.load == 2
+    w.stats = wpb.StatsReply(running=6, waiting=1)       # three more from another gateway
+    assert w.load == 5
+    p = Worker("p0", Role.PREFILL)
+    p.queued_tokens, p.mine_at_stats = 100, (0, 300)
+    p.stats = wpb.StatsReply(waiting_tokens=500)         # 200 tokens of other gateways
+    assert p.load == 300
