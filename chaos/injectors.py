@@ -21,7 +21,7 @@ import threading
 import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -70,12 +70,16 @@ class ReceiverFaults:
         with self._lock:
             self._armed.clear()
 
-    def _fires(self, point: str, h: pb.FrameHeader) -> float | None:
+    def _fires(self, point: str, h: pb.FrameHeader, effective: Callable[[], bool] | None = None) -> float | None:
+        """The point's seconds when it fires on this frame, else None.  `effective`: whether
+        firing here changes anything; a fault that would change nothing is not injected."""
         with self._lock:
             rule = self._armed.get(point)
             if rule is None or rule.times <= 0 or h.transfer_id in self._faulted:
                 return None
             if self._rng.random() >= rule.probability:
+                return None
+            if effective is not None and not effective():
                 return None
             rule.times -= 1
             self._faulted[h.transfer_id] = None
@@ -91,9 +95,12 @@ class ReceiverFaults:
         if seconds:
             time.sleep(seconds)
 
-    def skip_write(self, h: pb.FrameHeader) -> bool:
-        """Called in place of the page write: True means 'mark written, copy nothing'."""
-        return self._fires("unwritten_page", h) is not None
+    def skip_write(self, h: pb.FrameHeader, holds_payload: Callable[[], bool]) -> bool:
+        """Called in place of the page write: True means 'mark written, copy nothing'.  Never on
+        a page that already holds the frame's bytes (a page reused from an earlier request with
+        the same prompt, another tenant's with the prefix cache): skipping that copy leaves the
+        page right, so there would be nothing for the re-checksum to find."""
+        return self._fires("unwritten_page", h, lambda: not holds_payload()) is not None
 
 
 class HasPagedExperts(Protocol):

@@ -12,6 +12,7 @@ KV transfer, as typed hooks with no-op defaults.  Production code calls them unc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -43,9 +44,11 @@ class ReceiverHooks(Protocol):
         """A frame arrived at the receiver; called before any check, outside its lock."""
         ...
 
-    def skip_write(self, header: pb.FrameHeader) -> bool:
+    def skip_write(self, header: pb.FrameHeader, holds_payload: Callable[[], bool]) -> bool:
         """Called in place of a verified frame's page copy: True means mark it written but
-        copy nothing (the commit's re-checksum must then refuse the transfer)."""
+        copy nothing (the commit's re-checksum must then refuse the transfer, unless the page
+        already held exactly those bytes: `holds_payload()` says so, comparing the destination
+        with the payload; call it only when deciding to skip, it reads the page)."""
         ...
 
 
@@ -70,7 +73,7 @@ class PlainReceiver:
     def before_receive(self, header: pb.FrameHeader) -> None:
         pass
 
-    def skip_write(self, header: pb.FrameHeader) -> bool:
+    def skip_write(self, header: pb.FrameHeader, holds_payload: Callable[[], bool]) -> bool:
         return False
 
 

@@ -100,6 +100,12 @@ def write_payload(pool: PagePool, page: int, l0: int, l1: int, n: int, payload: 
     pool.kv[l0:l1, :, page, :n].copy_(block)
 
 
+def holds_block(pool: PagePool, page: int, l0: int, l1: int, n: int, payload: Buffer) -> bool:
+    """Whether kv[l0:l1, :, page, :n] already holds exactly the block `payload` carries."""
+    held = b"".join(bytes(part) for part in block_parts(pool, page, l0, l1, n))
+    return held == bytes(payload)
+
+
 _BYTES: "weakref.WeakKeyDictionary[PagePool, np.ndarray]" = weakref.WeakKeyDictionary()
 
 

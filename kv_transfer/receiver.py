@@ -32,7 +32,7 @@ from kv_transfer.frame import (
     tags_equal,
 )
 from kv_transfer.hooks import PLAIN_RECEIVER, ReceiverHooks
-from kv_transfer.pages import block_parts, write_payload
+from kv_transfer.pages import block_parts, holds_block, write_payload
 from kv_transfer.reservation import Reservation, State, prompt_pages
 from proto import kv_transfer_pb2 as pb
 
@@ -172,7 +172,8 @@ class TransferReceiver:
             self._guard(res, still_new)
             res.claim(h)
         try:
-            if not self.hooks.skip_write(h):
+            if not self.hooks.skip_write(h, lambda: holds_block(self.pool, ref.page, h.layer_start, h.layer_end,
+                                                               h.num_tokens, payload)):
                 write_payload(self.pool, ref.page, h.layer_start, h.layer_end, h.num_tokens, payload)
         except BaseException as e:
             with self._lock:

@@ -66,6 +66,28 @@ def test_a_page_marked_written_without_its_bytes_fails_the_recheck(pools):
     assert err2 is None and pages_equal(src, dst, "next", PROMPT)
 
 
+def test_an_unwritten_page_is_not_injected_where_the_page_already_holds_the_bytes(pools):
+    """A page reused from an earlier request with the same prompt (with the prefix cache: another
+    tenant's, evicted) may already hold exactly the frame's bytes: skipping that copy changes
+    nothing, so the point does not fire there (the run would count an injection that no check
+    can find); it fires on the next transfer, whose pages hold other bytes."""
+    src, dst, recv, server, faults = pools
+    faults.arm("unwritten_page", times=1)
+    src.allocate("same", src.pages_for(PROMPT))
+    dst.allocate("same", dst.pages_for(PROMPT))
+    for s_page, d_page in zip(src.page_table("same"), dst.page_table("same")):
+        dst.kv[:, :, d_page] = src.kv[:, :, s_page]             # stale bytes equal to the new ones
+    res = recv.reserve("same", "acme", PROMPT, digest_of("same", PROMPT))
+    sender = TransferSender(connect(server.endpoint, res.transfer_id),
+                            TransferTicket(res.transfer_id, "same", "acme", res.prompt_digest),
+                            SECRET, src, src.page_table("same"), PROMPT)
+    sender.send_layers(0, LAYERS)
+    sender.commit(1, -0.5)
+    assert res.state == State.COMMITTED and faults.fired["unwritten_page"] == 0
+    res2, err2 = transfer(src, dst, recv, server, "other")
+    assert err2 is not None and err2.reason == Refusal.RECHECK_FAILED and faults.fired["unwritten_page"] == 1
+
+
 def test_a_stalled_receiver_still_commits(pools):
     src, dst, recv, server, faults = pools
     faults.arm("stall", times=1, seconds=0.05)

@@ -186,7 +186,7 @@ class SkipWrites:
     def before_receive(self, header) -> None:
         pass
 
-    def skip_write(self, header) -> bool:
+    def skip_write(self, header, holds_payload) -> bool:
         return True
 
 
