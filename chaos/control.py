@@ -9,13 +9,10 @@ worker's transfer hooks, and the ledger reads the handle's counters, receiver an
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 from collections.abc import Sequence
 from typing import Any
-
-import torch
 
 from chaos.injectors import RECEIVER_POINTS, ReceiverFaults, corrupt_expert
 from chaos.sender_faults import POINTS as SENDER_POINTS
@@ -218,13 +215,8 @@ SQUEEZE_ID = "chaos-squeeze"
 def cached_page_digests(pool: PagePool) -> dict[int, tuple[int, str]]:
     """page -> (generation, blake2b of the page's bytes in every layer, K and V) of every cached
     page of `pool` (the caller holds the pool owner's lock)."""
-    pages = [p for p in range(pool.num_pages) if pool.owner(p) == CACHED]
-    if not pages:
-        return {}
-    # kv: [layers, 2, pages, page_size, heads, dim] -> one contiguous block per page
-    block = pool.kv[:, :, pages].transpose(0, 2).contiguous().cpu().view(torch.uint8).reshape(len(pages), -1)
-    return {p: (pool.generation(p), hashlib.blake2b(block[i].numpy().tobytes(), digest_size=16).hexdigest())
-            for i, p in enumerate(pages)}
+    return {p: (pool.generation(p), pool.page_digest(p).hex())
+            for p in range(pool.num_pages) if pool.owner(p) == CACHED}
 
 
 def transfer_server(handle: WorkerHandle) -> Any | None:

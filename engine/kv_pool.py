@@ -204,7 +204,7 @@ class PagePool:
             self._owner[p] = CACHED
             self.cache.insert(p, key, salt, refs=1)
             if self.audit:
-                self._digests[p] = self._hash(p)
+                self._digests[p] = self.page_digest(p)
             published += 1
         return published
 
@@ -239,8 +239,9 @@ class PagePool:
         return len(pages)
 
     # ---- invariants ------------------------------------------------------------
-    def _hash(self, page: int) -> bytes:
-        raw = self.kv[:, :, page].contiguous().view(torch.uint8).cpu()   # bytes of any dtype, bf16 too
+    def page_digest(self, page: int) -> bytes:
+        """blake2b (16 bytes) of the page's bytes in every layer, K and V (any dtype, bf16 too)."""
+        raw = self.kv[:, :, page].contiguous().view(torch.uint8).cpu()
         return hashlib.blake2b(raw.numpy().tobytes(), digest_size=16).digest()
 
     def check_integrity(self, contents: bool = False) -> None:
@@ -275,4 +276,4 @@ class PagePool:
             assert self._owner[p] is None, f"free page {p} still has owner {self._owner[p]}"
         if contents and self.audit:
             for p in cached:
-                assert self._hash(p) == self._digests[p], f"cached page {p} was written after it was published"
+                assert self.page_digest(p) == self._digests[p], f"cached page {p} was written after it was published"
