@@ -37,10 +37,9 @@ log = logging.getLogger("tandem.gateway")
 FAILURES_TO_OPEN = 3
 OPEN_S = 5.0
 CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 20_000),
-                   ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1),
-                   # a CacheEvents reset carries every key a worker caches (16 bytes a page): a big pool's
-                   # passes gRPC's default 4 MiB (64 MiB: some 3.5 million pages)
-                   ("grpc.max_receive_message_length", 64 << 20)]
+                   ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1)]
+# (gRPC's default 4 MiB receive limit stays: a worker splits a large CacheEvents reset into
+# messages of at most worker.cache_events.MAX_KEYS keys, about 0.6 MB)
 LOAD_SLACK_FRACTION = 0.5         # prefix routing: how much busier than the least loaded a worker
 DECODE_SLACK_REQUESTS = 2         # may be and still win by its cached prefix (module docstring)
 
