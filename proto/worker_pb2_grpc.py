@@ -59,6 +59,11 @@ class DecodeServiceStub:
                 request_serializer=worker__pb2.CacheEventsRequest.SerializeToString,
                 response_deserializer=worker__pb2.CacheEventBatch.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/tandem.worker.DecodeService/Drain',
+                request_serializer=worker__pb2.DrainRequest.SerializeToString,
+                response_deserializer=worker__pb2.DrainReply.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer:
@@ -94,6 +99,12 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +132,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.CacheEvents,
                     request_deserializer=worker__pb2.CacheEventsRequest.FromString,
                     response_serializer=worker__pb2.CacheEventBatch.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=worker__pb2.DrainRequest.FromString,
+                    response_serializer=worker__pb2.DrainReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +284,33 @@ class DecodeService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.worker.DecodeService/Drain',
+            worker__pb2.DrainRequest.SerializeToString,
+            worker__pb2.DrainReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillServiceStub:
     """Missing associated documentation comment in .proto file."""
@@ -298,6 +341,11 @@ class PrefillServiceStub:
                 request_serializer=worker__pb2.CacheEventsRequest.SerializeToString,
                 response_deserializer=worker__pb2.CacheEventBatch.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/tandem.worker.PrefillService/Drain',
+                request_serializer=worker__pb2.DrainRequest.SerializeToString,
+                response_deserializer=worker__pb2.DrainReply.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -327,6 +375,12 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -349,6 +403,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.CacheEvents,
                     request_deserializer=worker__pb2.CacheEventsRequest.FromString,
                     response_serializer=worker__pb2.CacheEventBatch.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=worker__pb2.DrainRequest.FromString,
+                    response_serializer=worker__pb2.DrainReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -459,6 +518,33 @@ class PrefillService:
             '/tandem.worker.PrefillService/CacheEvents',
             worker__pb2.CacheEventsRequest.SerializeToString,
             worker__pb2.CacheEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.worker.PrefillService/Drain',
+            worker__pb2.DrainRequest.SerializeToString,
+            worker__pb2.DrainReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,6 +21,8 @@ class ErrorCode(enum.StrEnum):
     PROMPT_TOO_LONG = "PROMPT_TOO_LONG"          # prompt + max_tokens over the context or KV capacity
     KV_FULL = "KV_FULL"                          # no room for the reservation now: retry elsewhere
     UNAVAILABLE = "UNAVAILABLE"                  # the worker is shutting down
+    DRAINING = "DRAINING"                        # the worker is draining: continue on another
+                                                 # (before a token: retried; after: migrated)
     ABORTED = "ABORTED"                          # the caller's Abort
     CANCELLED = "CANCELLED"                      # the caller's stream or call went away
     INTERNAL = "INTERNAL"                        # a step failed
@@ -31,6 +33,8 @@ class ErrorCode(enum.StrEnum):
     DECODE_FAILED = "DECODE_FAILED"              # (gateway) the decode stream broke after a token
     NO_WORKER = "NO_WORKER"                      # (gateway) no worker can take the request
     TIMEOUT = "TIMEOUT"                          # (gateway) the request ran past its deadline
+    MIGRATION_FAILED = "MIGRATION_FAILED"        # (gateway) a broken stream could not be continued:
+                                                 # the migration bound, or no worker fits it
 
 
 class WorkerError(Exception):
