@@ -14,7 +14,7 @@ from worker.types import Role
 
 OPS = ("arm", "disarm", "injected", "ledger", "idle_check", "push_streams",       # what chaos_call may ask
        "stall_open", "stall_status", "stall_handshake", "stall_close", "cache_pages", "squeeze", "unsqueeze",
-       "pool_state")
+       "pool_state", "live_requests")
 
 
 class ChaosWorkerActor(WorkerActor):

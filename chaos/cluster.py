@@ -97,6 +97,16 @@ class ChaosCluster:
         """SIGKILL-like end of the worker's process; Ray restarts the actor."""
         ray.kill(self.deployment.workers[wid], no_restart=False)
 
+    def drain(self, wid: str, grace_s: float, restart: bool = True, timeout_s: float = 120.0) -> Any:
+        """Drain a worker (`WorkerActor.drain`): it admits nothing new, its requests may finish
+        for `grace_s`, then the rest end with DRAINING (the gateway continues them elsewhere);
+        `restart`: the worker then starts afresh.  Returns the actor's answer, None when the
+        call ended with the actor's own restart."""
+        try:
+            return ray.get(self.deployment.workers[wid].drain.remote(grace_s, restart=restart), timeout=timeout_s)
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):
+            return None
+
     def wait_recovered(self, timeout_s: float = 120.0) -> float:
         """Block until every worker actor answers and the gateway sees all of them healthy.
         Returns the seconds it took; raises TimeoutError."""

@@ -120,6 +120,25 @@ class ChaosControl:
                        accepted_bytes=h.receiver.accepted_bytes)
         return out
 
+    def live_requests(self) -> list[dict[str, int]]:
+        """The decode requests this worker holds now and has not ended, each as {"generated":
+        tokens generated for its client so far (a migrated one's earlier ones included),
+        "resumed": how many of those came before it arrived here (> 0: it migrated here),
+        "left": how many it may still generate}.  Reads the decode role's request table:
+        WorkerHandle offers no lookup of its own."""
+        h = self.handle
+        out = []
+        with h.lock:
+            for role in h.roles:
+                for dreq in list(getattr(role, "requests", {}).values()):
+                    req = getattr(dreq, "req", None)
+                    if req is None or getattr(dreq, "done", False):
+                        continue
+                    resumed = int(getattr(req, "resumed", 0))
+                    out.append({"generated": resumed + len(req.output_token_ids), "resumed": resumed,
+                                "left": req.params.max_tokens - len(req.output_token_ids)})
+        return out
+
     def push_streams(self) -> dict[str, Any]:
         """This worker's transfer receiver: {"endpoint"}, and for a gRPC one the Push stream
         cap and its live, refused (over the cap) and idle-cut stream counts."""

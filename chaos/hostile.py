@@ -121,6 +121,7 @@ class Redos(HostileAttack):
         for reply, expect, names in self.replies:
             detected, violation = judge_redos(reply, expect, names)
             res.faults_detected += detected
+            res.faults_tolerated += not detected and violation is None    # a catastrophic one that completed
             if violation is not None:
                 res.violations.append(violation)
             seen[f"{reply.what}: {_redos_end(reply)}"] += 1
@@ -179,6 +180,8 @@ class KvHog(HostileAttack):
         ends = Counter(_end(r) for r in self.replies)
         refused = sum(n for end, n in ends.items() if end.startswith("429"))
         res.faults_detected = min(res.faults_injected, refused + int(peaks.queued))
+        # the rest ran within the tenant's limits (at most its running peak): tolerated
+        res.faults_tolerated = min(res.faults_injected - res.faults_detected, int(peaks.running))
         res.other_texts += [r.text for r in self.replies]
         res.notes.append(f"hog: {self.flood} chat requests without max_tokens; at most {peaks.running:.0f} running, "
                          f"{peaks.queued:.0f} queued, {peaks.kv_reserved:.0f} KV tokens reserved of its budget "

@@ -83,8 +83,8 @@ def jobs_for(maker: PromptMaker, scenario: Scenario, n: int, limit: int) -> list
         mt = rng.randint(4, 16)
         length = rng.randint(12, 96)
         client = scenario.client
-        if client == "normal" and scenario.driver == "kill_decode":
-            out.append(maker.job(scenario.name, length, 48))
+        if client == "normal" and scenario.max_tokens is not None:    # a quarter whole (migrated unseen)
+            out.append(maker.job(scenario.name, length, scenario.max_tokens, stream=rng.random() < 0.75))
         elif client == "victim":          # a hostile scenario's other tenants: streamed, for their TTFT
             job = maker.job(scenario.name, length, mt)
             out.append(replace(job, tenant=VICTIMS[job.index % len(VICTIMS)]))

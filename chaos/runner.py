@@ -9,6 +9,7 @@ import random
 import time
 from collections import defaultdict
 
+from chaos import migrations
 from chaos.attacks import Attack, RogueClient, StalledStreams
 from chaos.bombs import ChunkedBomb, SlowReader
 from chaos.client import Outcome, send
@@ -16,10 +17,12 @@ from chaos.cluster import ChaosCluster
 from chaos.drivers import DRIVERS
 from chaos.gauges import percentile
 from chaos.hostile import KvHog, Redos
+from chaos.moves import MOVING, moved_streams
 from chaos.prefix import WORKLOADS, PrefixWorkload
 from chaos.prompts import ATTACKER, PromptMaker, jobs_for
 from chaos.report import ScenarioResult
 from chaos.scenarios import Scenario
+from worker.types import Role
 
 REQUEST_TIMEOUT_S = 180.0
 PROCESS_DETECT = ("STREAM_CLOSED", "TRANSPORT", "CANCELLED", "EXPIRED")
@@ -40,6 +43,7 @@ class ScenarioRunner:
         t0 = time.monotonic()
         res = ScenarioResult(sc.name, sc.group, sc.about)
         before = self.cluster.ledgers()
+        moved_before = migrations.now(self.cluster.url)
         work = WORKLOADS[sc.client](self.cluster, self.maker, sc, n) if sc.client in WORKLOADS else None
         outs = work.outcomes if work is not None else [Outcome(j) for j in jobs_for(self.maker, sc, n, self.limit)]
         base = [Outcome(self.maker.again(o.job)) for o in outs] if sc.group == "hostile" else []
@@ -70,8 +74,18 @@ class ScenarioRunner:
         self._account(sc, res, new, records)
         if work is not None:
             work.judge(res, new)
+        self._migrations(sc, res, migrations.now(self.cluster.url) - moved_before)
+        res.account()
         res.seconds = time.monotonic() - t0
         return res
+
+    @staticmethod
+    def _migrations(sc: Scenario, res: ScenarioResult, moved: migrations.MigrationCounts) -> None:
+        """The gateway's migrations while the scenario ran (every process scenario shows them,
+        any other only when there were some)."""
+        if sc.group == "process" or moved.total or moved.failed:
+            res.figures.update(moved.figures())
+            res.notes.append(moved.summary())
 
     def _attack(self, sc: Scenario, outs: list[Outcome]) -> Attack | None:
         if sc.attack == "rogue_client":
@@ -118,8 +132,8 @@ class ScenarioRunner:
             _match(res, sc.point, injected, new["refusals"], sc.expect)
         elif sc.driver == "kill_prefill":
             _match(res, "kill_prefill", [r["victim"] for r in records], new["failures"], PROCESS_DETECT)
-        elif sc.driver == "kill_decode":
-            self._killed_streams(res, records)
+        elif sc.driver in MOVING:
+            moved_streams(res, records, MOVING[sc.driver] or len(self.cluster.workers(Role.DECODE)))
         elif sc.driver == "corrupt_expert":
             res.faults_injected = len(records)
             res.faults_detected = new["corrupt_slots"]
@@ -134,19 +148,14 @@ class ScenarioRunner:
         elif sc.client == "storm":
             res.faults_injected = res.aborted
             res.tolerated = True
+        lost = res.failed_explicitly + res.silent + res.aborted
+        if sc.lossless and lost:
+            res.violations.append(f"{lost} of {res.requests} requests did not complete ({res.failed_explicitly} "
+                                  f"failed, {res.silent} silent, {res.aborted} aborted): none may, their streams "
+                                  f"migrate")
         if sc.client == "at_limit" and res.completed != res.requests:
             res.violations.append(f"{res.requests - res.completed} prompts exactly at the limit "
                                   f"({self.limit} tokens with max_tokens) did not complete")
-
-    def _killed_streams(self, res: ScenarioResult, records: list[dict]) -> None:
-        res.faults_injected = len(records)
-        by_index = {o.job.index: o for o in res.outcomes}
-        for r in records:
-            victims = [by_index[i] for i in r["victim"]]
-            ended = {o.outcome for o in victims}
-            res.notes.append(f"killed {r['worker']} with {len(victims)} streams mid-way: "
-                             + ", ".join(f"{sum(o.outcome == k for o in victims)} {k}" for k in sorted(ended)))
-            res.faults_detected += any(o.outcome == "error" for o in victims) and "silent" not in ended
 
     def _admission(self, res: ScenarioResult, new: dict) -> None:
         res.faults_injected = res.requests

@@ -36,10 +36,12 @@ class Scenario:
     client: str = "normal"           # normal | victim | disconnect | storm | over_by_one | far_over | at_limit,
                                      # or a prefix-cache workload run in phases (chaos.prefix: cross_tenant,
                                      # poison, evict)
-    driver: str | None = None        # kill_prefill | kill_decode | corrupt_expert
+    driver: str | None = None        # kill_prefill | kill_decode | kill_decode_twice | drain_decode | corrupt_expert
     attack: str | None = None        # rogue_client | stalled_streams (chaos.attacks: around the requests),
                                      # or a hostile tenant (chaos.hostile, chaos.bombs: beside them)
     weight: float = 1.0              # share of --requests, relative to the other scenarios
+    max_tokens: int | None = None    # every request asks this many (long streams for a driver acting mid-way)
+    lossless: bool = False           # every request must complete: none may fail (migration continues them)
 
     @property
     def refused(self) -> bool:
@@ -73,8 +75,14 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("kill_prefill", "process", "the prefill worker killed mid-push (SIGKILL, Ray restarts it)",
              "delay", Role.PREFILL, seconds=30.0, share=0.0, per_frame=1.0, after=2, driver="kill_prefill",
              weight=0.6),
-    Scenario("kill_decode", "process", "a decode worker killed mid-stream (Ray restarts it)",
-             driver="kill_decode", weight=0.6),
+    Scenario("kill_decode", "process", "a decode worker killed mid-stream (Ray restarts it; its streams "
+             "migrate to the other)", driver="kill_decode", weight=0.6, max_tokens=48, lossless=True),
+    Scenario("kill_decode_twice", "process", "a decode worker killed mid-stream, then, once it is back, the "
+             "worker its streams migrated to while it serves one of them", driver="kill_decode_twice",
+             weight=0.6, max_tokens=96, lossless=True),
+    Scenario("drain_decode", "process", "a rolling drain of every decode worker under load (grace 0.5 s, "
+             "then a restart): short streams finish, the others migrate", driver="drain_decode", weight=0.6,
+             max_tokens=96, lossless=True),
     Scenario("stalled_peer", "process", "a receiver that reads nothing for 2 s, then continues",
              "stall", Role.DECODE, seconds=2.0, share=0.15),
     Scenario("abort_storm", "process", "clients that disconnect at random points", client="storm"),

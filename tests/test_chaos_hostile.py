@@ -133,7 +133,8 @@ def test_kv_hog_flags_a_hog_over_its_budget_or_not_held_at_all():
         _bare(KvHog, flood=80, replies=replies).judge(res, peaks)
         return res
     res = judged(Peaks(samples=5, running=16, queued=48, kv_reserved=8192, kv_budget=8192))
-    assert not res.violations and (res.faults_injected, res.faults_detected) == (80, 64)
+    assert not res.violations and (res.faults_injected, res.faults_detected, res.faults_tolerated) == (80, 64, 16)
+    assert res.unaccounted == 0                                  # the 16 ran within the tenant's limits
     assert any("over its budget" in v for v in judged(Peaks(samples=5, kv_reserved=9000, kv_budget=8192)).violations)
     free = [Reply("hog", ended="hung up")] * 80
     assert any("neither queued nor refused" in v for v in judged(Peaks(samples=5, kv_budget=8192), free).violations)

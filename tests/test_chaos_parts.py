@@ -168,7 +168,7 @@ def test_scenario_selection_and_split():
         select("flipped_bit,nope")
     counts = split(2000, list(SCENARIOS))
     assert min(counts) >= 2 and sum(counts) == 2000
-    assert len({s.name for s in SCENARIOS}) == len(SCENARIOS) == 28
+    assert len({s.name for s in SCENARIOS}) == len(SCENARIOS) == 30
 
 
 def test_the_oracles_catch_wrong_tokens_and_foreign_canaries():
@@ -178,7 +178,10 @@ def test_the_oracles_catch_wrong_tokens_and_foreign_canaries():
 
     class Ref:
         def tokens(self, ids, max_tokens):
-            return [7, 8, 9]
+            return [7, 8, 9][len(ids) - 2:]
+
+        def logprobs(self, ids, max_tokens):
+            return [{7: -0.1, 6: -2.0}, {8: -0.1, 6: -2.0}, {9: -0.1, 6: -2.0}][len(ids) - 2:]
     jobs = [Job(i, "x", "acme", f"canary {i:010x}", [1, 2], 3) for i in range(5)]
     outs = [Outcome(jobs[0], "ok", token_ids=[7, 8, 9], text="fine canary 0000000000"),   # its own canary
             Outcome(jobs[1], "ok", token_ids=[7, 8, 6]),                                  # wrong last token

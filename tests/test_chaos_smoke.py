@@ -28,8 +28,11 @@ def test_every_scenario_injects_and_nothing_leaks():
         assert row["ok"] and row["requests"] >= 2, row
         if s.name != "at_limit":
             assert row["faults_injected"] >= 1, row            # the scenario really did something
+        assert row["faults_unaccounted"] == 0, row             # every fault detected or tolerated
         if not row["tolerated"] and s.group != "hostile":    # a hostile row counts what was held back
-            assert row["faults_detected"] == row["faults_injected"], row
+            assert row["faults_detected"] + row["faults_tolerated"] == row["faults_injected"], row
+        if s.lossless:                                       # kills and drains: every stream migrates
+            assert row["completed"] == row["requests"] and row["figures"]["migrations"] >= 1, row
     transfer = [rows[s.name] for s in SCENARIOS if s.group == "transfer"]
     assert report["transfer_faults_injected"] == sum(r["faults_injected"] for r in transfer) >= len(transfer)
     assert report["transfer_faults_detected"] == report["transfer_faults_injected"]
