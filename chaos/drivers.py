@@ -78,10 +78,11 @@ async def drain_decode(cluster: ChaosCluster, live: list[Outcome], done: asyncio
         if held is None:
             break
         before = await _call(migrations.now, cluster.url)
+        pid = (await _call(cluster.call, wid, "ledger"))["pid"]
         t0 = time.monotonic()
         reply = await _call(cluster.drain, wid, DRAIN_GRACE_S, restart=True)
         drained_s = time.monotonic() - t0
-        recovered = await _call(cluster.wait_recovered)
+        recovered = await _back(cluster, wid, pid)
         moved = await _call(migrations.now, cluster.url) - before
         records.append({"point": "drain_decode", "worker": wid, "victim": held[2], "held": len(held[1]),
                         "held_resumed": sum(r["resumed"] > 0 for r in held[1]), "reply": _reply(reply),
@@ -117,14 +118,27 @@ async def _kill(cluster: ChaosCluster, live: list[Outcome], wid: str, held: list
                 point: str) -> dict:
     """Kill `wid`, wait until the cluster recovered, and say what the gateway migrated meanwhile."""
     before = await _call(migrations.now, cluster.url)
+    pid = (await _call(cluster.call, wid, "ledger"))["pid"]
     await _call(cluster.kill, wid)
     ended = {o.job.index for o in live if o.ended}
     victims = [i for i in streaming if i not in ended]
-    recovered = await _call(cluster.wait_recovered)
+    recovered = await _back(cluster, wid, pid)
     moved = await _call(migrations.now, cluster.url) - before
     return {"point": point, "worker": wid, "victim": victims, "held": len(held),
             "held_resumed": sum(r["resumed"] > 0 for r in held), "migrated": moved.by_cause,
             "recovered_s": round(recovered, 2)}
+
+
+async def _back(cluster: ChaosCluster, wid: str, pid: int, wait_s: float = 120.0) -> float:
+    """Wait until `wid` runs in a new process (not `pid`: Ray restarted it) and the gateway sees
+    every worker healthy; returns the seconds it took (raises TimeoutError)."""
+    t0 = time.monotonic()
+    while (await _call(cluster.call, wid, "ledger"))["pid"] == pid:
+        if time.monotonic() - t0 > wait_s:
+            raise TimeoutError(f"{wid} still runs in process {pid} after {wait_s:.0f}s: it was not restarted")
+        await asyncio.sleep(0.1)
+    await _call(cluster.wait_recovered)
+    return time.monotonic() - t0
 
 
 def _reply(reply: Any) -> dict[str, Any] | None:
