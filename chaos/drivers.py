@@ -46,10 +46,10 @@ DRAIN_GRACE_S = 0.5    # drain_decode's grace: short streams finish in it, the o
 
 async def kill_decode(cluster: ChaosCluster, live: list[Outcome], done: asyncio.Event, rng: random.Random,
                       wait_s: float = 60.0) -> list[dict]:
-    """Wait until several streams are mid-way, then kill the decode worker holding the most of
-    them (Ray restarts it; the gateway continues its streams on the other worker).  The record's
-    victims are the requests mid-stream at that moment, on either worker."""
-    held = await _held(cluster, live, done, wait_s)
+    """Wait until several streams are mid-way, then kill the decode worker holding the most
+    work of them (Ray restarts it; the gateway continues its streams on the other worker).  The
+    record's victims are the requests mid-stream at that moment, on either worker."""
+    held = await _held(cluster, live, done, wait_s, streams=2)
     return [] if held is None else [await _kill(cluster, live, *held, point="kill_decode")]
 
 
@@ -57,8 +57,9 @@ async def kill_decode_twice(cluster: ChaosCluster, live: list[Outcome], done: as
                             wait_s: float = 60.0) -> list[dict]:
     """`kill_decode`, then, once the killed worker is back, kill the worker the first kill's
     streams migrated to while it still holds one of them mid-way (a request that migrated
-    there: the worker says it was resumed), so that request migrates a second time."""
-    held = await _held(cluster, live, done, wait_s)
+    there: the worker says it was resumed), so that request migrates a second time.  (The
+    scenario's long streams outlive the restart in between.)"""
+    held = await _held(cluster, live, done, wait_s, streams=2)
     if held is None:
         return []
     first = await _kill(cluster, live, *held, point="kill_decode")
@@ -70,13 +71,17 @@ async def kill_decode_twice(cluster: ChaosCluster, live: list[Outcome], done: as
 
 async def drain_decode(cluster: ChaosCluster, live: list[Outcome], done: asyncio.Event, rng: random.Random,
                        wait_s: float = 60.0) -> list[dict]:
-    """A rolling drain: each decode worker in turn, once it holds a stream mid-way, is drained
-    with a short grace (`WorkerActor.drain(restart=True)`) and comes back before the next one."""
-    records = []
-    for wid in sorted(cluster.workers(Role.DECODE)):
-        held = await _held(cluster, live, done, wait_s, among=[wid])
+    """A rolling drain: each decode worker in turn, while it holds a stream mid-way, is drained
+    with a short grace (`WorkerActor.drain(restart=True)`) and is back before the next one.
+    The first is the one holding the most work (its long streams move on to the next)."""
+    records: list[dict] = []
+    left = sorted(cluster.workers(Role.DECODE))
+    while left:
+        held = await _held(cluster, live, done, wait_s, among=left, streams=0 if records else 2)
         if held is None:
             break
+        wid = held[0]
+        left.remove(wid)
         before = await _call(migrations.now, cluster.url)
         pid = (await _call(cluster.call, wid, "ledger"))["pid"]
         t0 = time.monotonic()
@@ -91,27 +96,32 @@ async def drain_decode(cluster: ChaosCluster, live: list[Outcome], done: asyncio
 
 
 async def _held(cluster: ChaosCluster, live: list[Outcome], done: asyncio.Event, wait_s: float,
-                among: list[str] | None = None, migrated: bool = False) -> tuple[str, list[dict], list[int]] | None:
+                among: list[str] | None = None, migrated: bool = False,
+                streams: int = 0) -> tuple[str, list[dict], list[int]] | None:
     """Wait until a decode worker (of `among`, default all) holds a stream mid-way (tokens out,
-    at least MIN_LEFT to go; `migrated`: one that migrated there) while the client sees at least
-    two streams mid-way.  Returns (the worker holding the most, its streams as `live_requests`
-    lists them, the client's requests mid-stream then), None when the time is up or the
-    requests are done."""
+    at least MIN_LEFT to go; `migrated`: one that migrated there) while the clients see at
+    least `streams` streams mid-way.  Returns (the worker whose such streams have the most
+    tokens left, those streams as `live_requests` lists them, the client's requests
+    mid-stream then), None when the time is up or the requests are done."""
     loop = asyncio.get_running_loop()
     end = loop.time() + wait_s
     while loop.time() < end and not done.is_set():
         streaming = [o.job.index for o in live if o.token_ids and not o.ended]
-        if len(streaming) >= 2:
+        if len(streaming) >= streams:
             best: tuple[str, list[dict]] | None = None
             for wid in sorted(among or cluster.workers(Role.DECODE)):
                 mid = [r for r in await _call(cluster.call, wid, "live_requests")
                        if r["generated"] > 0 and r["left"] >= MIN_LEFT and (r["resumed"] > 0 or not migrated)]
-                if mid and (best is None or len(mid) > len(best[1])):
+                if mid and (best is None or _work(mid) > _work(best[1])):
                     best = (wid, mid)
             if best is not None:
                 return best[0], best[1], streaming
         await asyncio.sleep(0.05)
     return None
+
+
+def _work(streams: list[dict]) -> int:
+    return sum(r["left"] for r in streams)
 
 
 async def _kill(cluster: ChaosCluster, live: list[Outcome], wid: str, held: list[dict], streaming: list[int],

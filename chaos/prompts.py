@@ -79,12 +79,13 @@ def jobs_for(maker: PromptMaker, scenario: Scenario, n: int, limit: int) -> list
     """The scenario's `n` requests; `limit` is the cluster's prompt + max_tokens limit."""
     rng = maker.rng
     out = []
-    for _ in range(n):
+    for i in range(n):
         mt = rng.randint(4, 16)
         length = rng.randint(12, 96)
         client = scenario.client
-        if client == "normal" and scenario.max_tokens is not None:    # a quarter whole (migrated unseen)
-            out.append(maker.job(scenario.name, length, scenario.max_tokens, stream=rng.random() < 0.75))
+        if client == "normal" and scenario.max_tokens:       # a quarter not streamed (migrated unseen)
+            out.append(maker.job(scenario.name, length, scenario.max_tokens[i % len(scenario.max_tokens)],
+                                 stream=i == 0 or rng.random() < 0.75))
         elif client == "victim":          # a hostile scenario's other tenants: streamed, for their TTFT
             job = maker.job(scenario.name, length, mt)
             out.append(replace(job, tenant=VICTIMS[job.index % len(VICTIMS)]))
