@@ -105,7 +105,25 @@ def run(args: argparse.Namespace, scenarios: list[Scenario], seed: int) -> tuple
 
 
 def _summary(t: dict[str, Any]) -> str:
-    return _counts(t) + "".join(f"\n{line}" for line in _ttft_lines(t.get("hostile_ttft", {})))
+    return _counts(t) + "".join(f"\n{line}" for line in _ttft_lines(t.get("hostile_ttft", {}))
+                                + _migration_lines(t.get("migrations", {})))
+
+
+def _migration_lines(moved: dict[str, dict[str, float | None]]) -> list[str]:
+    """Migrations by cause and the gap they added to the stream, per scenario that had some."""
+    rows = {name: f for name, f in moved.items() if f.get("migrations")}
+    if not rows:
+        return []
+
+    def ms(x: float | None) -> str:
+        return "n/a" if x is None else f"{x * 1000:.0f} ms"
+    return ["migrations (the gateway's counters; the gap from the last token before the break to the first after "
+            "it, p50/p99 interpolated within its histogram's buckets): " + "; ".join(
+                f"{name} {f['migrations']:.0f} ("
+                + ", ".join(f"{k.removeprefix('migrations_')} {v:.0f}" for k, v in sorted(f.items())
+                            if k.startswith("migrations_") and v)
+                + f"), gap {ms(f.get('migration_gap_p50_s'))} / {ms(f.get('migration_gap_p99_s'))}"
+                for name, f in rows.items())]
 
 
 def _ttft_lines(ttft: dict[str, dict[str, float | None]]) -> list[str]:
@@ -123,7 +141,8 @@ def _ttft_lines(ttft: dict[str, dict[str, float | None]]) -> list[str]:
 def _counts(t: dict[str, Any]) -> str:
     return (f"\n{t['requests']} requests ({t['completed']} completed, {t['failed_explicitly']} failed "
             f"explicitly, {t['aborted']} aborted, {t['silent']} silent); {t['faults_injected']} faults "
-            f"injected, {t['faults_detected']} detected, {t['faults_tolerated']} tolerated; transfer faults "
+            f"injected, {t['faults_detected']} detected, {t['faults_tolerated']} tolerated, "
+            f"{t['faults_unaccounted']} neither; transfer faults "
             f"{t['transfer_faults_detected']}/{t['transfer_faults_injected']} detected; leaks {t['leaks']}, "
-            f"corrupted {t['corrupted_completions']}, pages leaked {t['pages_leaked']}; {t['seconds']}s; "
-            f"seed {t['seed']}")
+            f"corrupted {t['corrupted_completions']}, near-ties {t['near_ties']}, pages leaked {t['pages_leaked']}; "
+            f"{t['seconds']}s; seed {t['seed']}")
