@@ -26,7 +26,8 @@ released (`publish` for a worker that ends a request itself).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -40,12 +41,12 @@ from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.moe import select_moe_kernel
 from engine.params import SamplingParams
-from engine.request import Request
-from engine.sampling import SampleOutput
+from engine.request import Request, Status
+from engine.sampling import SampleOutput, request_generator
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.stop import StopChecker, StopLimits
 from engine.tokenizer import Tokenizer
-from engine.validate import check_prompt
+from engine.validate import Problem, RequestError, check_generated, check_prompt
 
 LayerHook = Callable[[int], None]
 
@@ -111,19 +112,50 @@ class EngineCore:
 
     def make_request(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
                      prompt: str | None = None, handoff: bool = False,
-                     generator: torch.Generator | None = None, salt: bytes = b"") -> Request:
-        """A checked request (not yet scheduled).  Without a seed, one is drawn from the core's
-        seeded generator.  `salt`: its prefix-cache salt (`prefix_cache.cache_salt`: requests
-        share cached pages only with requests of the same salt).  Raises RequestError, creating
-        nothing."""
+                     generator: torch.Generator | None = None, salt: bytes = b"",
+                     generated: Sequence[int] = ()) -> Request:
+        """A checked request (not yet scheduled).  Without a generator, one is made from the
+        seed (drawn from the core's seeded generator when there is none).  `salt`: its
+        prefix-cache salt (`prefix_cache.cache_salt`: requests share cached pages only with
+        requests of the same salt).
+
+        `generated` (a migrated request): the tokens already generated for `ids` elsewhere.  The
+        request then computes KV for `ids + generated` (`Request.resumed` of them generated),
+        its generator is past their draws, the scheduler's limits are what is left
+        (`resumed_params`), and its stop checks have replayed them with `params`
+        (`StopChecker.replay`).  When they already end it (the last one stops, or max_tokens),
+        it comes back FINISHED with its finish_reason, never to be scheduled.
+        Raises RequestError, creating nothing."""
         self.check(ids, params, reserve_output=not handoff)
+        check_generated(generated, params, self.model_config.vocab_size, handoff)
+        g = len(generated)
         if generator is None:
             seed = params.seed if params.seed is not None else \
                 int(torch.randint(0, 2**62, (), generator=self._seed_rng))
-            generator = torch.Generator().manual_seed(seed)
-        return Request(request_id=request_id or f"req-{next(self._ids)}", prompt_token_ids=list(ids),
-                       params=params, generator=generator, prompt=prompt, handoff=handoff,
-                       stopper=None if handoff else self.stop_checker(params), cache_salt=salt)
+            generator = request_generator(seed, 0 if params.greedy else g)
+        stopper = None if handoff else self.resume_checker(params, len(ids), generated)
+        ended = stopper is not None and stopper.finish_reason is not None
+        req = Request(request_id=request_id or f"req-{next(self._ids)}", prompt_token_ids=[*ids, *generated],
+                      params=params if ended else resumed_params(params, g), generator=generator,
+                      prompt=prompt, handoff=handoff, stopper=stopper, cache_salt=salt, resumed=g)
+        if ended:
+            assert stopper is not None
+            req.status, req.finish_reason = Status.FINISHED, stopper.finish_reason
+        return req
+
+    def resume_checker(self, params: SamplingParams, prompt_len: int, generated: Sequence[int]) -> StopChecker:
+        """A request's stop checker, replayed over `generated` (`StopChecker.replay`).  Raises
+        RequestError (INVALID_REQUEST) when a stop fires before the last of them, or a stop check
+        ran past its budget."""
+        stopper = self.stop_checker(params)
+        try:
+            stopper.replay(generated, prompt_len)
+        except ValueError as e:
+            raise RequestError(Problem.INVALID_REQUEST, str(e)) from None
+        if stopper.finish_reason == "error":
+            assert stopper.error is not None
+            raise RequestError(Problem.INVALID_REQUEST, stopper.error)
+        return stopper
 
     def stop_checker(self, params: SamplingParams) -> StopChecker:
         return StopChecker(params, self.tokenizer, self.eos_ids, self.max_model_len, self.stop_limits)
@@ -216,3 +248,11 @@ class EngineCore:
         """Per paged MoE layer: hits, misses, hit_rate, bytes_paged, waves, steps, prefetch counters."""
         return {i: e.counters.as_dict() for i, e in self.paged_experts().items()}
 
+
+def resumed_params(params: SamplingParams, generated: int) -> SamplingParams:
+    """The scheduler's and sampler's limits of a request with `generated` tokens already made:
+    max_tokens and min_tokens less them (its KV reservation, prompt + max_tokens, is unchanged)."""
+    if not generated:
+        return params
+    return replace(params, max_tokens=params.max_tokens - generated,
+                   min_tokens=max(0, params.min_tokens - generated))

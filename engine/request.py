@@ -34,10 +34,23 @@ class Request:
     stopper: StopChecker | None = None         # stop conditions and the output text (not on hand-off)
     cache_salt: bytes = b""                    # the salt of its prefix-cache keys (engine/prefix_cache.py)
     num_cached_tokens: int = 0                 # prompt tokens found in the prefix cache at admission
+    resumed: int = 0                           # a migrated request: the last `resumed` of
+                                               # prompt_token_ids were generated before, elsewhere
+                                               # (`EngineCore.make_request`)
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """The client's prompt (a migrated request's KV also covers its `resumed` tokens)."""
+        return len(self.prompt_token_ids) - self.resumed
+
+    @property
+    def num_completion_tokens(self) -> int:
+        """Every token generated for the client: before a migration and here."""
+        return self.resumed + len(self.output_token_ids)
 
     @property
     def max_total_tokens(self) -> int:

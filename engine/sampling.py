@@ -9,7 +9,7 @@ import torch
 
 from engine.params import SamplingParams
 
-__all__ = ["SampleOutput", "sample"]
+__all__ = ["SampleOutput", "request_generator", "sample"]
 
 
 @dataclass
@@ -54,6 +54,22 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     return SampleOutput(token_list, out)
 
 
+def request_generator(seed: int, draws: int = 0) -> torch.Generator:
+    """A request's generator seeded with `seed` and advanced past `draws` draws.  `sample`
+    takes exactly one draw (`_draw`) per token of a non-greedy request and none of a greedy
+    one, so a request that already has n tokens continues its stream with
+    `request_generator(seed, n)` (n = 0 for greedy requests makes no difference)."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(draws):
+        _draw(g)
+    return g
+
+
+def _draw(g: torch.Generator) -> torch.Tensor:
+    """The one uniform draw of a sampled token."""
+    return torch.rand((), generator=g)
+
+
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator]) -> torch.Tensor:
     """Temperature, top-k and top-p over sorted logits, then an inverse-CDF draw."""
@@ -69,7 +85,7 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
     probs = probs.masked_fill((before >= top_p[:, None]) & (rank > 0), 0.0)
     cdf = probs.cumsum(dim=-1)
-    u = torch.stack([torch.rand((), generator=g) for g in generators]).to(logits.device)
+    u = torch.stack([_draw(g) for g in generators]).to(logits.device)
     u = u * cdf[:, -1]
     pick = torch.searchsorted(cdf, u[:, None]).clamp_(max=logits.shape[1] - 1)  # [R, 1]
     return order.gather(1, pick).squeeze(1)

@@ -31,6 +31,7 @@ bound the work per token instead of its time.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -130,6 +131,19 @@ class StopChecker:
                       f"over {n} tokens, over the limit of {lim.mean_budget_s * 1000:g} ms per token on average: "
                       "use fewer or simpler stop strings and patterns")
         return "error"
+
+    def replay(self, tokens: Sequence[int], prompt_len: int) -> None:
+        """Check `tokens`, generated before for this request elsewhere (a migrated request), as
+        the token path and the stream did there: `append`, then `delta` (that text was streamed
+        already and is dropped), token by token.  Held-back text and the emitted offset are then
+        as they were, and the token counts of min_tokens and max_tokens include them.  The last
+        token may end the request (`finish_reason`); raises ValueError when an earlier one does."""
+        for i, token in enumerate(tokens):
+            if self.finish_reason is not None:
+                raise ValueError(f"the generated tokens end the request ({self.finish_reason}) at token {i} "
+                                 f"of {len(tokens)}: a resumed request carries only tokens it streamed")
+            self.append(token, prompt_len + i + 1)
+            self.delta()
 
     @property
     def text(self) -> str:

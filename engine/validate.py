@@ -4,6 +4,7 @@ single-process `LLM`, and each worker again (defence in depth behind the gateway
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 from engine.params import SamplingParams
 
@@ -37,3 +38,16 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab: int, max_model_l
         raise RequestError(Problem.PROMPT_TOO_LONG, f"{head} exceeds the model context of {max_model_len} tokens")
     if (total if reserve_output else len(ids)) > kv_tokens:
         raise RequestError(Problem.PROMPT_TOO_LONG, f"{head} exceeds the KV cache capacity of {kv_tokens} tokens")
+
+
+def check_generated(generated: Sequence[int], params: SamplingParams, vocab: int, handoff: bool) -> None:
+    """A migrated request's tokens generated before: token ids of the vocabulary, at most
+    max_tokens of them (fewer for a prefill, which must sample one more).  Raises RequestError."""
+    for i, t in enumerate(generated):
+        if not isinstance(t, int) or not 0 <= t < vocab:
+            raise RequestError(Problem.INVALID_REQUEST,
+                               f"generated token {i} is {t!r}, not a token id in 0..{vocab - 1}")
+    limit = params.max_tokens - 1 if handoff else params.max_tokens
+    if len(generated) > limit:
+        raise RequestError(Problem.INVALID_REQUEST, f"{len(generated)} generated tokens leave nothing to "
+                           f"generate: max_tokens is {params.max_tokens}")

@@ -7,7 +7,7 @@ A frame carries one page of one request for a range of layers:
     checksum = xxh3_64(header_bytes(header) + payload)            # every field but checksum
     tag      = HMAC-SHA256(secret, tenant | request_id | transfer_id | prompt_digest)[:16]
     digest   = xxh3_64(checksum_0 | checksum_1 | ... )            # in seq order, at commit
-    prompt_digest = SHA-256(u64 count | u32 id_0 | u32 id_1 | ...)  # little-endian, see below
+    prompt_digest = SHA-256(u64 count | u32 id_0 | u32 id_1 | ... [| u64 generated])  # see below
 
 The prompt digest binds a transfer to the tokens of the prompt it carries (I9): the decode
 side records the digest of the prompt it reserved for, the prefill side states the digest of
@@ -65,13 +65,21 @@ def _field(b: bytes) -> bytes:
     return struct.pack("<I", len(b)) + b
 
 
-def prompt_digest(ids: Sequence[int]) -> bytes:
+def prompt_digest(ids: Sequence[int], generated: int = 0) -> bytes:
     """SHA-256 over the prompt's token ids: the count as a little-endian uint64, then each id
-    as a little-endian uint32 (32 bytes).  Raises ValueError for an id outside [0, 2**32)."""
+    as a little-endian uint32 (32 bytes).  A migrated request's transfer carries its prompt and
+    the `generated` tokens after it (the last `generated` of `ids`): their count follows as a
+    little-endian uint64, so moving tokens between prompt and generated changes the digest (the
+    encodings of the two forms never collide: the leading count fixes the length of the ids).
+    Raises ValueError for an id outside [0, 2**32) or `generated` outside 0..len(ids)."""
+    if not 0 <= generated <= len(ids):
+        raise ValueError(f"generated={generated} must be in 0..{len(ids)} (the tokens given)")
     try:
         packed = struct.pack(f"<Q{len(ids)}I", len(ids), *ids)
     except struct.error as e:
         raise ValueError(f"prompt token ids must lie in [0, 2**32): {e}") from None
+    if generated:
+        packed += struct.pack("<Q", generated)
     return hashlib.sha256(packed).digest()
 
 

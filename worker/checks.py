@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from engine.core import EngineCore
@@ -26,12 +28,15 @@ def check_request_id(request_id: str) -> None:
 
 
 def new_request(core: EngineCore, owner: str, ids: list[int], params: SamplingParams, handoff: bool = False,
-                generator: torch.Generator | None = None, salt: bytes = b"") -> Request:
+                generator: torch.Generator | None = None, salt: bytes = b"",
+                generated: Sequence[int] = ()) -> Request:
     """The core's checked request (`core.make_request`) with prefix-cache salt `salt`
-    (`request_salt`): raises WorkerError with the engine's code (INVALID_REQUEST,
-    PROMPT_TOO_LONG) and message, having created nothing."""
+    (`request_salt`) and, for a migrated request, the tokens it `generated` before: raises
+    WorkerError with the engine's code (INVALID_REQUEST, PROMPT_TOO_LONG) and message, having
+    created nothing."""
     try:
-        return core.make_request(ids, params, request_id=owner, handoff=handoff, generator=generator, salt=salt)
+        return core.make_request(ids, params, request_id=owner, handoff=handoff, generator=generator, salt=salt,
+                                 generated=generated)
     except RequestError as e:
         raise WorkerError(ErrorCode(e.code.value), str(e)) from None
 
