@@ -24,7 +24,7 @@ async def _call(fn: Callable[P, T], *args: P.args, **kw: P.kwargs) -> T:
 
 
 async def kill_prefill(cluster: ChaosCluster, live: list[Outcome], done: asyncio.Event, rng: random.Random,
-                       wait_s: float = 60.0) -> list[dict]:
+                       waves: Waves, wait_s: float = 60.0) -> list[dict]:
     """Wait until a prefill worker holds a transfer mid-push (its `delay` fault fired after some
     frames went out), then kill that worker.  The victim is that transfer."""
     loop = asyncio.get_running_loop()
@@ -45,63 +45,101 @@ DRAIN_GRACE_S = 0.5    # drain_decode's grace: short streams finish in it, the o
 
 
 async def kill_decode(cluster: ChaosCluster, live: list[Outcome], done: asyncio.Event, rng: random.Random,
-                      wait_s: float = 60.0) -> list[dict]:
+                      waves: Waves, wait_s: float = 60.0) -> list[dict]:
     """Wait until several streams are mid-way, then kill the decode worker holding the most
     work of them (Ray restarts it; the gateway continues its streams on the other worker).  The
     record's victims are the requests mid-stream at that moment, on either worker."""
     held = await _held(cluster, live, done, wait_s, streams=2)
-    return [] if held is None else [await _kill(cluster, live, *held, point="kill_decode")]
+    if held is None:
+        return []
+    record, pid, before = await _strike(cluster, live, *held, point="kill_decode")
+    await _back(cluster, record, pid)
+    record["migrated"] = (await _moved(cluster, before)).by_cause
+    return [record]
 
 
 async def kill_decode_twice(cluster: ChaosCluster, live: list[Outcome], done: asyncio.Event, rng: random.Random,
-                            wait_s: float = 60.0) -> list[dict]:
-    """`kill_decode`, then, once the killed worker is back, kill the worker the first kill's
-    streams migrated to while it still holds one of them mid-way (a request that migrated
-    there: the worker says it was resumed), so that request migrates a second time.  (The
-    scenario's long streams outlive the restart in between.)"""
+                            waves: Waves, wait_s: float = 60.0) -> list[dict]:
+    """`kill_decode`, then, while the killed worker restarts, kill the worker its streams
+    migrated to as soon as one of them streams there again (the worker says it was resumed):
+    that request migrates a second time, with no decode worker up for a while (the gateway
+    waits for one to come back)."""
     held = await _held(cluster, live, done, wait_s, streams=2)
     if held is None:
         return []
-    first = await _kill(cluster, live, *held, point="kill_decode")
-    again = await _held(cluster, live, done, wait_s, migrated=True)
-    if again is None:
-        return [first]
-    return [first, await _kill(cluster, live, *again, point="kill_migrated")]
+    first, pid, before = await _strike(cluster, live, *held, point="kill_decode")
+    others = [w for w in sorted(cluster.workers(Role.DECODE)) if w != first["worker"]]
+    again = await _held(cluster, live, done, wait_s, among=others, migrated=True)
+    records, pids, mid = [first], [pid], before
+    if again is not None:
+        second, pid2, mid = await _strike(cluster, live, *again, point="kill_migrated")
+        records, pids = [first, second], [pid, pid2]
+    for r, p in zip(records, pids):
+        await _back(cluster, r, p)
+    first["migrated"] = (await _moved(cluster, before) if len(records) == 1 else mid - before).by_cause
+    if len(records) == 2:
+        records[1]["migrated"] = (await _moved(cluster, mid)).by_cause
+    return records
 
 
 async def drain_decode(cluster: ChaosCluster, live: list[Outcome], done: asyncio.Event, rng: random.Random,
-                       wait_s: float = 60.0) -> list[dict]:
+                       waves: Waves, wait_s: float = 60.0) -> list[dict]:
     """A rolling drain: each decode worker in turn, while it holds a stream mid-way, is drained
-    with a short grace (`WorkerActor.drain(restart=True)`) and is back before the next one.
-    The first is the one holding the most work (its long streams move on to the next)."""
+    with a short grace (`WorkerActor.drain(restart=True)`) and is back before the next one;
+    the requests' next wave is sent then (a load for the next drain).  The first is the worker
+    holding the most work (its long streams move on to the next)."""
     records: list[dict] = []
     left = sorted(cluster.workers(Role.DECODE))
     while left:
         held = await _held(cluster, live, done, wait_s, among=left, streams=0 if records else 2)
         if held is None:
             break
-        wid = held[0]
+        wid, streams, streaming = held
         left.remove(wid)
         before = await _call(migrations.now, cluster.url)
         pid = (await _call(cluster.call, wid, "ledger"))["pid"]
         t0 = time.monotonic()
         reply = await _call(cluster.drain, wid, DRAIN_GRACE_S, restart=True)
-        drained_s = time.monotonic() - t0
-        recovered = await _back(cluster, wid, pid)
-        moved = await _call(migrations.now, cluster.url) - before
-        records.append({"point": "drain_decode", "worker": wid, "victim": held[2], "held": len(held[1]),
-                        "held_resumed": sum(r["resumed"] > 0 for r in held[1]), "reply": _reply(reply),
-                        "migrated": moved.by_cause, "drain_s": round(drained_s, 2), "recovered_s": round(recovered, 2)})
+        record = {"point": "drain_decode", "worker": wid, "victim": streaming, "held": len(streams),
+                  "held_resumed": sum(r["resumed"] > 0 for r in streams), "reply": _reply(reply),
+                  "drain_s": round(time.monotonic() - t0, 2), "t0": t0}
+        await _back(cluster, record, pid)
+        record["migrated"] = (await _moved(cluster, before)).by_cause
+        records.append(record)
+        waves.open(len(records))
     return records
+
+
+class Waves:
+    """When a scenario's requests are sent: wave 0 at once, wave k once its driver opened it
+    (every wave once the driver is done: nothing waits for a driver that gave up)."""
+
+    def __init__(self) -> None:
+        self._opened = 0
+        self._all = False
+        self._changed = asyncio.Event()
+
+    def open(self, wave: int) -> None:
+        self._opened = max(self._opened, wave)
+        self._changed.set()
+
+    def open_all(self) -> None:
+        self._all = True
+        self._changed.set()
+
+    async def reach(self, wave: int) -> None:
+        while not self._all and wave > self._opened:
+            self._changed.clear()
+            await self._changed.wait()
 
 
 async def _held(cluster: ChaosCluster, live: list[Outcome], done: asyncio.Event, wait_s: float,
                 among: list[str] | None = None, migrated: bool = False,
                 streams: int = 0) -> tuple[str, list[dict], list[int]] | None:
-    """Wait until a decode worker (of `among`, default all) holds a stream mid-way (tokens out,
-    at least MIN_LEFT to go; `migrated`: one that migrated there) while the clients see at
-    least `streams` streams mid-way.  Returns (the worker whose such streams have the most
-    tokens left, those streams as `live_requests` lists them, the client's requests
+    """Wait until a decode worker (of `among`, default all) holds a stream mid-way (it generated
+    tokens here and may generate MIN_LEFT more; `migrated`: one that migrated there) while the
+    clients see at least `streams` streams mid-way.  Returns (the worker whose such streams have
+    the most tokens left, those streams as `live_requests` lists them, the client's requests
     mid-stream then), None when the time is up or the requests are done."""
     loop = asyncio.get_running_loop()
     end = loop.time() + wait_s
@@ -111,7 +149,7 @@ async def _held(cluster: ChaosCluster, live: list[Outcome], done: asyncio.Event,
             best: tuple[str, list[dict]] | None = None
             for wid in sorted(among or cluster.workers(Role.DECODE)):
                 mid = [r for r in await _call(cluster.call, wid, "live_requests")
-                       if r["generated"] > 0 and r["left"] >= MIN_LEFT and (r["resumed"] > 0 or not migrated)]
+                       if r["generated"] > r["resumed"] and r["left"] >= MIN_LEFT and (r["resumed"] or not migrated)]
                 if mid and (best is None or _work(mid) > _work(best[1])):
                     best = (wid, mid)
             if best is not None:
@@ -124,31 +162,42 @@ def _work(streams: list[dict]) -> int:
     return sum(r["left"] for r in streams)
 
 
-async def _kill(cluster: ChaosCluster, live: list[Outcome], wid: str, held: list[dict], streaming: list[int],
-                point: str) -> dict:
-    """Kill `wid`, wait until the cluster recovered, and say what the gateway migrated meanwhile."""
+async def _strike(cluster: ChaosCluster, live: list[Outcome], wid: str, held: list[dict], streaming: list[int],
+                  point: str) -> tuple[dict, int, migrations.MigrationCounts]:
+    """Kill `wid` now.  Returns its record, the pid it had, and the migration counters just
+    before."""
     before = await _call(migrations.now, cluster.url)
     pid = (await _call(cluster.call, wid, "ledger"))["pid"]
+    t0 = time.monotonic()
     await _call(cluster.kill, wid)
     ended = {o.job.index for o in live if o.ended}
-    victims = [i for i in streaming if i not in ended]
-    recovered = await _back(cluster, wid, pid)
-    moved = await _call(migrations.now, cluster.url) - before
-    return {"point": point, "worker": wid, "victim": victims, "held": len(held),
-            "held_resumed": sum(r["resumed"] > 0 for r in held), "migrated": moved.by_cause,
-            "recovered_s": round(recovered, 2)}
+    return ({"point": point, "worker": wid, "victim": [i for i in streaming if i not in ended], "held": len(held),
+             "held_resumed": sum(r["resumed"] > 0 for r in held), "t0": t0}, pid, before)
 
 
-async def _back(cluster: ChaosCluster, wid: str, pid: int, wait_s: float = 120.0) -> float:
-    """Wait until `wid` runs in a new process (not `pid`: Ray restarted it) and the gateway sees
-    every worker healthy; returns the seconds it took (raises TimeoutError)."""
-    t0 = time.monotonic()
+async def _back(cluster: ChaosCluster, record: dict, pid: int, wait_s: float = 120.0) -> None:
+    """Wait until the record's worker runs in a new process (not `pid`: Ray restarted it) and
+    the gateway sees every worker healthy; notes the seconds since the kill or drain began
+    (raises TimeoutError)."""
+    wid, t0 = record["worker"], record.pop("t0")
     while (await _call(cluster.call, wid, "ledger"))["pid"] == pid:
         if time.monotonic() - t0 > wait_s:
             raise TimeoutError(f"{wid} still runs in process {pid} after {wait_s:.0f}s: it was not restarted")
         await asyncio.sleep(0.1)
     await _call(cluster.wait_recovered)
-    return time.monotonic() - t0
+    record["recovered_s"] = round(time.monotonic() - t0, 2)
+
+
+async def _moved(cluster: ChaosCluster, before: migrations.MigrationCounts,
+                 wait_s: float = 10.0) -> migrations.MigrationCounts:
+    """The migrations the gateway counted since `before`, waiting up to `wait_s` for a first
+    one (a stream that waited for a worker to come back may be counted late)."""
+    end = time.monotonic() + wait_s
+    while True:
+        moved = await _call(migrations.now, cluster.url) - before
+        if moved.total or time.monotonic() > end:
+            return moved
+        await asyncio.sleep(0.2)
 
 
 def _reply(reply: Any) -> dict[str, Any] | None:
@@ -162,7 +211,7 @@ def _reply(reply: Any) -> dict[str, Any] | None:
 
 
 async def corrupt_expert(cluster: ChaosCluster, live: list[Outcome], done: asyncio.Event, rng: random.Random,
-                         every_s: float = 0.2) -> list[dict]:
+                         waves: Waves, every_s: float = 0.2) -> list[dict]:
     """Flip a bit in a resident expert slot of a random decode worker every `every_s`."""
     records: list[dict] = []
     while not done.is_set():

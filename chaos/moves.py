@@ -36,7 +36,8 @@ def moved_streams(res: ScenarioResult, records: list[dict], want: int) -> None:
         res.notes.append(
             f"{'drained' if drain else 'killed'} {r['worker']} holding {r['held']} streams mid-way "
             f"({r['held_resumed']} of them migrated there)"
-            + (f", drain answer {reply}" if drain else "")
+            + ((f", drain answer {reply}" if reply else ", no drain answer (the actor restarted first)") if drain
+               else "")
             + f"; the gateway migrated {sum(moved.values())} ({_causes(moved)}); the cluster was back after "
               f"{r.get('recovered_s')} s; the {len(victims)} streams mid-way then ended: "
             + (", ".join(f"{n} {k}" for k, n in sorted(ends.items())) or "-"))

@@ -38,6 +38,7 @@ class Job:
     expect_reject: bool = False             # an oversized prompt: must get HTTP 400
     cache_salt: str | None = None           # the request's cache_salt (vLLM's field)
     usage: bool = False                     # ask for usage on a stream too (its cached_tokens)
+    wave: int = 0                           # sent once the scenario's driver opens this wave (0: at once)
 
 
 class PromptMaker:
@@ -85,7 +86,7 @@ def jobs_for(maker: PromptMaker, scenario: Scenario, n: int, limit: int) -> list
         client = scenario.client
         if client == "normal" and scenario.max_tokens:       # a quarter not streamed (migrated unseen)
             out.append(maker.job(scenario.name, length, scenario.max_tokens[i % len(scenario.max_tokens)],
-                                 stream=i == 0 or rng.random() < 0.75))
+                                 stream=i == 0 or rng.random() < 0.75, wave=i * scenario.waves // n))
         elif client == "victim":          # a hostile scenario's other tenants: streamed, for their TTFT
             job = maker.job(scenario.name, length, mt)
             out.append(replace(job, tenant=VICTIMS[job.index % len(VICTIMS)]))

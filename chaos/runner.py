@@ -14,7 +14,7 @@ from chaos.attacks import Attack, RogueClient, StalledStreams
 from chaos.bombs import ChunkedBomb, SlowReader
 from chaos.client import Outcome, send
 from chaos.cluster import ChaosCluster
-from chaos.drivers import DRIVERS
+from chaos.drivers import DRIVERS, Waves
 from chaos.gauges import percentile
 from chaos.hostile import KvHog, Redos
 from chaos.moves import MOVING, moved_streams
@@ -113,13 +113,18 @@ class ScenarioRunner:
     async def _drive(self, sc: Scenario, outs: list[Outcome]) -> list[dict]:
         sem = asyncio.Semaphore(self.concurrency)
         done = asyncio.Event()
+        waves = Waves()
 
         async def one(o: Outcome) -> None:
+            await waves.reach(o.job.wave)
             async with sem:
                 await send(self.cluster.url, self.key_of[o.job.tenant], self.model, o, REQUEST_TIMEOUT_S)
         driver = None
         if sc.driver is not None:
-            driver = asyncio.create_task(DRIVERS[sc.driver](self.cluster, outs, done, self.rng))
+            driver = asyncio.create_task(DRIVERS[sc.driver](self.cluster, outs, done, self.rng, waves))
+            driver.add_done_callback(lambda _: waves.open_all())
+        else:
+            waves.open_all()
         await asyncio.gather(*(one(o) for o in outs))
         done.set()
         return await driver if driver is not None else []

@@ -44,6 +44,8 @@ class Scenario:
     weight: float = 1.0              # share of --requests, relative to the other scenarios
     max_tokens: tuple[int, ...] = ()  # the requests' max_tokens, in turn (long streams outlive a restart)
     lossless: bool = False           # every request must complete: none may fail (migration continues them)
+    waves: int = 1                   # the requests go in this many waves, each sent when the driver says
+    least: int = 2                   # requests it needs at the least
 
     @property
     def refused(self) -> bool:
@@ -79,12 +81,12 @@ SCENARIOS: tuple[Scenario, ...] = (
              weight=0.6),
     Scenario("kill_decode", "process", "a decode worker killed mid-stream (Ray restarts it; its streams "
              "migrate to the other)", driver="kill_decode", weight=0.6, max_tokens=(48,), lossless=True),
-    Scenario("kill_decode_twice", "process", "a decode worker killed mid-stream, then, once it is back, the "
-             "worker its streams migrated to while it serves one of them", driver="kill_decode_twice",
-             weight=0.6, max_tokens=LONG, lossless=True),
+    Scenario("kill_decode_twice", "process", "a decode worker killed mid-stream, then, while it restarts, the "
+             "worker its streams migrated to once one of them streams there", driver="kill_decode_twice",
+             weight=0.6, max_tokens=LONG, lossless=True, least=8),
     Scenario("drain_decode", "process", "a rolling drain of every decode worker under load (grace 0.5 s, "
              "then a restart): short streams finish, the others migrate", driver="drain_decode", weight=0.6,
-             max_tokens=LONG, lossless=True),
+             max_tokens=LONG, lossless=True, waves=2, least=8),
     Scenario("stalled_peer", "process", "a receiver that reads nothing for 2 s, then continues",
              "stall", Role.DECODE, seconds=2.0, share=0.15),
     Scenario("abort_storm", "process", "clients that disconnect at random points", client="storm"),
@@ -131,11 +133,11 @@ def select(names: str) -> list[Scenario]:
 
 
 def split(requests: int, scenarios: list[Scenario]) -> list[int]:
-    """Requests per scenario in proportion to the weights (largest remainders), at least 2
-    each: the sum is `requests` unless that is below 2 per scenario."""
+    """Requests per scenario in proportion to the weights (largest remainders), at least each
+    scenario's `least`: the sum is `requests` unless that is below some scenario's least."""
     total = sum(s.weight for s in scenarios)
     exact = [requests * s.weight / total for s in scenarios]
     counts = [int(x) for x in exact]
     for i in sorted(range(len(exact)), key=lambda i: counts[i] - exact[i])[:requests - sum(counts)]:
         counts[i] += 1
-    return [max(2, c) for c in counts]
+    return [max(s.least, c) for s, c in zip(scenarios, counts)]

@@ -145,3 +145,29 @@ def test_kills_and_drains_are_detected_by_the_gateways_migrations():
     cut = ScenarioResult("drain_decode", "process", "", outcomes=_outs(2))
     moved_streams(cut, [{**drain, "migrated": {"drain": 1, "lost": 1}}], 1)
     assert any("cut 1 streams" in v for v in cut.violations)
+
+
+def test_waves_hold_requests_until_the_driver_opens_them_and_all_open_when_it_ends():
+    import asyncio
+
+    from chaos.drivers import Waves
+    from chaos.scenarios import BY_NAME, split
+
+    async def run() -> list[str]:
+        waves, seen = Waves(), []
+
+        async def request(wave: int, name: str) -> None:
+            await waves.reach(wave)
+            seen.append(name)
+        tasks = [asyncio.create_task(request(w, n)) for w, n in ((0, "a"), (1, "b"), (2, "c"), (1, "d"))]
+        await asyncio.sleep(0.01)
+        assert seen == ["a"]
+        waves.open(1)
+        await asyncio.sleep(0.01)
+        assert sorted(seen) == ["a", "b", "d"]
+        waves.open_all()
+        await asyncio.gather(*tasks)
+        return seen
+    assert asyncio.run(run())[-1] == "c"
+    moving = [BY_NAME[n] for n in ("kill_decode", "kill_decode_twice", "drain_decode")]
+    assert split(6, moving) == [2, 8, 8]                     # the moving scenarios' least requests
