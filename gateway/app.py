@@ -194,7 +194,9 @@ def create_app(config: GatewayConfig, discover: Discover | None = None) -> FastA
     @app.get("/v1/server_info", response_model=None, dependencies=[Depends(admin)])
     async def server_info() -> dict[str, Any]:
         return {"model": config.served_model_name, "context_length": gw.context_len(), "routing": config.routing,
+                "max_migrations": config.max_migrations,
                 "workers": [{"address": w.address, "role": w.role, "healthy": w.healthy,
+                             "draining": w.draining,
                              "kv_capacity_tokens": w.health.kv_capacity_tokens if w.health else None,
                              "paged_experts_num_resident": w.health.paged_experts_num_resident if w.health else None,
                              "prefix_cache": cache_info(w)}

@@ -19,8 +19,10 @@ from fastapi.responses import JSONResponse, Response
 from engine.params import SamplingParams
 from gateway.admission import Rejected
 from gateway.cache_view import PrefixKeys
+from gateway.choice import ForwardError, Prompt
 from gateway.fairness import reserved_tokens, share_key
-from gateway.forward import ForwardError, Prompt, cancelling, forward
+from gateway.forward import cancelling
+from gateway.migration import forward
 from gateway.openai_format import ChoiceState, Formatter, error_body, prompt_tokens, public_message
 from gateway.prompts import PromptTooLong
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
@@ -232,7 +234,8 @@ class CompletionHandler:
         try:
             async for msg in forward(gw.pool, f"{rid}-{state.index}", tenant, job.ids, job.params,
                                      gw.config.request_timeout_s, gw.config.max_attempts,
-                                     gw.config.queue_timeout_s, job.prompt):
+                                     gw.config.queue_timeout_s, job.prompt, gw.config.max_migrations,
+                                     gw.metrics.migration):
                 if msg.WhichOneof("kind") == "tokens":
                     now = time.monotonic()
                     (gw.metrics.itl.observe(now - last) if last is not None

@@ -34,6 +34,9 @@ class GatewayConfig:
     max_body_bytes: int = 4 << 20
     refresh_s: float = 1.0                   # how often workers' Health/Stats are read
     max_attempts: int = 3                    # tries before the first token (capacity, unreachable)
+    # a choice whose decode stream breaks after a token continues on another worker pair at most
+    # this many times (gateway/migration.py); 0: never (the stream ends with MIGRATION_FAILED)
+    max_migrations: int = 3
     # the workers refuse every call without credentials made with it (kv_transfer/auth.py)
     cluster_secret: bytes = field(default=b"", repr=False)
     # its cluster certificate: worker channels run mutual TLS (the workers' is on across nodes)
@@ -68,6 +71,8 @@ class GatewayConfig:
         for name in ("max_queue", "max_running", "tenant_max_concurrency", "max_n", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations={self.max_migrations} must be >= 0")
         for name in ("queue_timeout_s", "request_timeout_s", "refresh_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")

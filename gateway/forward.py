@@ -1,10 +1,12 @@
-"""Forwarding one generation to a worker pair and streaming back what the decode worker says.
+"""One decode stream of a choice: picking a worker pair, its tries before the first token, and
+reading what the decode worker says (gateway/migration.py continues a stream that broke).
 
-Before the first token a request may be retried on another worker: a decode worker that
-refuses the reservation for capacity (KV_FULL) or cannot be reached, a prefill worker that
-cannot be reached, a transfer that broke (on another prefill worker if there is one, else
-on the same).  While no prefill worker is up (one restarting) the request waits, as it does
-for KV room.  After a token was streamed there is no retry: the client gets an error.
+Before the stream's first token the request may be retried on another worker: a decode worker
+that refuses the reservation for capacity (KV_FULL) or because it drains (DRAINING: never asked
+again for this choice), or that cannot be reached, a prefill worker that cannot be reached or
+drains, a transfer that broke (on another prefill worker if there is one, else on the same).
+While no prefill worker is up (one restarting) the request waits, as it does for KV room.  After
+a token a broken stream raises `StreamBroken` with its cause; the caller migrates it.
 Cancelling the iterator (the client went away) cancels the `Generate` call, so the decode
 worker frees the pages at once.
 """
@@ -13,45 +15,31 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 import grpc
 
-from engine.params import SamplingParams
-from gateway.cache_view import PrefixKeys
-from gateway.routing import Worker, WorkerPool
+from gateway.choice import Choice, ForwardError, StreamBroken
+from gateway.routing import Worker
 from proto import worker_pb2 as wpb
 from worker.convert import params_to_proto, prefill_request
 from worker.types import ErrorCode, Role
 
-STATUS = {ErrorCode.INVALID_REQUEST: 400, ErrorCode.PROMPT_TOO_LONG: 400, ErrorCode.KV_FULL: 503,
-          ErrorCode.UNAVAILABLE: 503, ErrorCode.NO_WORKER: 503, ErrorCode.TIMEOUT: 408, ErrorCode.INTERNAL: 500}
-UNKNOWN_STATUS = 502                  # any other code: the worker side failed the request
 UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN}
+# after a token, a stream that ends with one of these statuses broke (the worker died, its
+# connection was reset, its server stopped): the choice migrates (cause "lost")
+LOST = UNREACHABLE | {grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL}
+# after a token, a worker's Error with one of these codes migrates the choice, with this cause
+MIGRATE_ON = {ErrorCode.DRAINING.value: "drain", ErrorCode.UNAVAILABLE.value: "drain",
+              ErrorCode.INTERNAL.value: "error"}
+# before a token, a worker that says so is not asked again for this choice
+LEAVING = frozenset({ErrorCode.DRAINING, ErrorCode.UNAVAILABLE})
 CAPACITY_POLL_S = 0.05
 # before the first token, these wait (up to the queue timeout) for a worker to have room or to
 # come back (Ray restarts a dead one at a new address) rather than fail the request
 WAIT_FOR = frozenset({ErrorCode.KV_FULL, ErrorCode.NO_WORKER, ErrorCode.PREFILL_UNAVAILABLE,
-                      ErrorCode.DECODE_UNAVAILABLE})
-
-
-class ForwardError(Exception):
-    """A request that failed, with the code and HTTP status the client gets."""
-
-    def __init__(self, code: ErrorCode, message: str, status: int | None = None):
-        super().__init__(f"{code.value}: {message}")
-        self.code, self.message = code, message
-        self.status = status or STATUS.get(code, UNKNOWN_STATUS)
-
-    @classmethod
-    def from_proto(cls, error: wpb.Error, prefix: str = "") -> ForwardError:
-        """A worker's Error message.  A code this gateway does not know (a newer worker) is
-        answered as INTERNAL with status 502, the worker's code kept in the message."""
-        try:
-            return cls(ErrorCode(error.code), prefix + error.message)
-        except ValueError:
-            return cls(ErrorCode.INTERNAL, f"{prefix}{error.code}: {error.message}", UNKNOWN_STATUS)
+                      ErrorCode.DECODE_UNAVAILABLE, ErrorCode.DRAINING, ErrorCode.UNAVAILABLE})
 
 
 class _Retry(Exception):
@@ -60,99 +48,104 @@ class _Retry(Exception):
         self.error = error
 
 
-@dataclass(frozen=True)
-class Prompt:
-    """What the workers get of a request's prompt besides its tokens: its cache salt (the
-    request's `cache_salt`, "" for none) and its page keys for prefix routing (None: route by
-    load alone)."""
-    cache_salt: str = ""
-    keys: PrefixKeys | None = None
-
-
-async def forward(pool: WorkerPool, request_id: str, tenant: str, ids: list[int], params: SamplingParams,
-                  timeout_s: float, max_attempts: int, capacity_wait_s: float = 30.0, prompt: Prompt = Prompt()
-                  ) -> AsyncIterator[wpb.GenerateResponse]:
-    """Yields Tokens messages and a final Finish; raises ForwardError.
-
-    When every decode worker is full (KV_FULL) or none is ready, the request waits for room
-    (up to `capacity_wait_s`) instead of failing; other failures before the first token are
-    retried on another worker up to `max_attempts` times."""
-    tried: set[str] = set()
+async def stream(c: Choice, exclude: set[str]) -> AsyncIterator[wpb.GenerateResponse]:
+    """Yields the Tokens messages and the final Finish of one decode stream of `c` (continuing
+    `c.generated` when there are any), trying other workers than `exclude` before its first
+    token: waiting up to `c.capacity_wait_s` for room or a worker, up to `c.max_attempts`
+    failures.  Raises ForwardError, or StreamBroken after the stream's first token."""
+    tried = set(exclude) | c.leaving
     full: set[str] = set()               # workers that refused for capacity: worth asking again
     broke: set[str] = set()              # prefill workers whose push broke: a last resort
     last = ForwardError(ErrorCode.NO_WORKER, "no worker can take the request now")
-    deadline = time.monotonic() + capacity_wait_s
-    attempt = failures = 0
-    while failures < max_attempts:
-        decode = pool.pick_decode(len(ids) + params.max_tokens, tried, prompt.keys)
-        prefill = None
-        if decode is not None and decode.role == Role.DECODE:
-            prefill = (pool.pick_prefill(tried | broke, prompt.keys, len(ids))
-                       or pool.pick_prefill(tried, prompt.keys, len(ids)))
-            if prefill is None:               # none up (one restarting?): wait, as for KV room
-                decode = None
-                if last.code != ErrorCode.NO_WORKER:
-                    last = ForwardError(ErrorCode.NO_WORKER, "no prefill worker is available" +
-                                        (f" (before: {last.code}: {last.message})" if attempt else ""))
+    wait_until = time.monotonic() + c.capacity_wait_s
+    failures = 0
+    while failures < c.max_attempts:
+        c.remaining_s()
+        decode, prefill, last = _pick(c, tried, broke, last)
         if decode is None:
-            if last.code not in WAIT_FOR or time.monotonic() > deadline:
+            if last.code not in WAIT_FOR or time.monotonic() > wait_until:
                 break
             tried -= full
             full.clear()
             await asyncio.sleep(CAPACITY_POLL_S)
             continue
-        attempt += 1
         try:
-            async for msg in _attempt(decode, prefill, f"{request_id}.{attempt}", tenant, ids, params,
-                                      prompt.cache_salt, timeout_s, tried, broke):
+            async for msg in _attempt(c, decode, prefill, tried, broke):
                 yield msg
             return
         except _Retry as e:
             last = e.error
             if last.code == ErrorCode.KV_FULL:
                 full.add(decode.address)
-            else:
+            elif last.code not in LEAVING:
                 failures += 1
     raise last
 
 
-async def _attempt(decode: Worker, prefill: Worker | None, rid: str, tenant: str, ids: list[int],
-                   params: SamplingParams, salt: str, timeout_s: float, tried: set[str], broke: set[str]
+def _pick(c: Choice, tried: set[str], broke: set[str], last: ForwardError
+          ) -> tuple[Worker | None, Worker | None, ForwardError]:
+    """A decode worker and (unless it is colocated) a prefill worker, or (None, None, why)."""
+    decode = c.pool.pick_decode(c.need_tokens, tried, c.prompt.keys)
+    if decode is None or decode.role != Role.DECODE:
+        return decode, None, last
+    prompt_tokens = len(c.ids) + len(c.generated)
+    prefill = (c.pool.pick_prefill(tried | broke, c.prompt.keys, prompt_tokens)
+               or c.pool.pick_prefill(tried, c.prompt.keys, prompt_tokens))
+    if prefill is None:                      # none up (one restarting?): wait, as for KV room
+        if last.code != ErrorCode.NO_WORKER:
+            last = ForwardError(ErrorCode.NO_WORKER, f"no prefill worker is available (before: {last.code}: "
+                                f"{last.message})")
+        return None, None, last
+    return decode, prefill, last
+
+
+async def _attempt(c: Choice, decode: Worker, prefill: Worker | None, tried: set[str], broke: set[str]
                    ) -> AsyncIterator[wpb.GenerateResponse]:
-    """One try on one worker pair: yields what the decode worker streams; raises _Retry when
-    another try may succeed (nothing was streamed yet), ForwardError when none may."""
+    """One try on one worker pair: yields what the decode worker streams after its reservation;
+    raises _Retry when another try may succeed (nothing was streamed yet), StreamBroken when the
+    stream broke after a token, ForwardError when no try may succeed."""
     assert decode.decode_stub is not None
+    timeout_s = c.remaining_s()
+    c.attempts += 1
+    rid = f"{c.request_id}.{c.attempts}"
+    # a migrated choice continues the sampler of the reservation that gave its first token
+    params = c.params if c.seed is None else replace(c.params, seed=c.seed)
     call = decode.decode_stub.Generate(wpb.GenerateRequest(
-        request_id=rid, tenant=tenant, prompt_token_ids=ids, params=params_to_proto(params),
-        timeout_s=timeout_s, cache_salt=salt), timeout=timeout_s)
+        request_id=rid, tenant=c.tenant, prompt_token_ids=c.ids, params=params_to_proto(params),
+        timeout_s=timeout_s, cache_salt=c.prompt.cache_salt, generated_token_ids=c.generated), timeout=timeout_s)
     decode.outstanding += 1
     prefill_failure: list[ForwardError] = []
     task: asyncio.Task[None] | None = None
     streamed: list[bool] = [False]    # tokens arrived: the transfer committed, prefill is done
     try:
         first = await _read(call, decode, False, tried, prefill_failure)
-        if first.WhichOneof("kind") == "error":
-            err = ForwardError.from_proto(first.error)
-            if err.code == ErrorCode.KV_FULL:
-                tried.add(decode.address)
-                raise _Retry(err)
-            raise err
+        kind = first.WhichOneof("kind")
+        if kind == "error":
+            _refused(c, ForwardError.from_proto(first.error), decode, tried)
         decode.succeeded()
+        if kind == "finish":          # a migrated choice whose generated tokens already end it
+            yield first
+            return
+        res = first.reservation
+        if c.seed is not None and res.seed != c.seed:
+            raise ForwardError(ErrorCode.INTERNAL, f"{decode.address} resumed with seed {res.seed}, not {c.seed}")
         if prefill is not None:
             # with the request's salt and the reservation's cache boundary (frames start after it)
-            req = prefill_request(rid, tenant, ids, params, first.reservation, salt)
-            task = asyncio.create_task(_prefill(prefill, call, req, timeout_s, prefill_failure, tried, streamed))
+            req = prefill_request(rid, c.tenant, c.ids, params, res, c.prompt.cache_salt, c.generated)
+            task = asyncio.create_task(_prefill(c, prefill, call, req, timeout_s, prefill_failure, tried,
+                                                streamed))
+        elif c.generated:             # colocated: it prefills what its cache does not hold
+            c.observer.recomputed(max(0, len(c.ids) + len(c.generated) - res.cached_tokens))
         while True:
             msg = await _read(call, decode, streamed[0], tried, prefill_failure)
             kind = msg.WhichOneof("kind")
             if kind == "error":
-                err = prefill_failure[0] if prefill_failure else ForwardError.from_proto(msg.error)
-                if not streamed[0] and msg.error.code == ErrorCode.TRANSFER_FAILED and prefill is not None:
-                    # the push broke before any token: try again, not on a prefill worker that died
-                    (tried if err.code == ErrorCode.PREFILL_UNAVAILABLE else broke).add(prefill.address)
-                    raise _Retry(err)
-                raise err
-            streamed[0] = streamed[0] or kind == "tokens"
+                _failed(c, msg.error, prefill_failure, streamed[0], decode, prefill, tried, broke)
+            if kind == "tokens":
+                if c.seed is None:
+                    c.seed, c.cached_tokens = res.seed, min(res.cached_tokens, len(c.ids))
+                streamed[0] = True
+                c.generated += msg.tokens.token_ids
             yield msg
             if kind == "finish":
                 return
@@ -163,10 +156,41 @@ async def _attempt(decode: Worker, prefill: Worker | None, rid: str, tenant: str
             task.cancel()
 
 
+def _refused(c: Choice, err: ForwardError, decode: Worker, tried: set[str]) -> None:
+    """The decode worker refused the reservation: retry elsewhere or fail; always raises."""
+    if err.code == ErrorCode.KV_FULL:
+        tried.add(decode.address)
+        raise _Retry(err)
+    if err.code in LEAVING:
+        tried.add(decode.address)
+        c.leaving.add(decode.address)
+        raise _Retry(err)
+    raise err
+
+
+def _failed(c: Choice, error: wpb.Error, prefill_failure: list[ForwardError], streamed: bool, decode: Worker,
+            prefill: Worker | None, tried: set[str], broke: set[str]) -> None:
+    """The decode worker ended the stream with `error`: migrate (after a token), retry or
+    fail; always raises."""
+    err = prefill_failure[0] if prefill_failure else ForwardError.from_proto(error)
+    if streamed:
+        cause = MIGRATE_ON.get(error.code)
+        if cause is not None:
+            raise StreamBroken(cause, ForwardError.from_proto(error), decode.address)
+        raise err
+    if error.code == ErrorCode.TRANSFER_FAILED and prefill is not None:
+        # the push broke before any token: try again, not on a prefill worker that died
+        (tried if err.code == ErrorCode.PREFILL_UNAVAILABLE else broke).add(prefill.address)
+        raise _Retry(err)
+    if not prefill_failure and err.code in LEAVING:
+        _refused(c, err, decode, tried)     # it drains or stops: another worker, never this one
+    raise err
+
+
 async def _read(call: Any, decode: Worker, streamed: bool, tried: set[str],
                 prefill_failure: list[ForwardError]) -> wpb.GenerateResponse:
     """The decode stream's next message; a broken stream becomes _Retry (before the first
-    token) or ForwardError."""
+    token), StreamBroken (after it: cause "lost") or ForwardError."""
     try:
         msg = await call.read()
     except asyncio.CancelledError:
@@ -178,7 +202,7 @@ async def _read(call: Any, decode: Worker, streamed: bool, tried: set[str],
         if not streamed:
             tried.add(decode.address)
             raise _Retry(ForwardError(ErrorCode.DECODE_UNAVAILABLE, f"{decode.address}: the call was cut")) from None
-        raise ForwardError(ErrorCode.DECODE_FAILED, f"{decode.address}: the stream was cut") from None
+        raise _lost(decode, "the stream was cut") from None
     except grpc.aio.AioRpcError as e:
         _raise_prefill_failure(prefill_failure, streamed, decode, tried)
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -187,20 +211,30 @@ async def _read(call: Any, decode: Worker, streamed: bool, tried: set[str],
             decode.failed()
             tried.add(decode.address)
             raise _Retry(ForwardError(ErrorCode.DECODE_UNAVAILABLE, f"{decode.address}: {e.code().name}")) from None
+        if e.code() in LOST and streamed:
+            decode.failed()
+            raise _lost(decode, f"{e.code().name} {e.details()}") from None
         raise ForwardError(ErrorCode.DECODE_FAILED, f"{decode.address}: {e.code().name} {e.details()}") from None
     if msg is grpc.aio.EOF:
+        if streamed:
+            raise _lost(decode, "the stream ended without a final message")
         raise ForwardError(ErrorCode.DECODE_FAILED, f"{decode.address} ended the stream without a final message")
     return msg
 
 
+def _lost(decode: Worker, why: str) -> StreamBroken:
+    return StreamBroken("lost", ForwardError(ErrorCode.DECODE_FAILED, f"{decode.address}: {why}"), decode.address)
+
+
 def _raise_prefill_failure(failure: list[ForwardError], streamed: bool, decode: Worker, tried: set[str]) -> None:
     """The decode call broke because its prefill failed: that failure is the request's, unless
-    no token went out and another try may succeed: the prefill worker could not be reached (try
-    another), or its push to this decode worker was refused or broke (TRANSFER_FAILED: try
-    another decode worker, e.g. when this one's receiver is at its stream cap)."""
+    no token went out and another try may succeed: the prefill worker could not be reached or
+    drains (try another), or its push to this decode worker was refused or broke
+    (TRANSFER_FAILED: try another decode worker, e.g. when this one's receiver is at its stream
+    cap)."""
     if failure:
         err = failure[0]
-        if not streamed and err.code == ErrorCode.PREFILL_UNAVAILABLE:
+        if not streamed and err.code in (ErrorCode.PREFILL_UNAVAILABLE, *LEAVING):
             raise _Retry(err) from None
         if not streamed and err.code == ErrorCode.TRANSFER_FAILED:
             tried.add(decode.address)
@@ -208,11 +242,11 @@ def _raise_prefill_failure(failure: list[ForwardError], streamed: bool, decode: 
         raise err from None
 
 
-async def _prefill(prefill: Worker, call: Any, req: wpb.PrefillRequest, timeout_s: float,
+async def _prefill(c: Choice, prefill: Worker, call: Any, req: wpb.PrefillRequest, timeout_s: float,
                    failure: list[ForwardError], tried: set[str], streamed: list[bool]) -> None:
     """Runs the Prefill call `req` that fills the decode worker's reservation; a failure goes
     into `failure` (and cancels the decode call when no token was streamed yet)."""
-    queued = len(req.prompt_token_ids)
+    queued = len(req.prompt_token_ids) + len(req.generated_token_ids)
     prefill.outstanding += 1
     prefill.queued_tokens += queued
     try:
@@ -220,8 +254,14 @@ async def _prefill(prefill: Worker, call: Any, req: wpb.PrefillRequest, timeout_
         reply = await prefill.prefill_stub.Prefill(req, timeout=timeout_s)
         if reply.ok:
             prefill.succeeded()
+            if req.generated_token_ids:
+                c.observer.recomputed(max(0, queued - reply.cached_tokens))
             return
-        failure.append(ForwardError.from_proto(reply.error, "prefill: "))
+        err = ForwardError.from_proto(reply.error, "prefill: ")
+        if err.code in LEAVING:
+            tried.add(prefill.address)
+            c.leaving.add(prefill.address)
+        failure.append(err)
     except asyncio.CancelledError:
         if cancelling():
             raise                     # the request ended: nothing to report

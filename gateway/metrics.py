@@ -12,9 +12,13 @@ from prometheus_client.core import GaugeMetricFamily
 
 from gateway.admission import AdmissionQueue
 from gateway.fairness import tenant_label
+from gateway.migration import CAUSES, REASONS
 from gateway.routing import WorkerPool
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# the time a migration adds to a stream: fine buckets, so that p50/p99 interpolate well
+GAP_BUCKETS = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5,
+               10, 15, 20, 30)
 
 
 class Metrics:
@@ -60,6 +64,7 @@ class Metrics:
                                     "worker accepted from prefill", labels, registry=r)
         self.view_pages = Gauge("tandem_worker_routing_view_pages", "Pages this gateway's router believes "
                                 "the worker caches (from its cache events)", labels, registry=r)
+        self.migration = MigrationMetrics(r)
         self.tenant_rejections = Counter("tandem_tenant_rejected", "Requests the admission queue refused, "
                                          "by tenant and reason", ["tenant", "reason"], registry=r)
 
@@ -98,6 +103,37 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class MigrationMetrics:
+    """What the choices' migrations report (gateway/migration.py; a MigrationObserver)."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.total = Counter("tandem_migrations", "Streams continued on another worker after their decode "
+                             "worker failed after a token, by cause (lost, drain, error)", ["cause"], registry=r)
+        self.failed_total = Counter("tandem_migrations_failed", "Broken streams that could not be continued, by "
+                                    "reason (bound, capacity, no_worker, refused)", ["reason"], registry=r)
+        self.prefill_tokens = Counter("tandem_migration_prefill_tokens", "Prompt and generated tokens the "
+                                      "migrations' re-prefills computed (not found in a prefix cache)", registry=r)
+        self.gaps = Histogram("tandem_migration_gap_seconds", "From the last token before a stream broke to "
+                              "the first message after it, as the gateway saw them", buckets=GAP_BUCKETS,
+                              registry=r)
+        for cause in CAUSES:
+            self.total.labels(cause)
+        for reason in REASONS:
+            self.failed_total.labels(reason)
+
+    def migrated(self, cause: str) -> None:
+        self.total.labels(cause).inc()
+
+    def failed(self, reason: str) -> None:
+        self.failed_total.labels(reason).inc()
+
+    def recomputed(self, tokens: int) -> None:
+        self.prefill_tokens.inc(tokens)
+
+    def gap(self, seconds: float) -> None:
+        self.gaps.observe(seconds)
 
 
 class TenantCollector:

@@ -23,6 +23,9 @@ PUBLIC_MESSAGES = {
     ErrorCode.PREFILL_UNAVAILABLE: "no prefill worker could be reached; retry later",
     ErrorCode.DECODE_UNAVAILABLE: "no decode worker could be reached; retry later",
     ErrorCode.DECODE_FAILED: "the decode worker failed while generating",
+    ErrorCode.DRAINING: "the workers were draining; retry later",
+    ErrorCode.MIGRATION_FAILED: "the decode worker failed while generating and the stream could not be "
+                                "continued on another; retry",
     ErrorCode.TRANSFER_FAILED: "the prompt's KV cache could not be moved between the workers",
     ErrorCode.UNKNOWN_PEER: "the prompt's KV cache could not be moved between the workers",
     ErrorCode.TIMEOUT: "the request ran past its timeout",

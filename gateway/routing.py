@@ -82,8 +82,15 @@ class Worker:
     def healthy(self) -> bool:
         return self.health is not None and self.health.ready
 
+    @property
+    def draining(self) -> bool:
+        """Its last Health said it drains: it admits nothing new (a request sent to it would be
+        refused with DRAINING)."""
+        return self.health is not None and self.health.draining
+
     def available(self) -> bool:
-        return self.healthy and time.monotonic() >= self.open_until
+        """Whether new requests may go to it: healthy, not draining, its circuit closed."""
+        return self.healthy and not self.draining and time.monotonic() >= self.open_until
 
     def failed(self) -> None:
         """A call could not reach it: after FAILURES_TO_OPEN in a row, stop sending for OPEN_S."""
@@ -205,8 +212,8 @@ class WorkerPool:
         return {w.cache.page_size for w in self.workers if w.cache is not None and w.cache.page_size}
 
     def pick_decode(self, need_tokens: int, exclude: set[str], keys: PrefixKeys | None = None) -> Worker | None:
-        """A decode (or colocated) worker with room for `need_tokens`: the least loaded, or with
-        prefix routing and `keys` (the prompt's) the one `choose` prefers."""
+        """A decode (or colocated) worker with room for `need_tokens`, not draining: the least
+        loaded, or with prefix routing and `keys` (the prompt's) the one `choose` prefers."""
         prefill_up = any(p.available() for p in self.of(Role.PREFILL))
         ok = [w for w in self.of(Role.DECODE, Role.COLOCATED) if w.available() and w.address not in exclude
               and w.health is not None and w.health.kv_capacity_tokens >= need_tokens
@@ -216,8 +223,8 @@ class WorkerPool:
 
     def pick_prefill(self, exclude: set[str], keys: PrefixKeys | None = None, prompt_tokens: int = 0
                      ) -> Worker | None:
-        """A prefill worker: the least loaded, or with prefix routing the one `choose` prefers
-        (`prompt_tokens`: the request's, its load slack)."""
+        """A prefill worker, not draining: the least loaded, or with prefix routing the one
+        `choose` prefers (`prompt_tokens`: the request's, its load slack)."""
         ok = [w for w in self.of(Role.PREFILL) if w.available() and w.address not in exclude]
         return choose(ok, keys if self.routing == "prefix" else None, prompt_tokens)
 

@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="close a response the client has not read for this many seconds")
     ap.add_argument("--routing", default="prefix", choices=ROUTING_MODES,
                     help="prefix: weigh each worker's cached prefix of the prompt against its load; load: least loaded")
+    ap.add_argument("--max-migrations", type=int, default=3,
+                    help="how many times a stream whose decode worker fails after a token may continue on "
+                    "another worker (0: never)")
     args = ap.parse_args(argv)
     keys = api_keys(args.api_keys_file, args.api_key)
     # the workers' secret, hex (as deploy/worker.py reads it): every worker call is authenticated
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                            tls=TlsIdentity.load(args.tls_dir) if args.tls_dir else None,
                            ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
                            admin_keys=tuple(args.admin_key), stream_idle_timeout_s=args.stream_idle_timeout,
-                           routing=args.routing)
+                           routing=args.routing, max_migrations=args.max_migrations)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info", **uvicorn_limits(config))
     return 0
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.forward import ForwardError
+from gateway.choice import ForwardError
 from gateway.openai_format import ChoiceState, Formatter
 from proto import worker_pb2 as wpb
 
