@@ -205,6 +205,25 @@ def test_a_migrated_response_equals_the_uninterrupted_one(cluster, sampling, str
     wait_idle(*workers)
 
 
+def test_a_stop_string_across_the_break_is_found(cluster):
+    """The stop string is the text of tokens k-1 and k: the first worker holds token k-1's text
+    back (it may start the stop), the stream breaks after it, and the resumed worker finds the
+    stop: text and finish equal the uninterrupted run's."""
+    gw, plan, workers = cluster
+    plan.reset()
+    ref = complete(gw.url, body(GREEDY, False, max_tokens=16))
+    pieces, text = ref["logprobs"]["tokens"], ref["text"]
+    spans = {k: pieces[k - 1] + pieces[k] for k in range(3, 15)}
+    k, stop = next((k, s) for k, s in spans.items() if len(s) >= 2 and text.find(s) == len("".join(pieces[:k - 1])))
+    want = complete(gw.url, body(GREEDY, True, max_tokens=16, stop=[stop]))
+    assert want["finish_reason"] == "stop" and stop not in want["text"]
+    plan.reset(cuts=1, after=k)
+    got = complete(gw.url, body(GREEDY, True, max_tokens=16, stop=[stop]))
+    assert_same(got, want)
+    assert list(plan.requests[1][1].generated_token_ids) == ref["token_ids"][:k]
+    wait_idle(*workers)
+
+
 def test_an_unseeded_sampled_stream_resumes_with_its_first_reservations_seed(cluster):
     gw, plan, workers = cluster
     plan.reset(cuts=1, after=4)
