@@ -87,7 +87,7 @@ async def drain_decode(cluster: ChaosCluster, live: list[Outcome], done: asyncio
     """A rolling drain: each decode worker in turn, while it holds a stream mid-way, is drained
     with a short grace (`WorkerActor.drain(restart=True)`) and is back before the next one;
     the requests' next wave is sent then (a load for the next drain).  The first is the worker
-    holding the most work (its long streams move on to the next)."""
+    holding the most work."""
     records: list[dict] = []
     left = sorted(cluster.workers(Role.DECODE))
     while left:

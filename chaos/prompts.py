@@ -85,8 +85,8 @@ def jobs_for(maker: PromptMaker, scenario: Scenario, n: int, limit: int) -> list
         length = rng.randint(12, 96)
         client = scenario.client
         if client == "normal" and scenario.max_tokens:       # a quarter not streamed (migrated unseen)
-            out.append(maker.job(scenario.name, length, scenario.max_tokens[i % len(scenario.max_tokens)],
-                                 stream=i == 0 or rng.random() < 0.75, wave=i * scenario.waves // n))
+            out.append(maker.job(scenario.name, length, scenario.max_tokens, stream=rng.random() < 0.75,
+                                 wave=i * scenario.waves // n))
         elif client == "victim":          # a hostile scenario's other tenants: streamed, for their TTFT
             job = maker.job(scenario.name, length, mt)
             out.append(replace(job, tenant=VICTIMS[job.index % len(VICTIMS)]))

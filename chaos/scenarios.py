@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from worker.types import Role
 
 LATE = ("EXPIRED", "AFTER_FAILURE", "UNKNOWN_TRANSFER")
-# one stream in 8 long enough to outlive a decode worker's restart (about 5 s) after it migrated
-LONG = (320,) + (48,) * 7
 
 
 @dataclass(frozen=True)
@@ -42,7 +40,7 @@ class Scenario:
     attack: str | None = None        # rogue_client | stalled_streams (chaos.attacks: around the requests),
                                      # or a hostile tenant (chaos.hostile, chaos.bombs: beside them)
     weight: float = 1.0              # share of --requests, relative to the other scenarios
-    max_tokens: tuple[int, ...] = ()  # the requests' max_tokens, in turn (long streams outlive a restart)
+    max_tokens: int | None = None    # every request asks this many (streams for a driver acting mid-way)
     lossless: bool = False           # every request must complete: none may fail (migration continues them)
     waves: int = 1                   # the requests go in this many waves, each sent when the driver says
     least: int = 2                   # requests it needs at the least
@@ -80,13 +78,13 @@ SCENARIOS: tuple[Scenario, ...] = (
              "delay", Role.PREFILL, seconds=30.0, share=0.0, per_frame=1.0, after=2, driver="kill_prefill",
              weight=0.6),
     Scenario("kill_decode", "process", "a decode worker killed mid-stream (Ray restarts it; its streams "
-             "migrate to the other)", driver="kill_decode", weight=0.6, max_tokens=(48,), lossless=True),
+             "migrate to the other)", driver="kill_decode", weight=0.6, max_tokens=48, lossless=True),
     Scenario("kill_decode_twice", "process", "a decode worker killed mid-stream, then, while it restarts, the "
              "worker its streams migrated to once one of them streams there", driver="kill_decode_twice",
-             weight=0.6, max_tokens=LONG, lossless=True, least=8),
+             weight=0.6, max_tokens=48, lossless=True, least=8),
     Scenario("drain_decode", "process", "a rolling drain of every decode worker under load (grace 0.5 s, "
              "then a restart): short streams finish, the others migrate", driver="drain_decode", weight=0.6,
-             max_tokens=LONG, lossless=True, waves=2, least=8),
+             max_tokens=48, lossless=True, waves=2, least=8),
     Scenario("stalled_peer", "process", "a receiver that reads nothing for 2 s, then continues",
              "stall", Role.DECODE, seconds=2.0, share=0.15),
     Scenario("abort_storm", "process", "clients that disconnect at random points", client="storm"),
