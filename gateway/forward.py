@@ -26,10 +26,10 @@ from proto import worker_pb2 as wpb
 from worker.convert import params_to_proto, prefill_request
 from worker.types import ErrorCode, Role
 
-UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN}
-# after a token, a stream that ends with one of these statuses broke (the worker died, its
-# connection was reset, its server stopped): the choice migrates (cause "lost")
-LOST = UNREACHABLE | {grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL}
+# a stream that ends with one of these statuses broke (the worker died, its connection was
+# reset, its server stopped): before a token the request is tried again, after one the choice
+# migrates (cause "lost")
+LOST = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL}
 # after a token, a worker's Error with one of these codes migrates the choice, with this cause
 MIGRATE_ON = {ErrorCode.DRAINING.value: "drain", ErrorCode.UNAVAILABLE.value: "drain",
               ErrorCode.INTERNAL.value: "error"}
@@ -63,7 +63,9 @@ async def stream(c: Choice, exclude: set[str]) -> AsyncIterator[wpb.GenerateResp
         c.remaining_s()
         decode, prefill, last = _pick(c, tried, broke, last)
         if decode is None:
-            if last.code not in WAIT_FOR or time.monotonic() > wait_until:
+            # a migrating choice waits for a worker after any failure another try may mend (its
+            # new worker died during the re-prefill: Ray starts it again at a new address)
+            if (last.code not in WAIT_FOR and not c.generated) or time.monotonic() > wait_until:
                 break
             tried -= full
             full.clear()
@@ -207,18 +209,19 @@ async def _read(call: Any, decode: Worker, streamed: bool, tried: set[str],
         _raise_prefill_failure(prefill_failure, streamed, decode, tried)
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
             raise ForwardError(ErrorCode.TIMEOUT, "the request timeout passed") from None
-        if e.code() in UNREACHABLE and not streamed:
+        if e.code() in LOST:
             decode.failed()
+            if streamed:
+                raise _lost(decode, f"{e.code().name} {e.details()}") from None
             tried.add(decode.address)
             raise _Retry(ForwardError(ErrorCode.DECODE_UNAVAILABLE, f"{decode.address}: {e.code().name}")) from None
-        if e.code() in LOST and streamed:
-            decode.failed()
-            raise _lost(decode, f"{e.code().name} {e.details()}") from None
         raise ForwardError(ErrorCode.DECODE_FAILED, f"{decode.address}: {e.code().name} {e.details()}") from None
     if msg is grpc.aio.EOF:
         if streamed:
             raise _lost(decode, "the stream ended without a final message")
-        raise ForwardError(ErrorCode.DECODE_FAILED, f"{decode.address} ended the stream without a final message")
+        tried.add(decode.address)
+        raise _Retry(ForwardError(ErrorCode.DECODE_UNAVAILABLE, f"{decode.address} ended the stream without a "
+                                  "final message"))
     return msg
 
 
