@@ -1,6 +1,6 @@
-"""Migration through the gateway: a decode stream that breaks after k tokens continues on the
-other decode worker, and the client's response (streamed or not) equals the uninterrupted one:
-tokens, text, logprobs (within 1e-5), finish reason and usage.  Real workers on loopback (two
+"""Migration through the gateway: a decode stream that breaks after k tokens continues on another
+decode worker, and the client's response (streamed or not) equals the uninterrupted one:
+tokens, text, logprobs (within 1e-5), finish reason and usage.  Real workers on loopback (three
 decode, one prefill); each decode worker sits behind a `CuttingProxy` that breaks streams as a
 test's `CutPlan` says (the stream is cut, ends without a final message, or ends with DRAINING or
 INTERNAL), so nothing waits on time."""
@@ -30,15 +30,17 @@ class CutPlan:
     """What the proxies do to the next streams: refuse `refusals` of them with DRAINING, then
     cut `cuts` of them, each once `after` tokens went through, the way `how` says ("lost": abort
     UNAVAILABLE, "eof": end without a final message, "drain": Error DRAINING, "error": Error
-    INTERNAL).  Records every GenerateRequest and Reservation the proxies saw."""
+    INTERNAL); `fails` resumed streams (with generated tokens) are cut right after their
+    reservation, before a token (as when the new worker dies during the re-prefill).  Records
+    every GenerateRequest and Reservation the proxies saw."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.reset()
 
-    def reset(self, cuts: int = 0, after: int = 3, how: str = "lost", refusals: int = 0) -> None:
+    def reset(self, cuts: int = 0, after: int = 3, how: str = "lost", refusals: int = 0, fails: int = 0) -> None:
         with self.lock:
-            self.cuts, self.after, self.how, self.refusals = cuts, after, how, refusals
+            self.cuts, self.after, self.how, self.refusals, self.fails = cuts, after, how, refusals, fails
             self.requests: list[tuple[str, wpb.GenerateRequest]] = []
             self.reservations: list[wpb.Reservation] = []
 
@@ -78,23 +80,24 @@ class CuttingProxy(wpb_grpc.DecodeServiceServicer):
             yield wpb.GenerateResponse(error=wpb.Error(code="DRAINING", message="draining (test)"))
             return
         call = self.stub.Generate(request, timeout=120)
-        cut, seen = None, 0
+        cut, fail, seen = False, False, 0
         try:
             for msg in call:
                 kind = msg.WhichOneof("kind")
                 if kind == "reservation":
                     with plan.lock:
                         plan.reservations.append(msg.reservation)
-                    cut = plan.take("cuts")
+                    fail = bool(request.generated_token_ids) and plan.take("fails")
+                    cut = not fail and plan.take("cuts")
                 yield msg
                 seen += len(msg.tokens.token_ids) if kind == "tokens" else 0
-                if cut and seen >= plan.after:
+                if fail or (cut and seen >= plan.after):
                     break
             else:
                 return
         finally:
             call.cancel()
-        if plan.how == "lost":
+        if fail or plan.how == "lost":
             context.abort(grpc.StatusCode.UNAVAILABLE, "cut by the test")
         elif plan.how in ("drain", "error"):
             code = "DRAINING" if plan.how == "drain" else "INTERNAL"
@@ -108,7 +111,7 @@ class CuttingProxy(wpb_grpc.DecodeServiceServicer):
 @pytest.fixture(scope="module")
 def cluster():
     plan = CutPlan()
-    decode = [start_decode(config()), start_decode(config())]
+    decode = [start_decode(config()) for _ in range(3)]
     prefill = start_prefill(config())
     proxies = [CuttingProxy(d.address, plan) for d in decode]
     PROXIES[id(plan)] = [p.address for p in proxies]
@@ -221,6 +224,20 @@ def test_a_stop_string_across_the_break_is_found(cluster):
     got = complete(gw.url, body(GREEDY, True, max_tokens=16, stop=[stop]))
     assert_same(got, want)
     assert list(plan.requests[1][1].generated_token_ids) == ref["token_ids"][:k]
+    wait_idle(*workers)
+
+
+def test_a_resumed_stream_that_breaks_before_its_first_token_goes_to_a_third_worker(cluster):
+    gw, plan, workers = cluster
+    plan.reset()
+    want = complete(gw.url, body(SEEDED, True))
+    before = metric(gw.url, "tandem_migrations_total", cause="lost")
+    plan.reset(cuts=1, after=4, fails=1)
+    got = complete(gw.url, body(SEEDED, True))
+    assert_same(got, want)
+    assert len({at for at, _ in plan.requests}) == 3 and plan.fails == 0
+    assert [len(r.generated_token_ids) for _, r in plan.requests] == [0, 4, 4]
+    assert metric(gw.url, "tandem_migrations_total", cause="lost") == before + 1     # one break, one retry
     wait_idle(*workers)
 
 
