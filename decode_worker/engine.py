@@ -12,9 +12,15 @@ A request's life here:
                  prefill's first token                                     -> Tokens event
     after_run    the core's token path appended a token                    -> Tokens; Finish at a stop
                  (a stop check past its budget: the core freed the pages)  -> Error INVALID_REQUEST
-    any failure  (abort, failed or expired transfer, failed step): receiver.release, then the
-                 pages are freed (a transfer that never committed publishes nothing)
+    any failure  (abort, failed or expired transfer, failed step, a drain's end): receiver.release,
+                 then the pages are freed (a transfer that never committed publishes nothing)
                                                                            -> Error event
+
+A migrated request (`generated`: the tokens it streamed before) is reserved for the KV of its
+prompt and those tokens, with its stop checks replayed over them and its generator past their
+draws, so the stream continues as if never broken; when they already end it, reserve() returns
+its Finish and reserves nothing.  While draining (worker/drain.py), reserve() refuses with
+DRAINING.
 """
 
 from __future__ import annotations
@@ -25,60 +31,24 @@ import queue
 import secrets
 import threading
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import replace
 
-import torch
-
+from decode_worker.requests import Abort, Committed, DecodeRequest, InboxItem, TransferFailed, decode_generator
 from engine.core import EngineCore, LayerHook, TokenEvent
 from engine.kv_pool import PoolExhausted
 from engine.params import SamplingParams
-from engine.request import Request
 from engine.scheduler import ScheduledBatch
 from kv_transfer.frame import prompt_digest
 from kv_transfer.hooks import TransferHooks
 from kv_transfer.receiver import TransferReceiver
-from kv_transfer.reservation import Reservation, State
+from kv_transfer.reservation import State
 from proto import worker_pb2 as wpb
 from worker.checks import check_request_id, new_request, request_salt
 from worker.config import MAX_REQUEST_TIMEOUT_S
 from worker.convert import finish_to_proto, logprobs_to_proto
 from worker.stats import CacheCounts
 from worker.types import ErrorCode, WorkerError
-
-
-@dataclass(frozen=True)
-class Committed:
-    """(receiver callback) the transfer of `request_id` committed: its KV is in place."""
-    request_id: str
-    transfer_id: bytes
-
-
-@dataclass(frozen=True)
-class TransferFailed:
-    """(receiver callback) the transfer of `request_id` failed or expired."""
-    request_id: str
-    transfer_id: bytes
-
-
-@dataclass(frozen=True)
-class Abort:
-    """(RPC thread) end `request_id` with an error: a cancelled stream or the Abort RPC."""
-    request_id: str
-    code: ErrorCode
-    message: str
-
-
-InboxItem = Committed | TransferFailed | Abort
-
-
-@dataclass
-class DecodeRequest:
-    req: Request
-    tenant: str
-    reservation: Reservation
-    events: queue.SimpleQueue[wpb.GenerateResponse] = field(default_factory=queue.SimpleQueue)
-    done: bool = False
-    reserved_pages: int = 0
 
 
 class DecodeEngine:
@@ -93,6 +63,7 @@ class DecodeEngine:
         self._inbox: queue.SimpleQueue[InboxItem] = queue.SimpleQueue()
         self.requests: dict[str, DecodeRequest] = {}
         self.closing = False
+        self.draining = False                 # start_drain(): new requests are refused (DRAINING)
         self.counts: Counter[str] = Counter()
         self.cache = CacheCounts()            # prompt tokens looked up in the prefix cache, and hits
 
@@ -102,43 +73,68 @@ class DecodeEngine:
 
     # ---- called from RPC threads -------------------------------------------------
     def reserve(self, request_id: str, tenant: str, ids: list[int], params: SamplingParams,
-                timeout_s: float | None = None, cache_salt: str = "") -> DecodeRequest:
+                timeout_s: float | None = None, cache_salt: str = "",
+                generated: Sequence[int] = ()) -> DecodeRequest | wpb.Finish:
         """Check the request, reserve its pages and open its transfer.  The longest prefix of
         whole prompt pages cached under the request's salt (its tenant and `cache_salt`) is
         shared, not transferred: `reservation.cached_tokens`.  `timeout_s` (None: the
         receiver's transfer timeout) is how long the reservation waits for a frame; above
-        `max_timeout_s` (infinity included) it is clamped to it.  Raises WorkerError
-        (INVALID_REQUEST, PROMPT_TOO_LONG, KV_FULL) having reserved nothing."""
+        `max_timeout_s` (infinity included) it is clamped to it.
+
+        `generated` (a migrated request, with `params.seed` its first reservation's): the tokens
+        it streamed before.  The transfer carries the KV of `ids + generated` (its digest binds
+        the boundary), the stop checks replay them and the stream goes on after them.  When they
+        already end the request, returns its Finish, reserving nothing.
+
+        Raises WorkerError (INVALID_REQUEST, PROMPT_TOO_LONG, KV_FULL, DRAINING, UNAVAILABLE)
+        having reserved nothing."""
         core = self.core
-        if self.closing:
-            raise WorkerError(ErrorCode.UNAVAILABLE, "the worker is shutting down")
+        self._check_admitting()
         if timeout_s is not None:
             if math.isnan(timeout_s) or timeout_s <= 0:
                 raise WorkerError(ErrorCode.INVALID_REQUEST, f"timeout_s={timeout_s} must be > 0")
             timeout_s = min(timeout_s, self.max_timeout_s)
         check_request_id(request_id)
         if params.seed is None:
+            if generated:
+                raise WorkerError(ErrorCode.INVALID_REQUEST,
+                                  "a resumed request (generated tokens) needs the seed of its first reservation")
             params = replace(params, seed=secrets.randbits(63))   # prefill gets it with the reservation
         salt = request_salt(self.secret, tenant, cache_salt)
-        req = new_request(core, request_id, ids, params, generator=decode_generator(params), salt=salt)
-        digest = prompt_digest(ids)              # ids checked by new_request; hashed outside the lock
+        req = new_request(core, request_id, ids, params, generator=decode_generator(params, len(generated)),
+                          salt=salt, generated=generated)
+        if req.finish_reason is not None:         # the generated tokens already end it
+            assert req.stopper is not None
+            with self.lock:
+                self.counts["finished"] += 1
+            return finish_to_proto(req.finish_reason, req.stopper.matched_stop, req.num_prompt_tokens,
+                                   req.num_completion_tokens)
+        kv_ids = req.prompt_token_ids             # prompt + generated: the KV the transfer carries
+        digest = prompt_digest(kv_ids, req.resumed)   # ids checked by new_request; hashed outside the lock
         with self.lock:
+            self._check_admitting()               # under the lock: a drain admits nothing after it began
             if request_id in self.requests or self.pool.has(request_id):
                 raise WorkerError(ErrorCode.INVALID_REQUEST, f"request id {request_id!r} is already in use")
             try:
-                cached = core.allocate_for(req, len(ids) + params.max_tokens)
+                cached = core.allocate_for(req, req.max_total_tokens)
             except PoolExhausted as e:
                 raise WorkerError(ErrorCode.KV_FULL, str(e)) from None
             try:
-                res = self.receiver.reserve(request_id, tenant, len(ids), digest, timeout_s, cached_tokens=cached)
+                res = self.receiver.reserve(request_id, tenant, len(kv_ids), digest, timeout_s, cached_tokens=cached)
             except ValueError as e:
                 self.pool.free(request_id)            # nothing stays reserved, nothing is published
                 raise WorkerError(ErrorCode.INVALID_REQUEST, str(e)) from None
-            dreq = self.requests[request_id] = DecodeRequest(req, tenant, res)
+            dreq = self.requests[request_id] = DecodeRequest(req, tenant, res, params)
             dreq.reserved_pages = len(self.pool.page_table(request_id))
             self.counts["reserved"] += 1
-        self.cache.count(len(ids), cached)
+        self.cache.count(len(ids), min(cached, len(ids)))     # the prompt's lookups, not the generated
         return dreq
+
+    def _check_admitting(self) -> None:
+        if self.closing:
+            raise WorkerError(ErrorCode.UNAVAILABLE, "the worker is shutting down")
+        if self.draining:
+            raise WorkerError(ErrorCode.DRAINING, "the worker is draining: send the request to another worker")
 
     def abort(self, request_id: str, code: ErrorCode = ErrorCode.ABORTED, message: str = "request aborted",
               transfer_id: bytes | None = None) -> bool:
@@ -152,6 +148,25 @@ class DecodeEngine:
         if live:
             self._post(Abort(request_id, code, message))
         return live
+
+    # ---- draining (worker/drain.py) ------------------------------------------------
+    def start_drain(self) -> None:
+        """Refuse every later reservation with DRAINING."""
+        with self.lock:                       # a reserve() past its check holds the lock: it ends first
+            self.draining = True
+
+    def undrain(self) -> None:
+        self.draining = False
+
+    def live(self) -> list[str]:
+        """Requests reserved here and not ended (waiting for their transfer, or decoding)."""
+        with self.lock:
+            return [rid for rid, d in self.requests.items() if not d.done]
+
+    def end_live(self, code: ErrorCode, message: str) -> int:
+        """End every live request with `code` (on the loop's thread: its transfer released, its
+        pages freed, committed or not).  Returns how many it asked to end."""
+        return sum(self.abort(rid, code, message) for rid in self.live())
 
     def _post(self, item: InboxItem) -> None:
         """Hand an event to the loop's thread (receiver callbacks, aborts) and wake it."""
@@ -238,8 +253,8 @@ class DecodeEngine:
             del self.requests[req.request_id]
         self.counts["finished"] += 1
         dreq.events.put(wpb.GenerateResponse(finish=finish_to_proto(
-            event.finish_reason, req.stopper.matched_stop, len(req.prompt_token_ids),
-            len(req.output_token_ids), dreq.reservation.cached_tokens)))
+            event.finish_reason, req.stopper.matched_stop, req.num_prompt_tokens,
+            req.num_completion_tokens, dreq.cached_prompt_tokens)))
 
     def _end(self, dreq: DecodeRequest, error: WorkerError) -> None:
         """Fail a request: release its transfer (waits for in-flight writes), then its pages,
@@ -259,15 +274,6 @@ class DecodeEngine:
             dreq.done = True
             del self.requests[dreq.req.request_id]
         self.counts["failed"] += 1
+        if error.code == ErrorCode.DRAINING:
+            self.counts["drained"] += 1
         dreq.events.put(wpb.GenerateResponse(error=error.to_proto()))
-
-
-def decode_generator(params: SamplingParams) -> torch.Generator:
-    """The request's generator in the state it has after prefill drew the first token: the
-    same seed, and one draw taken when the request samples (so seeded sampling continues the
-    stream a single-process `LLM` would produce)."""
-    assert params.seed is not None
-    g = torch.Generator().manual_seed(params.seed)
-    if not params.greedy:
-        torch.rand((), generator=g)
-    return g

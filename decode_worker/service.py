@@ -3,30 +3,35 @@
 from __future__ import annotations
 
 import queue
+from collections.abc import Sequence
 from typing import Iterator, Protocol
 
 import grpc
 
-from decode_worker.engine import DecodeEngine, DecodeRequest
+from decode_worker.engine import DecodeEngine
+from decode_worker.requests import DecodeRequest
 from engine.params import SamplingParams
 from kv_transfer.auth import Verifier
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from worker.cache_events import CacheEventStreams
 from worker.convert import params_from_proto
+from worker.drain import Drainable, drain_reply
 from worker.stats import LoopWatch, health, stats
 from worker.types import ErrorCode, Role, WorkerError
 
 POLL_S = 0.5     # how often a stream waiting for tokens checks that its client is still there
 
 
-class LocalPrefill(Protocol):
-    """A prefill role in the same process (colocated): it fills this worker's reservations."""
+class LocalPrefill(Drainable, Protocol):
+    """A prefill role in the same process (colocated): it fills this worker's reservations (and
+    drains with it)."""
 
     def submit(self, request_id: str, tenant: str, ids: list[int], params: SamplingParams,
-               endpoint: str, transfer_id: bytes, cache_salt: str, decode_cached_tokens: int) -> object:
-        """Queue the prompt (pushing the pages after `decode_cached_tokens`); raises
-        WorkerError having queued nothing."""
+               endpoint: str, transfer_id: bytes, cache_salt: str, decode_cached_tokens: int,
+               generated: Sequence[int] = ()) -> object:
+        """Queue the prompt and a migrated request's `generated` tokens (pushing the pages after
+        `decode_cached_tokens`); raises WorkerError having queued nothing."""
         ...
 
     def cancel(self, request_id: str, why: str) -> None:
@@ -50,9 +55,13 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         try:
             params = params_from_proto(request.params)
             dreq = self.engine.reserve(rid, request.tenant, list(request.prompt_token_ids), params,
-                                       request.timeout_s or None, request.cache_salt)
+                                       request.timeout_s or None, request.cache_salt,
+                                       list(request.generated_token_ids))
         except WorkerError as e:
             yield wpb.GenerateResponse(error=e.to_proto())
+            return
+        if isinstance(dreq, wpb.Finish):  # a migrated request its generated tokens already ended
+            yield wpb.GenerateResponse(finish=dreq)
             return
 
         def cancel() -> None:
@@ -62,7 +71,7 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
             return
         res = dreq.reservation
         yield wpb.GenerateResponse(reservation=wpb.Reservation(
-            transfer_id=res.transfer_id, transfer_endpoint=self.endpoint, prompt_tokens=res.prompt_len,
+            transfer_id=res.transfer_id, transfer_endpoint=self.endpoint, prompt_tokens=dreq.req.num_prompt_tokens,
             reserved_pages=dreq.reserved_pages, seed=dreq.req.params.seed, cached_tokens=res.cached_tokens))
         if self.prefill is not None:
             self._prefill_here(self.prefill, dreq, request)
@@ -80,8 +89,8 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
     def _prefill_here(self, prefill: LocalPrefill, dreq: DecodeRequest, request: wpb.GenerateRequest) -> None:
         try:
             prefill.submit(request.request_id, request.tenant, list(request.prompt_token_ids),
-                           dreq.req.params, self.endpoint, dreq.reservation.transfer_id,
-                           request.cache_salt, dreq.reservation.cached_tokens)
+                           dreq.params, self.endpoint, dreq.reservation.transfer_id,
+                           request.cache_salt, dreq.reservation.cached_tokens, list(request.generated_token_ids))
         except WorkerError as e:
             self.engine.abort(request.request_id, e.code, e.message)
 
@@ -96,7 +105,8 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
 
     def Health(self, request: wpb.HealthRequest, context: grpc.ServicerContext) -> wpb.HealthReply:
         """Not ready while the worker loop has not finished a step within its deadline."""
-        return health(self.engine.core, self.role, self.watch.stalled_s() if self.watch else None)
+        return health(self.engine.core, self.role, self.watch.stalled_s() if self.watch else None,
+                      draining=self.engine.draining)
 
     def Stats(self, request: wpb.StatsRequest, context: grpc.ServicerContext) -> wpb.StatsReply:
         e = self.engine
@@ -107,7 +117,19 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
                      accepted=r.accepted_frames, refused=dict(r.refused),
                      finished=e.counts["finished"], failed=e.counts["failed"],
                      unauthenticated=self.auth.refused if self.auth else 0,
-                     cache=e.cache, transfer_bytes=r.accepted_bytes)
+                     cache=e.cache, transfer_bytes=r.accepted_bytes, draining=e.draining,
+                     drained=e.counts["drained"])
+
+    def Drain(self, request: wpb.DrainRequest, context: grpc.ServicerContext) -> wpb.DrainReply:
+        """Stop admitting, let live requests finish for `grace_s`, end the rest with DRAINING
+        (worker/drain.py); replies when none is left.  `undo`: admit again.  A colocated
+        worker drains its prefill role with it."""
+        engines: list[Drainable] = [self.engine] if self.prefill is None else [self.prefill, self.engine]
+        try:
+            return drain_reply(engines, request)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise                         # not reached: abort raises
 
     def CacheEvents(self, request: wpb.CacheEventsRequest, context: grpc.ServicerContext
                     ) -> Iterator[wpb.CacheEventBatch]:

@@ -12,6 +12,11 @@ request that sends its pages while later layers still compute.
                 the pusher commits with it
     drain       a push ended (acknowledged or failed): the request's pages are freed here, on
                 the loop's thread, never while a forward pass may still write them
+
+A migrated request's prompt comes with the tokens it generated before: their KV is computed
+and pushed with the prompt's, and the token sampled is the next one (the seed's generator past
+their draws).  While draining (worker/drain.py) submit() refuses with DRAINING; a drain's end
+cancels the jobs left (their callers get DRAINING).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -53,6 +58,7 @@ class PrefillJob:
     first_logprob: float = 0.0
     frames: int = 0
     pusher: Pusher | None = None
+    cancelled: ErrorCode | None = None     # the code it ends with once its cancelled push has ended
 
 
 @dataclass(frozen=True)
@@ -65,9 +71,11 @@ class Pushed:
 
 @dataclass(frozen=True)
 class CancelJob:
-    """(RPC thread) the caller gave up on the job of pool owner `owner`."""
+    """(RPC thread) the caller gave up on the job of pool owner `owner` (or a drain ends it:
+    `code` DRAINING)."""
     owner: str
     why: str
+    code: ErrorCode | None = None          # None: CANCELLED (a push under way: TRANSFER_FAILED)
 
 
 class PrefillEngine:
@@ -83,6 +91,7 @@ class PrefillEngine:
         self.owner_suffix = owner_suffix      # colocated: prefill pages share the decode's pool
         self.jobs: dict[str, PrefillJob] = {}
         self.closing = False
+        self.draining = False                 # start_drain(): new prompts are refused (DRAINING)
         self._inbox: queue.SimpleQueue[Pushed | CancelJob] = queue.SimpleQueue()
         self.counts: Counter[str] = Counter()
         self.cache = CacheCounts()            # its own prefix-cache lookups (prompt tokens, hits)
@@ -93,15 +102,18 @@ class PrefillEngine:
 
     # ---- called from RPC threads -------------------------------------------------
     def submit(self, request_id: str, tenant: str, ids: list[int], params: SamplingParams,
-               endpoint: str, transfer_id: bytes, cache_salt: str = "", decode_cached_tokens: int = 0) -> PrefillJob:
+               endpoint: str, transfer_id: bytes, cache_salt: str = "", decode_cached_tokens: int = 0,
+               generated: Sequence[int] = ()) -> PrefillJob:
         """Queue a prompt.  Its pages found in this worker's prefix cache (salted with the
         tenant and `cache_salt`) are not computed again; the push sends the pages after the
         decode worker's `decode_cached_tokens` (a multiple of the page size, below the prompt's
-        length).  Raises WorkerError (INVALID_REQUEST, PROMPT_TOO_LONG, UNKNOWN_PEER) queuing
-        nothing."""
+        length).  `generated` (a migrated request): the tokens it generated before; their KV is
+        computed and pushed with the prompt's (the transfer's digest binds the boundary) and the
+        token sampled is the next one, with the seed's generator past their draws.  Raises
+        WorkerError (INVALID_REQUEST, PROMPT_TOO_LONG, UNKNOWN_PEER, DRAINING, UNAVAILABLE)
+        queuing nothing."""
         core = self.core
-        if self.closing:
-            raise WorkerError(ErrorCode.UNAVAILABLE, "the worker is shutting down")
+        self._check_admitting()
         check_request_id(request_id)
         if not self.peers(endpoint):
             self.counts["unknown_peer"] += 1
@@ -111,10 +123,12 @@ class PrefillEngine:
             raise WorkerError(ErrorCode.INVALID_REQUEST, "prefill needs the seed the decode worker's reservation gave")
         salt = request_salt(self.secret, tenant, cache_salt)
         owner = request_id + self.owner_suffix
-        req = new_request(core, owner, ids, params, handoff=True, salt=salt)   # its generator: the seed's
-        check_decode_cached(decode_cached_tokens, len(ids), self.pool.page_size)
+        # its generator: the seed's, past the generated tokens' draws
+        req = new_request(core, owner, ids, params, handoff=True, salt=salt, generated=generated)
+        check_decode_cached(decode_cached_tokens, len(req.prompt_token_ids), self.pool.page_size)
         job = PrefillJob(req, request_id, tenant, endpoint, transfer_id, decode_cached_tokens)
         with self.lock:
+            self._check_admitting()               # under the lock: a drain admits nothing after it began
             if owner in self.jobs:
                 raise WorkerError(ErrorCode.INVALID_REQUEST, f"request id {request_id!r} is already being prefilled")
             self.jobs[owner] = job
@@ -123,9 +137,38 @@ class PrefillEngine:
         self.wake.set()
         return job
 
+    def _check_admitting(self) -> None:
+        if self.closing:
+            raise WorkerError(ErrorCode.UNAVAILABLE, "the worker is shutting down")
+        if self.draining:
+            raise WorkerError(ErrorCode.DRAINING, "the worker is draining: send the request to another worker")
+
     def cancel(self, request_id: str, why: str) -> None:
         """The caller gave up: drop the job wherever it is."""
         self._post(CancelJob(request_id + self.owner_suffix, why))
+
+    # ---- draining (worker/drain.py) ------------------------------------------------
+    def start_drain(self) -> None:
+        """Refuse every later prompt with DRAINING."""
+        with self.lock:                       # a submit() past its check holds the lock: it ends first
+            self.draining = True
+
+    def undrain(self) -> None:
+        self.draining = False
+
+    def live(self) -> list[str]:
+        """The request ids of its jobs not ended (queued, prefilling or pushing)."""
+        with self.lock:
+            return [job.request_id for job in self.jobs.values()]
+
+    def end_live(self, code: ErrorCode, message: str) -> int:
+        """End every job with `code` (a push under way is cancelled first; its pages are freed
+        once it has ended).  Returns how many it asked to end."""
+        with self.lock:
+            owners = list(self.jobs)
+        for owner in owners:
+            self._post(CancelJob(owner, message, code))
+        return len(owners)
 
     def _post(self, item: Pushed | CancelJob) -> None:
         self._inbox.put(item)
@@ -144,15 +187,17 @@ class PrefillEngine:
             did = True
             if isinstance(item, Pushed):
                 item.job.frames = item.frames
-                self._finish(item.job, WorkerError(ErrorCode.TRANSFER_FAILED, item.error) if item.error else None)
+                code = item.job.cancelled or ErrorCode.TRANSFER_FAILED
+                self._finish(item.job, WorkerError(code, item.error) if item.error else None)
                 continue
             job = self.jobs.get(item.owner)
             if job is None:
                 continue
             if job.pusher is not None:
+                job.cancelled = job.cancelled or item.code
                 job.pusher.cancel(item.why)          # its Pushed report finishes the job
             else:
-                self._finish(job, WorkerError(ErrorCode.CANCELLED, item.why))
+                self._finish(job, WorkerError(item.code or ErrorCode.CANCELLED, item.why))
         return did
 
     def before_run(self, batch: ScheduledBatch) -> LayerHook | None:
@@ -208,10 +253,12 @@ class PrefillEngine:
     # ---- internals -----------------------------------------------------------------
     def _start_push(self, job: PrefillJob) -> None:
         req = job.req
-        ticket = TransferTicket(job.transfer_id, job.request_id, job.tenant, prompt_digest(req.prompt_token_ids))
+        ticket = TransferTicket(job.transfer_id, job.request_id, job.tenant,
+                                prompt_digest(req.prompt_token_ids, req.resumed))
         if req.params.logprobs is None:      # the first token's logprob travels in the commit
             req.params = replace(req.params, logprobs=0)
-        self.cache.count(len(req.prompt_token_ids), req.num_cached_tokens)
+        prompt = req.num_prompt_tokens           # the prompt's lookups, not a migrated request's generated
+        self.cache.count(prompt, min(req.num_cached_tokens, prompt))
         plan = PushPlan(ticket, job.endpoint, self.secret, self.pool, self.pool.page_table(req.request_id),
                         len(req.prompt_token_ids), self.transport, self.hooks.sender,
                         first_page=job.decode_cached_tokens // self.pool.page_size)
@@ -227,6 +274,8 @@ class PrefillEngine:
             self.jobs.pop(job.req.request_id, None)
         job.error = error
         self.counts["failed" if error else "pushed"] += 1
+        if error is not None and error.code == ErrorCode.DRAINING:
+            self.counts["drained"] += 1
         job.done.set()
 
 

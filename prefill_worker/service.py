@@ -12,6 +12,7 @@ from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from worker.cache_events import CacheEventStreams
 from worker.convert import params_from_proto
+from worker.drain import drain_reply
 from worker.stats import LoopWatch, health, stats
 from worker.types import ErrorCode, Role, WorkerError
 
@@ -32,7 +33,8 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
             params = params_from_proto(request.params)
             job = self.engine.submit(request.request_id, request.tenant, list(request.prompt_token_ids),
                                      params, request.decode_endpoint, request.transfer_id,
-                                     request.cache_salt, request.decode_cached_tokens)
+                                     request.cache_salt, request.decode_cached_tokens,
+                                     list(request.generated_token_ids))
         except WorkerError as e:
             return wpb.PrefillReply(ok=False, error=e.to_proto())
         while not job.done.wait(POLL_S):
@@ -48,7 +50,8 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
 
     def Health(self, request: wpb.HealthRequest, context: grpc.ServicerContext) -> wpb.HealthReply:
         """Not ready while the worker loop has not finished a step within its deadline."""
-        return health(self.engine.core, Role.PREFILL, self.watch.stalled_s() if self.watch else None)
+        return health(self.engine.core, Role.PREFILL, self.watch.stalled_s() if self.watch else None,
+                      draining=self.engine.draining)
 
     def Stats(self, request: wpb.StatsRequest, context: grpc.ServicerContext) -> wpb.StatsReply:
         e = self.engine
@@ -56,7 +59,17 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
         return stats(e.core, Role.PREFILL, running=len(s.running), waiting=len(s.waiting),
                      waiting_tokens=e.queued_tokens, accepted=e.counts["pushed"],
                      finished=e.counts["pushed"], failed=e.counts["failed"],
-                     unauthenticated=self.auth.refused if self.auth else 0, cache=e.cache)
+                     unauthenticated=self.auth.refused if self.auth else 0, cache=e.cache,
+                     draining=e.draining, drained=e.counts["drained"])
+
+    def Drain(self, request: wpb.DrainRequest, context: grpc.ServicerContext) -> wpb.DrainReply:
+        """Stop admitting, let queued and running prefills finish for `grace_s`, end the rest
+        with DRAINING (worker/drain.py); replies when none is left.  `undo`: admit again."""
+        try:
+            return drain_reply([self.engine], request)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise                         # not reached: abort raises
 
     def CacheEvents(self, request: wpb.CacheEventsRequest, context: grpc.ServicerContext
                     ) -> Iterator[wpb.CacheEventBatch]:

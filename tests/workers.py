@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -68,12 +68,16 @@ class Result:
     finish: object | None     # wpb.Finish
     error: object | None      # wpb.Error
     reservation: object | None
+    logprobs: list[dict[int, float]] = field(default_factory=list)   # per token: id -> logprob (chosen + top)
 
 
 def run(decode: grpc.Channel, prefill: grpc.Channel | None, rid: str, ids: list[int],
-        params: SamplingParams, tenant: str = "acme", cache_salt: str = "") -> Result:
+        params: SamplingParams, tenant: str = "acme", cache_salt: str = "",
+        generated: Sequence[int] = ()) -> Result:
+    """One request's stream, read to its end (`generated`: a migrated request's tokens)."""
     r = Result([], "", [], None, None, None)
-    for msg in generate(decode, prefill, rid, tenant, ids, params, timeout_s=120, cache_salt=cache_salt):
+    for msg in generate(decode, prefill, rid, tenant, ids, params, timeout_s=120, cache_salt=cache_salt,
+                        generated=generated):
         kind = msg.WhichOneof("kind")
         if kind == "reservation":
             r.reservation = msg.reservation
@@ -81,6 +85,8 @@ def run(decode: grpc.Channel, prefill: grpc.Channel | None, rid: str, ids: list[
             r.token_ids += list(msg.tokens.token_ids)
             r.deltas.append(msg.tokens.text)
             r.text += msg.tokens.text
+            r.logprobs += [{t.token_id: t.logprob for t in lp.top} | {lp.token_id: lp.logprob}
+                           for lp in msg.tokens.logprobs]
         elif kind == "finish":
             r.finish = msg.finish
         else:

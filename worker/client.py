@@ -10,11 +10,16 @@ secret)`): a worker refuses every call without them with UNAUTHENTICATED.
 If prefill fails, the `Generate` call is cancelled at once (the decode worker frees the
 reservation) and the stream ends with prefill's coded error.  Closing the iterator early
 cancels both calls.
+
+A migrated request continues with `generated` (the tokens already streamed) and `params.seed`
+the seed of its first reservation; when those tokens already end it, the stream is one
+`finish` message.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Iterator
 
 import grpc
@@ -28,10 +33,10 @@ from worker.types import ErrorCode
 
 def generate(decode: grpc.Channel, prefill: grpc.Channel | None, request_id: str, tenant: str,
              ids: list[int], params: SamplingParams, timeout_s: float = 600.0,
-             cache_salt: str = "") -> Iterator[wpb.GenerateResponse]:
+             cache_salt: str = "", generated: Sequence[int] = ()) -> Iterator[wpb.GenerateResponse]:
     call = wpb_grpc.DecodeServiceStub(decode).Generate(wpb.GenerateRequest(
         request_id=request_id, tenant=tenant, prompt_token_ids=ids, params=params_to_proto(params),
-        timeout_s=timeout_s, cache_salt=cache_salt),
+        timeout_s=timeout_s, cache_salt=cache_salt, generated_token_ids=list(generated)),
         timeout=timeout_s)
     failure: list[wpb.Error] = []
     pending = None
@@ -39,7 +44,7 @@ def generate(decode: grpc.Channel, prefill: grpc.Channel | None, request_id: str
         first = next(call)
         if first.WhichOneof("kind") == "reservation" and prefill is not None:
             # before yielding: the caller may not pull
-            request = prefill_request(request_id, tenant, ids, params, first.reservation, cache_salt)
+            request = prefill_request(request_id, tenant, ids, params, first.reservation, cache_salt, generated)
             pending = _prefill(prefill, request, timeout_s, call, failure)
         yield first
         if first.WhichOneof("kind") != "reservation":

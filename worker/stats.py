@@ -64,21 +64,24 @@ class CacheCounts:
             self.hit_tokens += cached_tokens
 
 
-def health(core: EngineCore, role: Role, stalled_s: float | None = None) -> wpb.HealthReply:
-    """`stalled_s` (see `LoopWatch.stalled_s`): not None makes the reply not ready."""
+def health(core: EngineCore, role: Role, stalled_s: float | None = None, draining: bool = False) -> wpb.HealthReply:
+    """`stalled_s` (see `LoopWatch.stalled_s`): not None makes the reply not ready.  `draining`:
+    the worker admits nothing new (worker/drain.py); callers route elsewhere."""
     # the checkpoint's directory name, not its path: Health tells callers nothing about the host
     return wpb.HealthReply(ready=stalled_s is None, role=role.value, model=Path(str(core.config.model)).name,
                            max_model_len=core.max_model_len, kv_capacity_tokens=core.pool.capacity_tokens,
                            paged_experts_num_resident=core.config.paged_experts_num_resident or 0,
-                           kv_page_size=core.pool.page_size, prefix_cache=core.config.enable_prefix_cache)
+                           kv_page_size=core.pool.page_size, prefix_cache=core.config.enable_prefix_cache,
+                           draining=draining)
 
 
 def stats(core: EngineCore, role: Role, running: int, waiting: int, waiting_tokens: int = 0,
           accepted: int = 0, refused: dict[str, int] | None = None, finished: int = 0,
           failed: int = 0, unauthenticated: int = 0, cache: CacheCounts | None = None,
-          transfer_bytes: int = 0) -> wpb.StatsReply:
+          transfer_bytes: int = 0, draining: bool = False, drained: int = 0) -> wpb.StatsReply:
     """`cache`: the role's prefix-cache lookups (a colocated worker: its decode role's, one per
-    request); `transfer_bytes`: KV payload bytes its receiver accepted (decode)."""
+    request); `transfer_bytes`: KV payload bytes its receiver accepted (decode); `draining` and
+    `drained` (requests a drain ended with DRAINING): worker/drain.py."""
     pool = core.pool
     size = pool.page_size
     reply = wpb.StatsReply(
@@ -89,7 +92,7 @@ def stats(core: EngineCore, role: Role, running: int, waiting: int, waiting_toke
         requests_finished=finished, requests_failed=failed, rpc_unauthenticated=unauthenticated,
         cache_query_tokens=cache.query_tokens if cache else 0, cache_hit_tokens=cache.hit_tokens if cache else 0,
         kv_pages_cached=pool.num_cached, kv_pages_evictable=pool.num_evictable, cache_evictions=pool.evictions,
-        transfer_bytes_accepted=transfer_bytes)
+        transfer_bytes_accepted=transfer_bytes, draining=draining, requests_drained=drained)
     reply.transfers_refused.update(refused or {})
     for layer, c in core.expert_stats().items():
         reply.experts.append(wpb.ExpertLayerStats(layer=layer, hits=c["hits"], misses=c["misses"],
