@@ -4,8 +4,11 @@
     TANDEM_CLUSTER_SECRET=<hex> python -m deploy.worker --role prefill \
         --decode-peer grpc://10.0.0.7:50061 [--tls-dir certs/prefill-0]
 
-Prints `READY <role> <host:port> [<transfer endpoint>]` once serving; SIGTERM or SIGINT ends every live request
-with an explicit error, releases its pages and exits 0.  The cluster secret comes from the
+Prints `READY <role> <host:port> [<transfer endpoint>]` once serving.  SIGTERM or SIGINT drains
+it: new requests are refused with DRAINING (Health says draining, so the gateway routes
+elsewhere), live ones may finish for --drain-grace-s (default 30), the rest end with DRAINING
+(the gateway continues a decode worker's streams on another), then it stops and exits 0.  A
+second signal ends what is left at once.  The cluster secret comes from the
 environment (never from a flag, so it does not show in process listings or logs).
 
 A prefill worker pushes KV only to the decode transfer endpoints given with --decode-peer (a
@@ -25,8 +28,11 @@ from collections.abc import Callable
 
 from kv_transfer.tls import TlsIdentity
 from worker.config import WorkerConfig
+from worker.drain import DrainResult
 from worker.server import WorkerHandle
 from worker.types import Role
+
+DRAIN_GRACE_S = 30.0     # how long a signalled worker lets its live requests finish
 
 
 def parser(prog: str = "python -m deploy.worker") -> argparse.ArgumentParser:
@@ -49,6 +55,9 @@ def parser(prog: str = "python -m deploy.worker") -> argparse.ArgumentParser:
                     help="compute and transfer every prompt in full (no prefix cache)")
     ap.add_argument("--tls-dir", default=None,
                     help="ca.pem, cert.pem, key.pem (0600) of the cluster CA: serve and call over mutual TLS")
+    ap.add_argument("--drain-grace-s", type=float, default=DRAIN_GRACE_S,
+                    help="on SIGTERM/SIGINT: seconds the live requests may finish in before they are ended "
+                    "with DRAINING (a second signal ends them at once)")
     return ap
 
 
@@ -66,15 +75,32 @@ def config_from(args: argparse.Namespace) -> WorkerConfig:
                         prefix_cache=args.prefix_cache, secret=secret, tls=tls)
 
 
-def serve_until_signalled(handle: WorkerHandle) -> int:
-    """Print READY, serve until SIGTERM/SIGINT, then stop the worker."""
+def serve_until_signalled(handle: WorkerHandle, drain_grace_s: float = DRAIN_GRACE_S) -> int:
+    """Print READY, serve until SIGTERM/SIGINT, then drain: admit nothing new, let the live
+    requests finish for up to `drain_grace_s`, end the rest with DRAINING (the gateway
+    continues a decode worker's streams elsewhere), stop.  A second signal cuts the grace short."""
     endpoint = f" {handle.transfer_endpoint}" if handle.transfer_endpoint else ""
     print(f"READY {handle.role.value} {handle.address}{endpoint}", flush=True)
-    done = threading.Event()
+    signals = threading.Semaphore(0)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
-    handle.stop()
+        signal.signal(sig, lambda *_: signals.release())
+    while not signals.acquire(timeout=0.5):   # a signal landing on another thread runs its handler here
+        pass
+    print(f"draining (grace {drain_grace_s:g} s)", file=sys.stderr, flush=True)
+    result: list[DrainResult] = []
+    drainer = threading.Thread(target=lambda: result.append(handle.drain(drain_grace_s)), name="drain", daemon=True)
+    drainer.start()
+    cut = False
+    while drainer.is_alive() and not (cut := signals.acquire(timeout=0.1)):
+        pass
+    handle.stop()                 # what is still live (a second signal came) ends with an explicit error
+    drainer.join(5.0)
+    if cut or not result:
+        print("a second signal cut the grace period short: the live requests were ended; stopped",
+              file=sys.stderr, flush=True)
+    else:
+        print(f"drained: {result[0].finished} finished, {result[0].drained} drained; stopped",
+              file=sys.stderr, flush=True)
     return 0
 
 
@@ -85,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"deploy.worker: error: {e}", file=sys.stderr)
         return 2
-    return serve_until_signalled(start_worker(Role(args.role), config))
+    return serve_until_signalled(start_worker(Role(args.role), config), args.drain_grace_s)
 
 
 def start_worker(role: Role, config: WorkerConfig, peers: Callable[[str], bool] | None = None) -> WorkerHandle:

@@ -23,6 +23,7 @@ from kv_transfer.receiver import TransferReceiver
 from kv_transfer.tls import add_port
 from worker.cache_events import CacheEventStreams
 from worker.config import WorkerConfig
+from worker.drain import DrainResult, drain
 from worker.loop import RoleEngine, WorkerLoop
 from worker.types import Role
 
@@ -71,6 +72,21 @@ class WorkerHandle:
         chaos run installs its fault injectors this way)."""
         for role in self.roles:
             role.install_hooks(hooks)
+
+    def drain(self, grace_s: float, undo: bool = False) -> DrainResult:
+        """Stop admitting (new requests are refused with DRAINING, Health says draining), let the
+        live requests finish for up to `grace_s`, then end the rest with DRAINING and free their
+        pages (the gateway migrates a decode worker's streams).  Returns when none is left.
+        `undo`: admit again (an undrained worker serves as before; nothing waits)."""
+        if undo:
+            for role in self.roles:
+                role.undrain()
+            return DrainResult(finished=0, drained=0)
+        return drain(self.roles, grace_s)
+
+    @property
+    def draining(self) -> bool:
+        return any(role.draining for role in self.roles)
 
     def stop(self, grace_s: float = 2.0) -> None:
         """End every live request with an explicit error, release all pages, stop serving."""
