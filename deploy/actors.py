@@ -11,12 +11,14 @@ driver calls, and give the subclass to `Deployment(worker_class=..., worker_args
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 from typing import TYPE_CHECKING, Any
 
 import ray
 
-from deploy.registry import ActorHandle, proof
+from deploy.registry import NAMESPACE, ActorHandle, proof
 from worker.peers import KnownPeers
 from worker.types import Role
 
@@ -34,20 +36,27 @@ class WorkerActor:
     may take more constructor arguments after these (the launcher's `worker_args`)."""
 
     def __init__(self, worker_id: str, role: Role, index: int, config: dict[str, Any], secret: bytes,
-                 registry: ActorHandle, host: str | None, cores: list[int] | None = None) -> None:
+                 registry: str, host: str | None, cores: list[int] | None = None) -> None:
         """`index`: the worker's place among the deployment's workers (0, 1, ...; the same after
-        a restart); `config`: WorkerConfig fields except the secret and host."""
-        from deploy.worker import start_worker
+        a restart); `config`: WorkerConfig fields except the secret and host, and optionally
+        `drain_grace_s` (how long a SIGTERM lets live requests finish); `registry`: the
+        registry actor's name, looked up here.  Every argument is a plain value Ray keeps in the
+        actor's creation task: a restart cannot lose one (an actor handle or a value over Ray's
+        inline limit would live in the object store, owned by the driver)."""
+        from deploy.worker import DRAIN_GRACE_S, start_worker
         from worker.config import WorkerConfig
         if cores:
             _pin(cores)
         ip = ray.util.get_node_ip_address()
-        cfg = WorkerConfig(**config, secret=secret, host=host or ip)
-        self.role, self.index, self.worker_id, self.registry = role, index, worker_id, registry
+        fields = dict(config)
+        self.drain_grace_s = float(fields.pop("drain_grace_s", DRAIN_GRACE_S))   # on SIGTERM
+        cfg = WorkerConfig(**fields, secret=secret, host=host or ip)
+        self.role, self.index, self.worker_id = role, index, worker_id
+        self.registry = ray.get_actor(registry, namespace=NAMESPACE)
         self._secret = secret             # for `stats()` and the registry: both refuse callers without it
         self._tls = cfg.tls
         # a prefill worker pushes only to the decode workers the registry knows
-        peers = KnownPeers(fetch=lambda: ray.get(registry.transfer_endpoints.remote(), timeout=10))
+        peers = KnownPeers(fetch=lambda: ray.get(self.registry.transfer_endpoints.remote(), timeout=10))
         self.handle: WorkerHandle = start_worker(role, cfg, peers)
         self.started()
         # what the registry serves; the rest (health, KV, experts) is read live from the worker
@@ -57,6 +66,7 @@ class WorkerActor:
         ray.get(self._register())
         self._stopped = threading.Event()
         threading.Thread(target=self._heartbeat, name="registry-heartbeat", daemon=True).start()
+        _drain_on_sigterm(self)
 
     def started(self) -> None:
         """Called once `self.handle` serves, before the worker registers (so no gateway routes
@@ -92,12 +102,51 @@ class WorkerActor:
             reply: wpb.StatsReply = stub.Stats(wpb.StatsRequest(), timeout=5)
             return reply.SerializeToString()
 
+    def drain(self, grace_s: float, restart: bool = False, undo: bool = False) -> dict[str, Any]:
+        """Drain the worker (`WorkerHandle.drain`): admit nothing new, let live requests finish
+        for up to `grace_s`, end the rest with DRAINING.  Returns {"finished", "drained",
+        "draining"}.  `restart`: then stop the worker, unregister it and have Ray restart this
+        actor (a fresh worker registers; this uses one of its max_restarts; calls made while it
+        restarts meet ActorUnavailableError).  `undo`: admit again."""
+        result = self.handle.drain(grace_s, undo=undo)
+        out = {"finished": result.finished, "drained": result.drained, "draining": self.handle.draining}
+        if restart and not undo:
+            self.stop()
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=False)   # after this reply
+        return out
+
     def stop(self) -> None:
         """End every live request with an explicit error, release every page, stop serving."""
         self._stopped.set()
         self.handle.stop()
         ts, mac = proof(self._secret, "unregister", self.worker_id)
         ray.get(self.registry.unregister.remote(self.worker_id, ts, mac))
+
+
+def _drain_on_sigterm(actor: WorkerActor) -> None:
+    """SIGTERM to this actor's process drains the worker for `actor.drain_grace_s`, stops it,
+    unregisters it and ends the process (Ray restarts the actor while it has restarts left).
+    Ray's own handler would end the process at once, cutting every stream; Ray runs a sync
+    actor's methods, its constructor included, on the process's main thread, the one place a
+    handler can be installed (elsewhere nothing is installed and Ray's handler stays)."""
+    if threading.current_thread() is not threading.main_thread():
+        log.warning("%s: not on the main thread: SIGTERM ends this worker without a drain", actor.worker_id)
+        return
+
+    def drain_then_exit() -> None:
+        try:
+            result = actor.handle.drain(actor.drain_grace_s)
+            log.warning("%s: SIGTERM: drained (%d finished, %d ended with DRAINING); stopping",
+                        actor.worker_id, result.finished, result.drained)
+            actor.stop()
+        finally:
+            os._exit(0)
+
+    def on_sigterm(*_: Any) -> None:
+        threading.Thread(target=drain_then_exit, name="sigterm-drain", daemon=True).start()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)       # once is enough
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def _pin(cores: list[int]) -> None:

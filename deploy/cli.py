@@ -2,6 +2,7 @@
 
     tandem serve [flags]                       # the whole server on Ray: workers and gateway
     tandem status [--address auto] [--json]    # the workers of a running deployment
+    tandem drain WORKER [--grace-s 30] [--restart] [--undo]   # drain one worker of it
     tandem generate [--prompt TEXT] ...        # the single-process engine on a few prompts
     tandem preflight --memory-gib 16 [--json]  # what paged experts cost and buy
     tandem certs DIR NAME [NAME ...]           # a cluster CA and certificates for plain processes
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--address", default="auto", help="the Ray cluster (default: auto)")
     st.add_argument("--json", action="store_true", help="every worker as JSON (for scripts)")
     st.set_defaults(func=lambda a: __import__("deploy.status", fromlist=["status"]).status(a.address, a.json))
+    add_drain_parser(sub)
     pre = sub.add_parser("preflight", help="what paged experts cost and buy on a device")
     pre.add_argument("--model", default=None, help="HF checkpoint directory (default: the shipped tiny-moe)")
     pre.add_argument("--memory-gib", type=float, required=True, help="device memory budget for the model")
@@ -120,6 +122,19 @@ def build_parser() -> argparse.ArgumentParser:
     ct.set_defaults(func=_certs)
     add_plugin_parsers(sub)
     return parser
+
+
+def add_drain_parser(sub: argparse._SubParsersAction) -> None:
+    dr = sub.add_parser("drain", help="drain one worker of a running deployment: it admits nothing new, its "
+                        "requests finish or move to another worker")
+    dr.add_argument("worker", help="the worker's id, as `tandem status` shows it (decode-0, prefill-1, ...)")
+    dr.add_argument("--grace-s", type=float, default=30.0,
+                    help="seconds its live requests may finish before they are ended and moved (default 30)")
+    dr.add_argument("--restart", action="store_true", help="then restart it (a fresh worker registers)")
+    dr.add_argument("--undo", action="store_true", help="admit new requests again (a drained worker not restarted)")
+    dr.add_argument("--address", default="auto", help="the Ray cluster (default: auto)")
+    dr.set_defaults(func=lambda a: __import__("deploy.drain", fromlist=["drain"]).drain(
+        a.address, a.worker, a.grace_s, restart=a.restart, undo=a.undo))
 
 
 def add_plugin_parsers(sub: argparse._SubParsersAction) -> None:
@@ -194,6 +209,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--routing", default="prefix", choices=ROUTING_MODES,
                     help="how the gateway picks a request's workers: prefix weighs the prompt's prefix each "
                     "worker caches against its load; load takes the least loaded (default: prefix)")
+    sv.add_argument("--drain-grace-s", type=float, default=30.0,
+                    help="on shutdown (SIGINT/SIGTERM), scale-down or a worker's SIGTERM: seconds in-flight requests "
+                    "may finish before they are ended (a decode worker's streams then continue on another)")
+    sv.add_argument("--max-migrations", type=int, default=3,
+                    help="how many times one response may move to another decode worker (its worker died or "
+                    "drained) before it ends with an error")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sv.set_defaults(func=_serve)
 
@@ -224,7 +245,7 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
         ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, default_max_tokens=args.default_max_tokens,
         tenant_max_kv_tokens=args.tenant_max_kv_tokens, stream_idle_timeout_s=args.stream_idle_timeout,
         admin_keys=admin_keys(os.environ.get(ADMIN_KEYS_ENV)), prefix_cache=args.prefix_cache,
-        routing=args.routing)
+        routing=args.routing, drain_timeout_s=args.drain_grace_s, max_migrations=args.max_migrations)
 
 
 def admin_keys(env: str | None) -> tuple[str, ...]:

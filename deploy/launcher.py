@@ -3,7 +3,11 @@ placement group, and the gateway on the driver's node.
 
     d = Deployment(settings).start()     # returns once /health answers 200
     print(d.url)
-    d.stop()                             # drain, end requests with errors, free pages, shut down
+    d.remove_worker("decode-1")          # scale down: drain one worker (its streams move on), end it
+    d.stop()                             # drain within the grace period, free pages, shut down
+
+Without an address the deployment runs on a Ray of its own, held in a session of its own
+(deploy/local_ray.py), so a SIGTERM to the driver's process group leaves Ray up for the drain.
 
 The worker actors are `deploy.actors.WorkerActor`s unless the caller gives a subclass
 (`worker_class`, with `worker_args` appended to its constructor's arguments): the way a chaos
@@ -26,6 +30,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from deploy import registry as reg
 from deploy.actors import GatewayActor, WorkerActor
+from deploy.local_ray import LocalRay
 from deploy.settings import ServeSettings
 from kv_transfer.frame import new_cluster_secret
 from kv_transfer.tls import ClusterCA, TlsIdentity
@@ -46,7 +51,7 @@ class Deployment:
         self.gateways: list[reg.ActorHandle] = []
         self.pg: PlacementGroup | None = None
         self.urls: list[str] = []          # one per gateway replica, once started
-        self._started_ray = False
+        self._local_ray: LocalRay | None = None   # the Ray this deployment started (no --address)
         self._secret = new_cluster_secret()  # handed to every worker and gateway through Ray, never logged
         self.ca: ClusterCA | None = None     # this start's cluster CA, when TLS is on (made in start)
 
@@ -63,7 +68,7 @@ class Deployment:
             raise RuntimeError(f"Ray could not place {len(bundles)} workers ({bundles}) with strategy "
                                f"{s.placement_strategy}: not enough resources in the cluster")
         self._tls_for(pg)
-        self._start_workers(pg, roles, bundles, registry)
+        self._start_workers(pg, roles, bundles)
         self.say(f"tandem: loading {s.model} on {len(roles)} worker(s): {', '.join(self.workers)}")
         for wid, actor in self.workers.items():
             address: str = ray.get(actor.address.remote(), timeout=timeout_s)
@@ -92,9 +97,9 @@ class Deployment:
         ips = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("NodeID") == node_id]
         return self.ca.issue(name, hosts=["127.0.0.1", *ips])
 
-    def _start_workers(self, pg: PlacementGroup, roles: list[Role], bundles: list[dict[str, float]],
-                       registry: reg.ActorHandle) -> None:
-        """One actor of `worker_class` per role, in its bundle of `pg`."""
+    def _start_workers(self, pg: PlacementGroup, roles: list[Role], bundles: list[dict[str, float]]) -> None:
+        """One actor of `worker_class` per role, in its bundle of `pg`.  Its arguments are plain
+        values (the registry by name): a restart never depends on an object the driver owns."""
         s = self.s
         secret = self._secret
         host = s.worker_host or ("127.0.0.1" if s.address is None else None)   # None: the node's IP
@@ -104,13 +109,14 @@ class Deployment:
         for i, role in enumerate(roles):
             wid = f"{role.value}-{counts.setdefault(role, 0)}"
             counts[role] += 1
-            config = {**s.worker_config(role), "tls": self._identity(wid, node_of.get(i))}
+            config = {**s.worker_config(role), "tls": self._identity(wid, node_of.get(i)),
+                      "drain_grace_s": s.drain_timeout_s}
             self.workers[wid] = actor_class.options(
                 name=f"tandem-{wid}", namespace=reg.NAMESPACE, max_restarts=s.max_restarts,
                 num_cpus=bundles[i].get("CPU", 0), num_gpus=bundles[i].get("GPU", 0),
                 resources={k: v for k, v in bundles[i].items() if k not in ("CPU", "GPU")},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-            ).remote(wid, role, i, config, secret, registry, host, self._cores(i), *self.worker_args)
+            ).remote(wid, role, i, config, secret, reg.NAME, host, self._cores(i), *self.worker_args)
             self.roles[wid] = role
 
     @property
@@ -122,17 +128,16 @@ class Deployment:
         s = self.s
         if ray.is_initialized():
             return
-        # ray.init's keywords, of several types (logging_level: a level name, which ray accepts though
-        # its annotation says int)
-        kw: dict[str, Any] = dict(namespace=reg.NAMESPACE, include_dashboard=False,
-                                  logging_level=s.log_level.upper(), log_to_driver=s.log_level.lower() == "debug")
-        if s.address is None:
-            # a local instance: enough logical CPUs for every worker (they share the real cores)
-            kw.update(num_cpus=max(os.cpu_count() or 1, len(s.roles()) + 1),
-                      object_store_memory=200 * 1024 * 1024)
-            self._started_ray = True
-        # "local": always a new instance of our own, never one another program left running here
-        ray.init(address=s.address or "local", **kw)
+        address = s.address
+        if address is None:
+            # a Ray of our own, in a session of its own (deploy/local_ray.py says why), with
+            # enough logical CPUs for every worker (they share the real cores)
+            self._local_ray = LocalRay(num_cpus=max(os.cpu_count() or 1, len(s.roles()) + 1),
+                                       object_store_memory=200 * 1024 * 1024).start()
+            address = self._local_ray.address
+        # logging_level: a level name, which ray accepts though its annotation says int
+        ray.init(address=address, namespace=reg.NAMESPACE, logging_level=s.log_level.upper(),  # type: ignore[arg-type]
+                 log_to_driver=s.log_level.lower() == "debug")
 
     def _cores(self, i: int) -> list[int] | None:
         """Worker i's own cores when --worker-cores is set (round robin over this machine's)."""
@@ -156,7 +161,8 @@ class Deployment:
                     tls=self._identity(f"gateway-{replica}", ray.get_runtime_context().get_node_id()),
                     ssl_certfile=s.ssl_certfile, ssl_keyfile=s.ssl_keyfile,
                     default_max_tokens=s.default_max_tokens, tenant_max_kv_tokens=s.tenant_max_kv_tokens,
-                    admin_keys=s.admin_keys, stream_idle_timeout_s=s.stream_idle_timeout_s, routing=s.routing)
+                    admin_keys=s.admin_keys, stream_idle_timeout_s=s.stream_idle_timeout_s, routing=s.routing,
+                    max_migrations=s.max_migrations)
 
     def _wait_healthy(self, url: str, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s
@@ -174,18 +180,56 @@ class Deployment:
                 raise RuntimeError(f"the gateway at {url} did not become healthy in {timeout_s}s")
             time.sleep(0.2)
 
+    def remove_worker(self, wid: str, grace_s: float | None = None) -> dict[str, Any]:
+        """Scale down by one worker: drain it (it admits nothing new, its live requests may finish
+        for `grace_s`, default the deployment's drain grace, and the rest end with DRAINING, which
+        the gateway continues on another worker), stop it, unregister it and end its actor for
+        good.  Returns the drain's counts {"finished", "drained", "draining"}.  Its placement
+        group bundle stays reserved.  Raises KeyError for an unknown worker."""
+        actor = self.workers.pop(wid)
+        role = self.roles.pop(wid)
+        grace = self.s.drain_timeout_s if grace_s is None else grace_s
+        try:
+            counts: dict[str, Any] = ray.get(actor.drain.remote(grace), timeout=grace + 60)
+            ray.get(actor.stop.remote(), timeout=60)
+        except Exception:
+            self.workers[wid], self.roles[wid] = actor, role
+            raise
+        ray.kill(actor, no_restart=True)
+        self.say(f"tandem: removed {wid}: {counts['finished']} request(s) finished, {counts['drained']} moved on")
+        return counts
+
     def stop(self) -> None:
-        """Drain: stop admitting, give in-flight requests `drain_timeout_s`, then end the rest with
-        explicit errors, release every page, and shut the actors (and a local Ray) down."""
+        """Shut down within the drain grace (`drain_timeout_s`): the gateways stop admitting
+        (503) and let in-flight requests finish, then every worker drains for what is left of
+        the grace (what still runs ends with DRAINING), stops and unregisters; then the actors,
+        the placement group, the registry and a Ray of our own end."""
+        try:
+            self._drain_and_stop()
+        finally:
+            if self._local_ray is not None:
+                ray.shutdown()
+                self._local_ray.stop()
+
+    def _drain_and_stop(self) -> None:
+        end = time.monotonic() + self.s.drain_timeout_s
         if self.gateways:
             left = sum(ray.get([g.drain.remote(self.s.drain_timeout_s) for g in self.gateways]))
             if left:
-                self.say(f"tandem: {left} request(s) still running after the drain: ending them with errors")
-        for wid, actor in self.workers.items():
+                self.say(f"tandem: {left} request(s) still running after the grace period: ending them")
+        finished = drained = 0
+        drains = {wid: a.drain.remote(max(0.0, end - time.monotonic())) for wid, a in self.workers.items()}
+        for wid, ref in drains.items():
             try:
-                ray.get(actor.stop.remote(), timeout=60)
+                counts = ray.get(ref, timeout=self.s.drain_timeout_s + 60)
+                finished, drained = finished + counts["finished"], drained + counts["drained"]
             except Exception as e:  # a worker that died is already gone
+                log.warning("draining %s: %s", wid, e)
+            try:
+                ray.get(self.workers[wid].stop.remote(), timeout=60)
+            except Exception as e:
                 log.warning("stopping %s: %s", wid, e)
+        self.say(f"tandem: drained: workers finished {finished} request(s) in the grace period and ended {drained}")
         for g in self.gateways:
             ray.get(g.stop.remote(), timeout=30)
             ray.kill(g)
@@ -193,7 +237,11 @@ class Deployment:
             ray.kill(actor, no_restart=True)
         if self.pg is not None:
             remove_placement_group(self.pg)
-        if getattr(self, "registry", None) is not None:
-            ray.kill(self.registry)
-        if self._started_ray:
-            ray.shutdown()
+        registry = getattr(self, "registry", None)
+        if registry is None and ray.is_initialized():
+            try:
+                registry = reg.lookup()
+            except ValueError:
+                pass
+        if registry is not None:
+            ray.kill(registry)

@@ -23,7 +23,8 @@ def serve(settings: ServeSettings) -> int:
         if not stop.is_set():
             print(f"Tandem is serving {settings.name} at " + ", ".join(f"{u}/v1" for u in deployment.urls),
                   flush=True)
-        stop.wait()
+        while not stop.wait(0.5):   # a signal landing on one of Ray's threads runs its handler here
+            pass
         say("tandem: draining")
     finally:
         deployment.stop()

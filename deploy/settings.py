@@ -48,7 +48,9 @@ class ServeSettings:
     worker_cores: int | None = None         # pin each worker to this many cores of its own (CPU runs)
     gateway_replicas: int = 1               # gateways on ports port, port+1, ... (same registry)
     max_restarts: int = 3
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = 30.0           # --drain-grace-s: how long a shutdown, a scale-down or a SIGTERM'd
+                                            # worker lets live requests finish before ending them (DRAINING)
+    max_migrations: int = 3                 # how often one response may move to another decode worker
     verify_experts: bool = False            # guard mode: check expert slots before each use
     tls: str = "auto"                       # TLS_MODES
     ssl_certfile: str | None = None         # the gateway's HTTPS certificate and key (PEM files)
@@ -87,6 +89,10 @@ class ServeSettings:
             raise ValueError(f"--port {self.port} is not a TCP port")
         if self.gpus_per_worker < 0 or (self.device.startswith("cuda") and self.gpus_per_worker == 0):
             raise ValueError("--device cuda needs --gpus-per-worker > 0 (each worker's share of a GPU)")
+        if not 0 <= self.drain_timeout_s < float("inf"):
+            raise ValueError(f"--drain-grace-s must be >= 0, got {self.drain_timeout_s}")
+        if self.max_migrations < 0:
+            raise ValueError(f"--max-migrations must be >= 0, got {self.max_migrations}")
         if self.default_max_tokens < 1:
             raise ValueError(f"--default-max-tokens must be >= 1, got {self.default_max_tokens}")
         if self.tenant_max_kv_tokens is not None and self.tenant_max_kv_tokens < 1:

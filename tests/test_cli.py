@@ -27,6 +27,10 @@ def test_generate_refuses_a_prompt_over_the_context(capsys):
     (["serve", "--device", "cuda"], "--gpus-per-worker > 0"),
     (["serve", "--worker-resources", "[1]"], "JSON object of role"),
     (["serve", "--worker-resources", '{"gpu": {"gpu_node": 1}}'], "gpu is not a role"),
+    (["serve", "--drain-grace-s", "-1"], "--drain-grace-s must be >= 0"),
+    (["serve", "--max-migrations", "-1"], "--max-migrations must be >= 0"),
+    (["drain", "decode-0", "--restart", "--undo"], "--restart and --undo contradict each other"),
+    (["drain", "decode-0", "--grace-s", "-2"], "--grace-s must be >= 0"),
 ])
 def test_serve_fails_fast_on_bad_settings(capsys, argv, message):
     assert main(argv) == 2
@@ -70,3 +74,11 @@ def test_prefill_workers_get_their_own_kv_pool():
         _check_kv(small)
     with pytest.raises(ValueError, match="--colocated has none"):
         serve_settings(build_parser().parse_args(["serve", "--colocated", "--prefill-kv-cache-tokens", "4096"]))
+
+
+def test_serve_maps_the_drain_and_migration_flags():
+    from deploy.cli import build_parser, serve_settings
+    s = serve_settings(build_parser().parse_args(["serve", "--drain-grace-s", "7.5", "--max-migrations", "0"]))
+    assert (s.drain_timeout_s, s.max_migrations) == (7.5, 0)
+    d = serve_settings(build_parser().parse_args(["serve"]))
+    assert (d.drain_timeout_s, d.max_migrations) == (30.0, 3)
