@@ -95,12 +95,13 @@ def serve_until_signalled(handle: WorkerHandle, drain_grace_s: float = DRAIN_GRA
         pass
     handle.stop()                 # what is still live (a second signal came) ends with an explicit error
     drainer.join(5.0)
-    if cut or not result:
-        print("a second signal cut the grace period short: the live requests were ended; stopped",
-              file=sys.stderr, flush=True)
+    if cut:
+        done = "a second signal cut the grace period short: the live requests were ended"
+    elif not result:
+        done = "the drain failed (above): the live requests were ended"
     else:
-        print(f"drained: {result[0].finished} finished, {result[0].drained} drained; stopped",
-              file=sys.stderr, flush=True)
+        done = f"drained: {result[0].finished} finished, {result[0].drained} drained"
+    print(f"{done}; stopped", file=sys.stderr, flush=True)
     return 0
 
 
