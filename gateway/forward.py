@@ -58,6 +58,7 @@ async def stream(c: Choice, exclude: set[str]) -> AsyncIterator[wpb.GenerateResp
     broke: set[str] = set()              # prefill workers whose push broke: a last resort
     last = ForwardError(ErrorCode.NO_WORKER, "no worker can take the request now")
     wait_until = time.monotonic() + c.capacity_wait_s
+    waiting_since: float | None = None   # when no worker could be picked, since the last pick
     failures = 0
     while failures < c.max_attempts:
         c.remaining_s()
@@ -67,10 +68,12 @@ async def stream(c: Choice, exclude: set[str]) -> AsyncIterator[wpb.GenerateResp
             # new worker died during the re-prefill: Ray starts it again at a new address)
             if (last.code not in WAIT_FOR and not c.generated) or time.monotonic() > wait_until:
                 break
-            tried -= full
+            waiting_since = waiting_since or time.monotonic()
+            tried -= full | (_answered_since(c, tried, waiting_since) - c.leaving)
             full.clear()
             await asyncio.sleep(CAPACITY_POLL_S)
             continue
+        waiting_since = None
         try:
             async for msg in _attempt(c, decode, prefill, tried, broke):
                 yield msg
@@ -82,6 +85,12 @@ async def stream(c: Choice, exclude: set[str]) -> AsyncIterator[wpb.GenerateResp
             elif last.code not in LEAVING:
                 failures += 1
     raise last
+
+
+def _answered_since(c: Choice, addresses: set[str], since: float) -> set[str]:
+    """Those of `addresses` whose Health answered after `since`: a worker that failed a try and
+    is up again (restarted at the same address) may be tried again while the choice waits."""
+    return {w.address for w in c.pool.workers if w.address in addresses and w.answered_at > since}
 
 
 def _pick(c: Choice, tried: set[str], broke: set[str], last: ForwardError

@@ -58,6 +58,7 @@ class Worker:
     mine_at_stats: tuple[int, int] = (0, 0)  # (outstanding, queued_tokens) when `stats` was asked for
     failures: int = 0
     open_until: float = 0.0
+    answered_at: float = 0.0                # time.monotonic() of its last Health answer
     decode_stub: wpb_grpc.DecodeServiceStub | None = None     # decode and colocated workers
     prefill_stub: wpb_grpc.PrefillServiceStub | None = None   # prefill workers
     cache: CacheView | None = None          # its prefix cache, from its CacheEvents (prefix routing)
@@ -161,6 +162,7 @@ class WorkerPool:
     async def _refresh(self, w: Worker) -> None:
         try:
             w.health = await w.stub.Health(wpb.HealthRequest(), timeout=2.0)
+            w.answered_at = time.monotonic()
             mine = (w.outstanding, w.queued_tokens)
             w.stats = await w.stub.Stats(wpb.StatsRequest(), timeout=2.0)
             w.mine_at_stats = mine
