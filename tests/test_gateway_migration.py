@@ -241,6 +241,20 @@ def test_a_resumed_stream_that_breaks_before_its_first_token_goes_to_a_third_wor
     wait_idle(*workers)
 
 
+def test_a_migrating_stream_with_no_worker_left_waits_for_one_that_answers_again(cluster):
+    """The stream breaks on one worker, its resumed stream breaks before a token on both others:
+    no worker is left to try, so it waits until a worker's Health answers again, and goes on."""
+    gw, plan, workers = cluster
+    plan.reset()
+    want = complete(gw.url, body(GREEDY, False))
+    plan.reset(cuts=1, after=2, fails=2)
+    got = complete(gw.url, body(GREEDY, False))
+    assert_same(got, want)
+    assert [len(r.generated_token_ids) for _, r in plan.requests] == [0, 2, 2, 2]
+    assert len({at for at, _ in plan.requests[:3]}) == 3
+    wait_idle(*workers)
+
+
 def test_an_unseeded_sampled_stream_resumes_with_its_first_reservations_seed(cluster):
     gw, plan, workers = cluster
     plan.reset(cuts=1, after=4)
