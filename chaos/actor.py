@@ -9,7 +9,6 @@ from typing import Any
 
 from chaos.control import ChaosControl
 from deploy.actors import WorkerActor
-from deploy.registry import ActorHandle
 from worker.types import Role
 
 OPS = ("arm", "disarm", "injected", "ledger", "idle_check", "push_streams",       # what chaos_call may ask
@@ -19,7 +18,7 @@ OPS = ("arm", "disarm", "injected", "ledger", "idle_check", "push_streams",     
 
 class ChaosWorkerActor(WorkerActor):
     def __init__(self, worker_id: str, role: Role, index: int, config: dict[str, Any], secret: bytes,
-                 registry: ActorHandle, host: str | None, cores: list[int] | None, seed: int) -> None:
+                 registry: str, host: str | None, cores: list[int] | None, seed: int) -> None:
         """`seed`: the run's; this worker's injectors are seeded with `seed + index` (the same
         again when Ray restarts it)."""
         self.control = ChaosControl(role, seed + index, secret)
