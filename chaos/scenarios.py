@@ -83,7 +83,7 @@ SCENARIOS: tuple[Scenario, ...] = (
              "worker its streams migrated to once one of them streams there", driver="kill_decode_twice",
              weight=0.6, max_tokens=48, lossless=True, least=8),
     Scenario("drain_decode", "process", "a rolling drain of every decode worker under load (grace 0.5 s, "
-             "then a restart): short streams finish, the others migrate", driver="drain_decode", weight=0.6,
+             "then a restart): what does not finish in the grace migrates", driver="drain_decode", weight=0.6,
              max_tokens=48, lossless=True, waves=2, least=8),
     Scenario("stalled_peer", "process", "a receiver that reads nothing for 2 s, then continues",
              "stall", Role.DECODE, seconds=2.0, share=0.15),
