@@ -198,7 +198,8 @@ def test_the_hostile_scenarios_in_a_small_run():
     refused = sum(expect == "refused" for _, _, expect, _ in REDOS)
     assert rows["redos"]["faults_injected"] >= len(REDOS) and rows["redos"]["faults_detected"] >= refused
     assert "repeats too much" in notes["redos"] and "at most 16 are allowed" in notes["redos"]
-    assert "exceeded the stop-check budget" in notes["redos"]
+    # the per-token budget, or on a slower moment the mean one, ended a catastrophic pattern
+    assert "exceeded the stop-check budget" in notes["redos"] or "per token on average" in notes["redos"]
     slow = rows["slow_reader"]
     assert slow["faults_injected"] == slow["faults_detected"] == 4
     assert "without [DONE]" in notes["slow_reader"] and "with [DONE]" not in notes["slow_reader"]
