@@ -127,6 +127,10 @@ def test_a_client_that_leaves_a_non_streaming_request_ends_it_at_once(cluster):
 
 
 def test_a_decode_worker_killed_mid_stream_gives_an_error_event(cluster):
+    """The only decode worker dies mid-stream: the gateway tries to continue the stream on
+    another (issue 19), finds none within its capacity wait and ends the stream with an
+    explicit MIGRATION_FAILED event, never a truncated 200 (tests/test_gateway_migration.py
+    has the streams that do continue)."""
     _, _, prefill = cluster
     env = dict(os.environ, TANDEM_CLUSTER_SECRET=SECRET.hex())
     proc = subprocess.Popen([sys.executable, "-m", "deploy.worker", "--role", "decode", "--kv-cache-tokens", "8192"],
@@ -135,7 +139,7 @@ def test_a_decode_worker_killed_mid_stream_gives_an_error_event(cluster):
     try:
         _, _, address, endpoint = proc.stdout.readline().split()     # READY decode ADDRESS ENDPOINT
         DECODE_ENDPOINTS.add(endpoint)
-        gw = start_gateway([address], [prefill.address])
+        gw = start_gateway([address], [prefill.address], queue_timeout_s=2.0)
         wait_ready(gw.url)
         conn = connection(gw.url)
         conn.request("POST", "/v1/completions", body=json.dumps({
@@ -149,7 +153,7 @@ def test_a_decode_worker_killed_mid_stream_gives_an_error_event(cluster):
         assert events, rest
         last = events[-1][len("data: "):]
         assert last != "[DONE]" and "error" in json.loads(last), last     # explicit, not a truncated 200
-        assert json.loads(last)["error"]["code"] == "DECODE_FAILED"
+        assert json.loads(last)["error"]["code"] == "MIGRATION_FAILED"
     finally:
         proc.kill()
         proc.wait(10)
