@@ -31,8 +31,13 @@ def test_every_scenario_injects_and_nothing_leaks():
         assert row["faults_unaccounted"] == 0, row             # every fault detected or tolerated
         if not row["tolerated"] and s.group != "hostile":    # a hostile row counts what was held back
             assert row["faults_detected"] + row["faults_tolerated"] == row["faults_injected"], row
-        if s.lossless:                                       # kills and drains: every stream migrates
-            assert row["completed"] == row["requests"] and row["figures"]["migrations"] >= 1, row
+        if s.lossless:                                       # kills and drains: nothing fails
+            assert row["completed"] == row["requests"], row
+            # a kill or drain is detected only by streams the gateway migrated; a drain whose
+            # streams all finished within its grace is tolerated (a small run may see only that)
+            assert row["faults_detected"] == 0 or row["figures"]["migrations"] >= 1, row
+            if s.driver != "drain_decode":
+                assert row["figures"]["migrations"] >= 1, row      # a kill always cuts a stream
     transfer = [rows[s.name] for s in SCENARIOS if s.group == "transfer"]
     assert report["transfer_faults_injected"] == sum(r["faults_injected"] for r in transfer) >= len(transfer)
     assert report["transfer_faults_detected"] == report["transfer_faults_injected"]
