@@ -189,12 +189,14 @@ def _failed(c: Choice, error: wpb.Error, prefill_failure: list[ForwardError], st
         if cause is not None:
             raise StreamBroken(cause, ForwardError.from_proto(error), decode.address)
         raise err
+    own = ForwardError.from_proto(error)
+    if own.code in LEAVING:
+        # it drains or stops (the push it cut may have failed first): another worker, never this one
+        _refused(c, own, decode, tried)
     if error.code == ErrorCode.TRANSFER_FAILED and prefill is not None:
         # the push broke before any token: try again, not on a prefill worker that died
         (tried if err.code == ErrorCode.PREFILL_UNAVAILABLE else broke).add(prefill.address)
         raise _Retry(err)
-    if not prefill_failure and err.code in LEAVING:
-        _refused(c, err, decode, tried)     # it drains or stops: another worker, never this one
     raise err
 
 
