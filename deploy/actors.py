@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.deploy")
 HEARTBEAT_S = 2.0
+RESTART_DELAY_S = 0.5          # drain(restart=True): the reply leaves before the actor is killed
 
 
 class WorkerActor:
@@ -112,7 +113,10 @@ class WorkerActor:
         out = {"finished": result.finished, "drained": result.drained, "draining": self.handle.draining}
         if restart and not undo:
             self.stop()
-            ray.kill(ray.get_runtime_context().current_actor, no_restart=False)   # after this reply
+            # the restart comes once this reply is on its way (a kill from inside the call could
+            # reach the caller as RayActorError instead of the counts)
+            me = ray.get_runtime_context().current_actor
+            threading.Timer(RESTART_DELAY_S, ray.kill, args=(me,), kwargs={"no_restart": False}).start()
         return out
 
     def stop(self) -> None:
