@@ -22,13 +22,13 @@ from typing import Protocol
 from engine.core import EngineCore, LayerHook, TokenEvent
 from engine.scheduler import ScheduledBatch
 from kv_transfer.hooks import TransferHooks
+from worker.drain import Drainable
 from worker.stats import LoopWatch
-from worker.types import ErrorCode
 
 log = logging.getLogger("tandem.worker")
 
 
-class RoleEngine(Protocol):
+class RoleEngine(Drainable, Protocol):
     """A worker role over a shared `EngineCore` (one core and one lock per worker process).
 
     Pages: the core's token path frees a request's pages when it finishes; a role frees pages
@@ -65,29 +65,6 @@ class RoleEngine(Protocol):
 
     def install_hooks(self, hooks: TransferHooks) -> None:
         """Route this role's later transfers through `hooks` (its sending or receiving side)."""
-        ...
-
-    # Drain (worker/drain.py drives these; WorkerHandle.drain and the Drain RPC call it)
-    @property
-    def draining(self) -> bool:
-        """Between start_drain and undrain: new requests are refused with DRAINING."""
-        ...
-
-    def start_drain(self) -> None:
-        """Refuse new requests with DRAINING from now on; live ones go on."""
-        ...
-
-    def undrain(self) -> None:
-        """Admit new requests again."""
-        ...
-
-    def live(self) -> list[str]:
-        """The ids of this role's requests that have not ended yet."""
-        ...
-
-    def end_live(self, code: ErrorCode, message: str) -> int:
-        """End every live request with `code` and free its pages (posted to the loop's thread,
-        like an abort; thread-safe).  Returns how many it ended."""
         ...
 
 
