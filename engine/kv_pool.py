@@ -2,9 +2,13 @@
 the free list, page owners, generations or the prefix cache's reference counts.  Everyone
 else reads page tables.
 
-Storage of all layers, K and V together:
+Storage of all layers, every KV component together:
 
-    kv: [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]
+    kv: [num_layers, components, num_pages, page_size, kv_heads, head_dim]
+
+`components` is 2 for attention that caches K and V (kv[l, 0] = K, kv[l, 1] = V) and 1 for
+multi-head latent attention (one row per token: the compressed latent and the decoupled RoPE
+key, kv_heads = 1).  (components, kv_heads, head_dim) is the model's `kv_geometry`.
 
 A page is in one of three states:
 
@@ -46,16 +50,20 @@ class PageRef:
 class PagePool:
     def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu",
-                 prefix_cache: bool = True, audit: bool = False) -> None:
+                 prefix_cache: bool = True, audit: bool = False, kv_components: int = 2) -> None:
         """`prefix_cache`: publish and reuse full pages; `audit`: hash each page when it is
-        published so `check_integrity(contents=True)` can prove no cached page was written."""
+        published so `check_integrity(contents=True)` can prove no cached page was written;
+        `kv_components`: 2 (K and V) or 1 (an MLA latent row)."""
         if num_pages < 1:
             raise ValueError(f"num_pages={num_pages}: the KV pool needs at least one page")
+        if kv_components not in (1, 2):
+            raise ValueError(f"kv_components={kv_components}: a KV page holds K and V (2) or one "
+                             f"latent row (1)")
         self.num_pages = num_pages
         self.page_size = page_size
         self.prefix_cache = prefix_cache
         self.audit = audit
-        self.kv = torch.zeros(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim,
+        self.kv = torch.zeros(num_layers, kv_components, num_pages, page_size, num_kv_heads, head_dim,
                               dtype=dtype, device=device)
         self._free: deque[int] = deque(range(num_pages))
         self._owner: list[str | None] = [None] * num_pages
@@ -68,6 +76,12 @@ class PagePool:
         self.cache = CacheIndex(num_pages, self.events)
 
     # ---- queries -------------------------------------------------------------
+    @property
+    def geometry(self) -> tuple[int, int, int]:
+        """(components, kv_heads, head_dim) of every page row."""
+        _, c, _, _, h, d = self.kv.shape
+        return c, h, d
+
     @property
     def capacity_tokens(self) -> int:
         return self.num_pages * self.page_size
@@ -240,7 +254,7 @@ class PagePool:
 
     # ---- invariants ------------------------------------------------------------
     def page_digest(self, page: int) -> bytes:
-        """blake2b (16 bytes) of the page's bytes in every layer, K and V (any dtype, bf16 too)."""
+        """blake2b (16 bytes) of the page's bytes in every layer and component (any dtype, bf16 too)."""
         raw = self.kv[:, :, page].contiguous().view(torch.uint8).cpu()
         return hashlib.blake2b(raw.numpy().tobytes(), digest_size=16).digest()
 

@@ -1,8 +1,9 @@
 """Moving page bytes between a `PagePool` and frame payloads.
 
-The pool stores `kv[L, 2, P, S, Hkv, D]`; a frame's payload is the contiguous block
+The pool stores `kv[L, C, P, S, H, D]` (C = 2: K and V; C = 1: an MLA latent row, H = 1);
+a frame's payload is the contiguous block
 
-    kv[l0:l1, :, page, :n]      # [l1 - l0, 2, n, Hkv, D]
+    kv[l0:l1, :, page, :n]      # [l1 - l0, C, n, H, D]
 
 These helpers read such a block out (sender), write one in (receiver) and hash one
 where it lies (the receiver's re-checksum after commit).  They never change page
@@ -39,8 +40,8 @@ def tokens_in_page(page_size: int, prompt_len: int, index: int) -> int:
 
 
 def block_shape(pool: PagePool, l0: int, l1: int, n: int) -> tuple[int, ...]:
-    _, _, _, _, heads, dim = pool.kv.shape
-    return (l1 - l0, 2, n, heads, dim)
+    components, heads, dim = pool.geometry
+    return (l1 - l0, components, n, heads, dim)
 
 
 def block_nbytes(pool: PagePool, l0: int, l1: int, n: int) -> int:
@@ -110,7 +111,7 @@ _BYTES: "weakref.WeakKeyDictionary[PagePool, np.ndarray]" = weakref.WeakKeyDicti
 
 
 def pool_bytes(pool: PagePool) -> np.ndarray:
-    """The CPU pool's storage as a uint8 array [L, 2, P, S, Hkv, D * itemsize] (no copy, cached)."""
+    """The CPU pool's storage as a uint8 array [L, C, P, S, H, D * itemsize] (no copy, cached)."""
     arr = _BYTES.get(pool)
     if arr is None:
         kv = pool.kv
@@ -124,4 +125,5 @@ def block_parts(pool: PagePool, page: int, l0: int, l1: int, n: int) -> list[mem
         return [as_bytes(pool.kv[l0:l1, :, page, :n].cpu())]
     arr = pool_bytes(pool)
     # numpy's stubs give ndarray the buffer protocol (__buffer__) only for Python >= 3.12
-    return [memoryview(arr[layer, j, page, :n]) for layer in range(l0, l1) for j in (0, 1)]  # type: ignore[arg-type]
+    return [memoryview(arr[layer, j, page, :n])  # type: ignore[arg-type]
+            for layer in range(l0, l1) for j in range(arr.shape[1])]

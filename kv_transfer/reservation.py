@@ -113,7 +113,9 @@ class Reservation:
         return tokens_in_page(self.page_size, self.prompt_len, index)
 
     def check_geometry(self, h: pb.FrameHeader, payload_len: int, pool: PagePool) -> None:
-        """Raises TransferRefused(OUT_OF_RANGE | BAD_GEOMETRY) unless the frame fits exactly."""
+        """Raises TransferRefused(OUT_OF_RANGE | BAD_GEOMETRY) unless the frame fits exactly: its
+        token range, dtype, shape [layers, components, tokens, heads, dim] (the pool's KV
+        geometry) and payload size."""
         if h.page_index >= len(self.pages):
             raise TransferRefused(Refusal.OUT_OF_RANGE, f"page {h.page_index} outside the reservation "
                                   f"of {len(self.pages)} prompt pages")
@@ -128,7 +130,10 @@ class Reservation:
                    shape=list(h.shape), payload=payload_len)
         bad = [f"{k}={got[k]} (expected {want[k]})" for k in want if got[k] != want[k]]
         if bad:
-            raise TransferRefused(Refusal.BAD_GEOMETRY, f"page {h.page_index}: " + ", ".join(bad))
+            components, heads, dim = pool.geometry
+            raise TransferRefused(Refusal.BAD_GEOMETRY, f"page {h.page_index}: " + ", ".join(bad) +
+                                  f"; this pool's KV rows are [layers, {components} components, tokens, "
+                                  f"{heads} heads, {dim} dims] of {want['dtype']}")
 
     def check_uncached(self, h: pb.FrameHeader) -> None:
         """Raises TransferRefused(CACHED_PAGE) for a frame aimed at the cached prefix (a page
