@@ -4,67 +4,117 @@ A backend is chosen once, at start-up (`select_attention`).  Per forward pass it
 `plan`s once (work shared by all layers: index and mask tensors), then each layer
 calls `decode` (one query per request) or `prefill` (padded queries per request).
 
-    kv_layer: [2, num_pages, page_size, num_kv_heads, head_dim]  (K, V of one layer)
+    kv_layer: [C, num_pages, page_size, H, Dk]  (one layer; C == 2: K, V; C == 1: a latent
+              that is the key and, cut to v_dim, the value; see engine.kernels.paged_attention)
+
+Both take the variants of `engine.kernels.paged_attention`: `window` (sliding window),
+`sinks` ([Hq] fp32 logits, gpt-oss) and `v_dim` (C == 1 only).  Defaults: plain causal.
+Both raise ValueError for a layout or variant they cannot serve (see `split_kv`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 
 from engine.forward_batch import ForwardBatch
-from engine.kernels.paged_attention import paged_attention_ref, paged_decode_attention_ref
+from engine.kernels.paged_attention import (
+    attend,
+    check_variants,
+    decode_mask,
+    paged_attention_ref,
+    paged_decode_attention_ref,
+    prefill_mask,
+    split_kv,
+)
 
-# What `plan` returns and `decode` reads back: each backend's own, opaque to the model.
-TorchPlan = tuple[torch.Tensor, torch.Tensor | None, int]  # pages [B, pages], mask [B, 1, 1, L] or None, length
-TritonPlan = tuple[torch.Tensor, torch.Tensor]              # page_table [B, max_pages], seq_lens [B]
-AttentionPlan = TorchPlan | TritonPlan
+
+@dataclass
+class TorchPlan:
+    """The pages that hold keys (reserved pages past the longest request are skipped) and
+    which key positions each request may see, per window: built once per forward pass."""
+
+    table: torch.Tensor     # [B, pages] int64
+    seq_lens: torch.Tensor  # [B]
+    length: int             # max(seq_lens)
+    keys_len: int           # pages * page_size: the gathered key positions
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B, 1, 1, L]
+
+    def keys(self, window: int | None) -> tuple[int, torch.Tensor | None]:
+        """(first key position to keep, mask or None).  A single request needs no mask:
+        its keys are cut to [first, length) instead."""
+        if self.table.shape[0] == 1:
+            return (0 if window is None else max(0, self.length - window)), None
+        if window not in self.masks:
+            self.masks[window] = decode_mask(self.seq_lens, self.keys_len, window)[:, None, None]
+        return 0, self.masks[window]
+
+
+TritonPlan = tuple[torch.Tensor, torch.Tensor]  # page_table [B, max_pages], seq_lens [B]
+AttentionPlan = TorchPlan | TritonPlan  # what `plan` returns and `decode` reads back: opaque to the model
 
 
 class TorchAttention:
-    """The CPU path (and reference): gather each request's pages, one fused SDPA call."""
+    """The CPU path (and reference): gather each request's pages, one fused SDPA call
+    (with sinks: the scores in fp32 with the sink column)."""
 
     name = "torch"
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
+        self._prefill_for: ForwardBatch | None = None  # the batch _prefill_masks were built for
+        self._prefill_masks: dict[int | None, torch.Tensor] = {}
 
     def plan(self, batch: ForwardBatch) -> AttentionPlan:
-        """The pages that hold keys (reserved pages past the longest request are skipped),
-        and which key positions each request may see (None: a single request, whose keys
-        are cut to its length instead)."""
         length = batch.max_seq_len
         table = batch.page_table[:, :-(-length // self.page_size)].long()  # [B, pages]
-        if table.shape[0] == 1:
-            return table, None, length
-        keys = torch.arange(table.shape[1] * self.page_size, device=table.device)
-        visible = keys[None, :] < batch.seq_lens[:, None]  # [B, L]
-        return table, visible[:, None, None], length  # mask: [B, 1, 1, L]
+        return TorchPlan(table, batch.seq_lens, length, table.shape[1] * self.page_size)
 
-    def decode(self, q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:
-        """q: [B, Hq, D] -> [B, Hq, D]."""
-        table, visible, length = cast(TorchPlan, plan)  # this backend's own plan
-        b, pages = table.shape
-        _, _, s, hkv, d = kv_layer.shape
-        kv = kv_layer[:, table].view(2, b, pages * s, hkv, d)  # [2, B, L, Hkv, D]
+    def decode(self, q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scale: float, *,
+               window: int | None = None, sinks: torch.Tensor | None = None,
+               v_dim: int | None = None) -> torch.Tensor:
+        """q: [B, Hq, Dk] -> [B, Hq, Dv]."""
+        p = cast(TorchPlan, plan)  # this backend's own plan
+        check_variants(window, sinks, q.shape[1])
+        c, _, s, h, d = kv_layer.shape
+        b, pages = p.table.shape
+        kv = kv_layer[:, p.table].view(c, b, pages * s, h, d)  # [C, B, L, H, Dk]
+        first, visible = p.keys(window)
         if visible is None:
-            kv = kv[:, :, :length]
-        kv = kv.transpose(2, 3)  # [2, B, Hkv, L, D]
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], attn_mask=visible,
-                                             scale=scale, enable_gqa=True)  # [B, Hq, 1, D]
-        return out.squeeze(2)
+            kv = kv[:, :, first:p.length]
+        kv = kv.transpose(2, 3)  # [C, B, H, L, Dk]
+        k, v = split_kv(kv, v_dim)
+        return attend(q.unsqueeze(2), k, v, visible, scale, sinks).squeeze(2)  # [B, Hq, Dv]
 
-    def prefill(self, q: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
-        """q: [T, Hq, D] (flat) -> [T, Hq, D], causal over each request's pages."""
-        padded = paged_attention_ref(q[batch.q_index], kv_layer[0], kv_layer[1], batch.page_table,
-                                     batch.positions[batch.q_index], batch.seq_lens, scale)
+    def prefill(self, q: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, scale: float, *,
+                window: int | None = None, sinks: torch.Tensor | None = None,
+                v_dim: int | None = None) -> torch.Tensor:
+        """q: [T, Hq, Dk] (flat) -> [T, Hq, Dv], causal over each request's pages."""
+        check_variants(window, sinks, q.shape[1])
+        k_cache, v_cache = split_kv(kv_layer, v_dim)
+        assert batch.q_index is not None and batch.q_valid is not None  # a prefill batch
+        q_positions = batch.positions[batch.q_index]  # [B, Q]
+        padded = paged_attention_ref(q[batch.q_index], k_cache, v_cache, batch.page_table,
+                                     q_positions, batch.seq_lens, scale, sinks=sinks,
+                                     mask=self._prefill_mask(batch, q_positions, window))
         return padded[batch.q_valid]
+
+    def _prefill_mask(self, batch: ForwardBatch, q_positions: torch.Tensor,
+                      window: int | None) -> torch.Tensor:
+        """[B, Q, L], built once per forward pass and window (layers alternate windows)."""
+        if self._prefill_for is not batch:
+            self._prefill_for, self._prefill_masks = batch, {}
+        if window not in self._prefill_masks:
+            length = batch.page_table.shape[1] * self.page_size
+            self._prefill_masks[window] = prefill_mask(q_positions, batch.seq_lens, length, window)
+        return self._prefill_masks[window]
 
 
 class TritonAttention(TorchAttention):
-    """CUDA: the Triton decode kernel straight over the page table; prefill as torch."""
+    """CUDA: the Triton decode kernel straight over the page table (window, sinks and the
+    latent layout in the kernel); prefill as torch."""
 
     name = "triton"
 
@@ -76,9 +126,13 @@ class TritonAttention(TorchAttention):
     def plan(self, batch: ForwardBatch) -> TritonPlan:
         return batch.page_table, batch.seq_lens
 
-    def decode(self, q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scale: float, *,
+               window: int | None = None, sinks: torch.Tensor | None = None,
+               v_dim: int | None = None) -> torch.Tensor:
         table, seq_lens = cast(TritonPlan, plan)  # the kernel reads only the pages below each request's length
-        return self._kernel(q, kv_layer[0], kv_layer[1], table, seq_lens, scale)
+        check_variants(window, sinks, q.shape[1])
+        k_cache, v_cache = split_kv(kv_layer, v_dim)
+        return self._kernel(q, k_cache, v_cache, table, seq_lens, scale, window=window, sinks=sinks)
 
 
 def select_attention(device: torch.device | str, backend: str | None = None,

@@ -90,7 +90,8 @@ _INTERPRETED = not isinstance(_paged_decode_kernel, triton.runtime.jit.JITFuncti
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            page_table: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, *, window: int | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention (one query per request at position seq_len - 1) over paged K/V.
 
     q: [B, Hq, D]; k_cache, v_cache: [num_pages, page_size, Hkv, D] (same dtype as q:
@@ -99,6 +100,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Raises ValueError on a wrong rank, shape, dtype or device, Hq % Hkv != 0, a head_dim
     that is not a power of two in [16, 256], or caches whose last dim is not contiguous.
     """
+    if window is not None or sinks is not None:
+        raise ValueError("this Triton decode kernel has no window or sinks yet; use attention='torch'")
     if q.dim() != 3 or k_cache.dim() != 4:
         raise ValueError(f"expected q [B, Hq, D] and k_cache [P, S, Hkv, D], got "
                          f"{tuple(q.shape)} and {tuple(k_cache.shape)}")
