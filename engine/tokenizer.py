@@ -1,18 +1,28 @@
 """Tokenizer (tokenizer.json through `tokenizers`), chat template (jinja2), and the incremental
-detokenizer that keeps a request's output text as it grows."""
+detokenizer that keeps a request's output text as it grows.
+
+The chat template is where transformers looks for it: a `chat_template.jinja` file beside
+tokenizer_config.json (what newer transformers save; it wins, as in transformers), else
+tokenizer_config.json's `chat_template` (a string, or a list of named templates: "default").
+It renders as transformers renders it: a sandbox with trim_blocks/lstrip_blocks, loop controls,
+`raise_exception`, `strftime_now` and a `tojson` that does not escape HTML.
+"""
 
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 REPLACEMENT = "\ufffd"   # what decoding shows for an incomplete (or invalid) UTF-8 sequence
 MAX_PENDING_TOKENS = 8   # a UTF-8 character has at most 4 bytes: more pending ids than this are garbage
+TEMPLATE_FILE = "chat_template.jinja"
 
 
 class Tokenizer:
@@ -24,15 +34,18 @@ class Tokenizer:
         self._tok = _HFTokenizer.from_file(str(file))
         cfg_file = root / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-        self.chat_template: str | None = cfg.get("chat_template")
+        self.chat_template: str | None = chat_template(root, cfg)
         self.eos_token: str | None = _token_text(cfg.get("eos_token"))
         self.bos_token: str | None = _token_text(cfg.get("bos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._template = None
         if self.chat_template:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[jinja2.ext.loopcontrols])
             env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = _strftime_now
+            env.filters["tojson"] = _tojson
             self._template = env.from_string(self.chat_template)
 
     def encode(self, text: str) -> list[int]:
@@ -50,7 +63,8 @@ class Tokenizer:
         Raises ValueError when the checkpoint has no template or a message is malformed.
         """
         if self._template is None:
-            raise ValueError("this checkpoint has no chat_template in tokenizer_config.json")
+            raise ValueError(f"this checkpoint has no chat template ({TEMPLATE_FILE}, or chat_template in "
+                             f"tokenizer_config.json)")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
                     or not isinstance(m.get("content"), str):
@@ -140,6 +154,29 @@ class IncrementalDetokenizer:
         self.decode_calls += 1
         self.decoded_ids += len(ids)
         return self.tokenizer.decode(ids)
+
+
+def chat_template(root: Path, cfg: dict[str, Any]) -> str | None:
+    """The checkpoint's default chat template: `chat_template.jinja` in `root`, else
+    tokenizer_config.json's (`cfg`) `chat_template`, a string or [{"name", "template"}] of which
+    "default" is used.  None when there is none."""
+    file = root / TEMPLATE_FILE
+    if file.is_file():
+        return file.read_text(encoding="utf-8")
+    template = cfg.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template else None
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _token_text(tok: str | dict[str, Any] | None) -> str | None:
