@@ -1,0 +1,152 @@
+"""Multi-head latent attention (DeepSeek-V3, Kimi-K2) on a paged KV cache.
+
+A KV page holds, per token and layer, ONE row shared by every head (kv_geometry (1, 1, r + dr)):
+
+    [ c (kv_lora_rank r) | k_pe (qk_rope_head_dim dr) ]
+      c    = RMSNorm(kv_a_proj_with_mqa(h)[:r])        the compressed latent
+      k_pe = rope(kv_a_proj_with_mqa(h)[r:])           the decoupled rope key, one for all heads
+
+Per head, kv_b_proj [Hq * (dn + dv), r] expands the latent: k_nope = W_uk c, v = W_uv c
+(W_uk = its first dn rows of each head's block, W_uv the last dv).  A head's score is
+q_nope . W_uk c + q_pe . k_pe = (W_uk^T q_nope) . c + q_pe . k_pe, so:
+
+  absorbed (serving): query [W_uk^T q_nope | q_pe] (Dk = r + dr) attends over the cached rows
+      as one shared KV head (MQA) with V = the row's first r dims (the backend's C == 1,
+      v_dim=r); the per-head output o_c [Hq, r] is lifted by W_uv, then o_proj.
+  expanded (reference): every cached latent goes through kv_b_proj into per-head K and V
+      (HF's computation), then ordinary causal attention.
+
+The softmax scale is (dn + dr) ** -0.5 times mscale(factor, mscale_all_dim) ** 2 under YaRN
+(HF's yarn_apply_mscale); the rope's own attention factor is applied in its cos/sin tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.forward_batch import ForwardBatch
+from engine.layers import rms_norm
+from engine.models.decoder import StepContext
+from engine.rope import Rope, rope_params, yarn_softmax_mscale
+
+# DeepSeek's q_a_layernorm and kv_a_layernorm keep HF's RMSNorm default eps, not rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class MlaDims:
+    heads: int          # Hq
+    q_lora_rank: int    # 0: a plain q_proj
+    kv_lora_rank: int   # r
+    nope: int           # dn: qk_nope_head_dim
+    rope: int           # dr: qk_rope_head_dim
+    v: int              # dv: v_head_dim
+
+    @classmethod
+    def from_raw(cls, raw: dict[str, Any]) -> "MlaDims":
+        return cls(heads=int(raw["num_attention_heads"]), q_lora_rank=int(raw.get("q_lora_rank") or 0),
+                   kv_lora_rank=int(raw["kv_lora_rank"]), nope=int(raw["qk_nope_head_dim"]),
+                   rope=int(raw["qk_rope_head_dim"]), v=int(raw["v_head_dim"]))
+
+    @property
+    def row(self) -> int:
+        """One cached row: r + dr."""
+        return self.kv_lora_rank + self.rope
+
+
+def softmax_scale(raw: dict[str, Any]) -> float:
+    """HF DeepseekV3Attention.scaling: (dn + dr) ** -0.5, times mscale(factor, mscale_all_dim)
+    squared under YaRN."""
+    head = int(raw["qk_nope_head_dim"]) + int(raw["qk_rope_head_dim"])
+    return float(head ** -0.5 * yarn_softmax_mscale(rope_params(raw)))
+
+
+@dataclass
+class MlaWeights:
+    w_a: torch.Tensor            # [q_lora + r + dr, H]: q_a_proj rows then kv_a_proj_with_mqa (one matmul)
+    b_a: torch.Tensor | None     # [q_lora + r + dr] (attention_bias)
+    q_norm: torch.Tensor | None  # [q_lora] q_a_layernorm (None: no q lora)
+    w_q: torch.Tensor            # [Hq * (dn + dr), q_lora] q_b_proj, or [Hq * (dn + dr), H] q_proj
+    kv_norm: torch.Tensor        # [r] kv_a_layernorm
+    w_kv_b: torch.Tensor         # [Hq * (dn + dv), r] kv_b_proj
+    w_o: torch.Tensor            # [H, Hq * dv]
+    b_o: torch.Tensor | None     # [H]
+
+
+class MlaAttention:
+    """One layer's latent attention: a `Mixer` (h [T, H] -> [T, H]) that writes the layer's
+    cached rows into `kv_layer` [1, P, S, 1, r + dr] at the batch's slots."""
+
+    def __init__(self, w: MlaWeights, dims: MlaDims, rope: Rope, scale: float, absorbed: bool = True) -> None:
+        self.w, self.dims, self.rope, self.scale = w, dims, rope, scale
+        self.absorbed = absorbed
+        per_head = w.w_kv_b.view(dims.heads, dims.nope + dims.v, dims.kv_lora_rank)
+        self.w_uk = per_head[:, :dims.nope]   # [Hq, dn, r]
+        self.w_uv = per_head[:, dims.nope:]   # [Hq, dv, r]
+
+    def __call__(self, h: torch.Tensor, kv_layer: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        q_nope, q_pe = self._query_and_cache(h, kv_layer, ctx)
+        if self.absorbed:
+            out = self._absorbed(q_nope, q_pe, kv_layer, ctx)
+        else:
+            out = self.expanded(q_nope, q_pe, kv_layer, ctx.batch)
+        return F.linear(out.reshape(h.shape[0], -1), self.w.w_o, self.w.b_o)
+
+    def _query_and_cache(self, h: torch.Tensor, kv_layer: torch.Tensor,
+                         ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head query parts ([T, Hq, dn], roped [T, Hq, dr]); writes each token's row."""
+        d, t = self.dims, h.shape[0]
+        a = F.linear(h, self.w.w_a, self.w.b_a)  # [T, q_lora + r + dr]
+        q_in = h if self.w.q_norm is None else rms_norm(a[:, :d.q_lora_rank], self.w.q_norm, LATENT_NORM_EPS)
+        q = F.linear(q_in, self.w.w_q).view(t, d.heads, d.nope + d.rope)
+        latent = rms_norm(a[:, d.q_lora_rank:d.q_lora_rank + d.kv_lora_rank], self.w.kv_norm, LATENT_NORM_EPS)
+        cos, sin = ctx.tables(self.rope)
+        q_pe = self.rope.apply(q[:, :, d.nope:], cos, sin)                                 # [T, Hq, dr]
+        k_pe = self.rope.apply(a[:, None, d.q_lora_rank + d.kv_lora_rank:], cos, sin)     # [T, 1, dr]
+        rows = kv_layer.view(-1, d.row)  # [P * S, r + dr]: C == 1, one shared head
+        rows[ctx.batch.slot_mapping] = torch.cat((latent, k_pe[:, 0]), dim=-1)
+        return q[:, :, :d.nope], q_pe
+
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
+                  ctx: StepContext) -> torch.Tensor:
+        d = self.dims
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, Hq, r]
+        query = torch.cat((q_lat, q_pe), dim=-1)                               # [T, Hq, r + dr]
+        if ctx.plan is not None:  # planned exactly when the batch is a decode
+            o_lat = ctx.attention.decode(query, kv_layer, ctx.plan, self.scale, v_dim=d.kv_lora_rank)
+        else:
+            o_lat = ctx.attention.prefill(query, kv_layer, ctx.batch, self.scale, v_dim=d.kv_lora_rank)
+        # o_lat: [T, Hq, r] -> per head W_uv: [T, Hq, dv]
+        return torch.bmm(o_lat.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
+                 batch: ForwardBatch) -> torch.Tensor:
+        """The reference: each request's cached rows expanded by kv_b_proj into per-head K/V,
+        causal attention of its queries over them.  Returns [T, Hq, dv]."""
+        d, s = self.dims, kv_layer.shape[2]
+        out = q_nope.new_empty(q_nope.shape[0], d.heads, d.v)
+        query = torch.cat((q_nope, q_pe), dim=-1)  # [T, Hq, dn + dr]
+        for b, tokens in enumerate(_request_tokens(batch)):
+            length = int(batch.seq_lens[b])
+            pages = batch.page_table[b, :-(-length // s)].long()
+            rows = kv_layer[0, pages].reshape(-1, d.row)[:length]                  # [L, r + dr]
+            kv = F.linear(rows[:, :d.kv_lora_rank], self.w.w_kv_b).view(length, d.heads, -1)
+            k_pe = rows[:, None, d.kv_lora_rank:].expand(length, d.heads, d.rope)
+            k = torch.cat((kv[:, :, :d.nope], k_pe), dim=-1).transpose(0, 1)      # [Hq, L, dn + dr]
+            v = kv[:, :, d.nope:].transpose(0, 1)                                  # [Hq, L, dv]
+            visible = torch.arange(length, device=rows.device)[None, :] <= batch.positions[tokens][:, None]
+            o = F.scaled_dot_product_attention(query[tokens].transpose(0, 1), k, v,
+                                               attn_mask=visible, scale=self.scale)  # [Hq, Tb, dv]
+            out[tokens] = o.transpose(0, 1)
+        return out
+
+
+def _request_tokens(batch: ForwardBatch) -> list[torch.Tensor]:
+    """Flat token indices of each request's queries, in order."""
+    if batch.q_index is None or batch.q_valid is None:  # a decode: token b is request b's
+        return [torch.tensor([b], device=batch.input_ids.device) for b in range(batch.seq_lens.shape[0])]
+    return [idx[valid] for idx, valid in zip(batch.q_index, batch.q_valid)]

@@ -1,0 +1,170 @@
+"""Multi-head latent attention (engine/models/mla.py): one layer against transformers'
+DeepseekV3Attention (fp32), the absorbed path (serving) against the expanded one (reference)
+over paged latent rows, what a page row holds, and the KV bytes a token takes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DeepseekV3Config
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    DeepseekV3Attention,
+    DeepseekV3RotaryEmbedding,
+    apply_rotary_pos_emb_interleave,
+)
+
+from engine.attention import TorchAttention
+from engine.config import ModelConfig
+from engine.forward_batch import build_batch
+from engine.models import deepseek_v3
+from engine.models.decoder import StepContext
+from engine.models.mla import MlaAttention
+
+PAGE = 4
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
+DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def tiny_config(**over) -> DeepseekV3Config:
+    args = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+                q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16,
+                max_position_embeddings=256, rope_parameters=YARN)
+    cfg = DeepseekV3Config(**{**args, **over})
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def hf_attention(cfg: DeepseekV3Config, seed: int = 0) -> DeepseekV3Attention:
+    torch.manual_seed(seed)
+    att = DeepseekV3Attention(cfg, 0).eval()
+    with torch.no_grad():
+        for name, p in att.named_parameters():
+            p.normal_(1.0 if "layernorm" in name else 0.0, 0.2)
+    return att
+
+
+def engine_block(cfg: DeepseekV3Config, att: DeepseekV3Attention, absorbed: bool) -> MlaAttention:
+    """The engine's block from HF's weights, through the family module's loading code."""
+    mc = ModelConfig.from_dict(cfg.to_dict())
+    t = {f"model.layers.0.self_attn.{k}": v.detach().clone() for k, v in att.state_dict().items()}
+    block = deepseek_v3.attention_layer(mc, t, "model.layers.0.", deepseek_v3.make_rope(mc, "cpu"), absorbed)
+    assert not t  # every tensor of the layer was used
+    return block
+
+
+def run(block: MlaAttention, kv: torch.Tensor, chunks: list[torch.Tensor], starts: list[int],
+        tables: list[list[int]]) -> torch.Tensor:
+    """One forward of the block for requests adding `chunks[b]` ([n_b, H]) at `starts[b]`."""
+    batch = build_batch([[0] * len(c) for c in chunks], starts, tables, PAGE, "cpu")
+    attention = TorchAttention(PAGE)
+    ctx = StepContext(batch, attention, attention.plan(batch) if batch.is_decode else None, torch.float32)
+    with torch.no_grad():
+        return block(torch.cat(chunks), kv, ctx)
+
+
+def hf_outputs(cfg: DeepseekV3Config, att: DeepseekV3Attention, x: torch.Tensor) -> torch.Tensor:
+    """HF's attention over a whole sequence x [n, H] (causal): [n, H]."""
+    n = x.shape[0]
+    pe = DeepseekV3RotaryEmbedding(cfg)(x[None], torch.arange(n)[None])
+    mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        return att(x[None], pe, mask)[0][0]
+
+
+@pytest.mark.parametrize("absorbed", [True, False], ids=["absorbed", "expanded"])
+@pytest.mark.parametrize("over", [
+    {},                                                                          # q lora, YaRN, interleaved
+    {"q_lora_rank": None, "attention_bias": True, "rope_parameters": DEFAULT_ROPE},  # q_proj, biases
+    {"rope_interleave": False},                                                  # halves pairing
+], ids=["q_lora-yarn", "q_proj-bias-default_rope", "not_interleaved"])
+def test_layer_matches_transformers(over, absorbed):
+    """Two requests on scattered pages: a prefill of both, then three decode steps; every
+    token's output equals HF's attention over the whole sequence."""
+    cfg = tiny_config(**over)
+    att = hf_attention(cfg)
+    block = engine_block(cfg, att, absorbed)
+    lens, tables = [7, 12], [[3, 1, 6, 0], [2, 5, 7, 4]]
+    x = [torch.randn(n + 3, cfg.hidden_size) for n in lens]
+    kv = torch.zeros(1, 8, PAGE, 1, block.dims.row)
+    first = run(block, kv, [xs[:n] for xs, n in zip(x, lens)], [0, 0], tables)
+    got = [[first[:lens[0]]], [first[lens[0]:]]]
+    for step in range(3):
+        out = run(block, kv, [xs[n + step:n + step + 1] for xs, n in zip(x, lens)], [n + step for n in lens], tables)
+        got[0].append(out[:1])
+        got[1].append(out[1:])
+    for g, xs in zip(got, x):
+        torch.testing.assert_close(torch.cat(g), hf_outputs(cfg, att, xs), atol=1e-5, rtol=0)
+
+
+def test_page_row_holds_normed_latent_and_roped_key():
+    """What a KV page stores per token: [kv_a_layernorm(latent) | rope(k_pe)], one row for all heads."""
+    cfg = tiny_config()
+    att = hf_attention(cfg)
+    block = engine_block(cfg, att, absorbed=True)
+    x = torch.randn(6, cfg.hidden_size)
+    kv = torch.zeros(1, 4, PAGE, 1, block.dims.row)
+    run(block, kv, [x], [0], [[2, 0]])
+    rows = kv[0, [2, 0]].reshape(-1, block.dims.row)[:6]
+    r = cfg.kv_lora_rank
+    with torch.no_grad():
+        latent, k_pe = att.kv_a_proj_with_mqa(x).split([r, cfg.qk_rope_head_dim], dim=-1)
+        cos, sin = DeepseekV3RotaryEmbedding(cfg)(x[None], torch.arange(6)[None])
+        _, k_rot = apply_rotary_pos_emb_interleave(k_pe[None, None], k_pe[None, None], cos, sin)
+        torch.testing.assert_close(rows[:, :r], att.kv_a_layernorm(latent), atol=1e-6, rtol=0)
+        torch.testing.assert_close(rows[:, r:], k_rot[0, 0], atol=1e-6, rtol=0)
+
+
+def test_absorbed_matches_expanded_over_cached_prefixes():
+    """Wider heads; a prefill, a second chunk over the cached prefix beside a new request, then a
+    decode batch of three: the absorbed path (latent MQA) and the expanded reference agree."""
+    cfg = tiny_config(hidden_size=96, num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=32,
+                      q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20)
+    att = hf_attention(cfg, seed=1)
+    blocks = [engine_block(cfg, att, absorbed) for absorbed in (True, False)]
+    tables = [[5, 2, 9, 0, 11], [3, 7, 1, 12, 4], [8, 6, 10, 13, 14]]
+    gen = torch.Generator().manual_seed(3)
+    steps = [([10], [0], [0]), ([5, 13], [10, 0], [0, 1]), ([1, 1, 1], [15, 13, 0], [0, 1, 2])]
+    outs: list[list[torch.Tensor]] = [[], []]
+    kvs = [torch.zeros(1, 15, PAGE, 1, blocks[0].dims.row) for _ in blocks]
+    for sizes, starts, reqs in steps:
+        chunks = [torch.randn(n, cfg.hidden_size, generator=gen) for n in sizes]
+        for i, block in enumerate(blocks):
+            outs[i].append(run(block, kvs[i], chunks, starts, [tables[r] for r in reqs]))
+    assert torch.equal(kvs[0], kvs[1])  # both paths cache the same rows
+    diff = max((a - b).abs().max().item() for a, b in zip(*outs))
+    assert diff < 1e-5, diff
+
+
+DEEPSEEK_V3 = {  # the published config.json's attention and layer dims (deepseek-ai/DeepSeek-V3)
+    "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280, "hidden_size": 7168,
+    "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+    "v_head_dim": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 256,
+    "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 3}
+
+
+def gqa_equivalent_bytes(raw: dict, element_size: int) -> int:
+    """Per token: K (dn + dr) and V (dv) of every head in every layer, as an expanded cache holds them."""
+    heads, layers = raw["num_attention_heads"], raw["num_hidden_layers"]
+    return layers * heads * (raw["qk_nope_head_dim"] + raw["qk_rope_head_dim"] + raw["v_head_dim"]) * element_size
+
+
+def test_kv_bytes_per_token_latent_against_expanded():
+    tiny = ModelConfig.from_dict({**tiny_config().to_dict(), "num_hidden_layers": 2})
+    assert tiny.kv_geometry == (1, 1, 16 + 8)
+    assert tiny.kv_bytes_per_token(4) == 2 * 24 * 4                              # 192 B in fp32
+    assert gqa_equivalent_bytes(tiny.raw, 4) == 2 * 4 * (16 + 8 + 12) * 4        # 1,152 B: 6x
+    real = ModelConfig.from_dict(DEEPSEEK_V3)
+    assert real.kv_geometry == (1, 1, 576)
+    assert real.kv_bytes_per_token(2) == 70_272                                  # 68.6 KiB in bf16
+    assert gqa_equivalent_bytes(DEEPSEEK_V3, 2) == 4_997_120                     # 4.77 MiB: 71x
+    assert deepseek_v3.expert_bytes(real, 2) == 3 * 7168 * 2048 * 2              # 84 MiB per routed expert
+
+
+@pytest.mark.parametrize("field,value", [("scoring_func", "softmax"), ("topk_method", "greedy"),
+                                         ("hidden_act", "gelu")])
+def test_unsupported_variants_are_refused_by_name(field, value):
+    cfg = ModelConfig.from_dict({**DEEPSEEK_V3, field: value})
+    with pytest.raises(ValueError, match=field):
+        deepseek_v3.expected_tensors(cfg)
