@@ -44,8 +44,8 @@ def hf_render(root: Path) -> str:
 @pytest.mark.parametrize("where", ["config", "file", "named", "both"])
 def test_the_template_is_found_and_renders_like_transformers(tmp_path: Path, where: str) -> None:
     shipped = SHIPPED["chat_template"]
-    config, file = {"config": (shipped, None), "file": (None, shipped),
-                    "named": ([{"name": "tool_use", "template": FANCY}, {"name": "default", "template": shipped}], None),
+    named = [{"name": "tool_use", "template": FANCY}, {"name": "default", "template": shipped}]
+    config, file = {"config": (shipped, None), "file": (None, shipped), "named": (named, None),
                     "both": (FANCY, shipped)}[where]   # the file wins, as in transformers
     root = checkpoint(tmp_path, config, file)
     tok = Tokenizer(root)
