@@ -69,6 +69,12 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...] = field(default=())
+    first_k_dense_replace: int = 0            # GLM-4.5 / DeepSeek-V3: the first k layers are dense
+    num_shared_experts: int = 0               # always-resident experts beside the routed ones
+    shared_expert_intermediate_size: int = 0  # all shared experts together
+    # the whole config.json: each family module reads its own specifics (routing, latent
+    # attention, windows, sinks) from it
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -81,9 +87,28 @@ class ModelConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Qwen3-MoE's rule: sparse unless listed in mlp_only_layers or off the sparse step."""
-        return (self.num_experts > 0 and layer not in self.mlp_only_layers
-                and (layer + 1) % self.decoder_sparse_step == 0)
+        """Sparse unless among the first `first_k_dense_replace` layers, listed in
+        mlp_only_layers, or off the sparse step (the Qwen rule; the others leave it at 1)."""
+        return (self.num_experts > 0 and layer >= self.first_k_dense_replace
+                and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3): a KV page holds one compressed row per token."""
+        return bool(self.raw.get("kv_lora_rank"))
+
+    @property
+    def kv_geometry(self) -> tuple[int, int, int]:
+        """What one token of one layer stores in a KV page: (components, heads, dim).
+        GQA: K and V of every KV head; MLA: one row [latent | decoupled rope key]."""
+        if self.is_mla:
+            return 1, 1, int(self.raw["kv_lora_rank"]) + int(self.raw["qk_rope_head_dim"])
+        return 2, self.num_key_value_heads, self.head_dim
+
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        """KV-cache bytes one token takes over all layers, at `element_size` bytes per value."""
+        c, h, d = self.kv_geometry
+        return self.num_hidden_layers * c * h * d * element_size
 
     @property
     def moe_layers(self) -> list[int]:
@@ -91,29 +116,39 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        """Accept both spellings: released Qwen3-MoE configs (`num_experts`, `rope_theta`)
-        and transformers 5 (`num_local_experts`, `rope_parameters`)."""
+        """Read config.json in every family's spelling: the experts' count is `num_experts`
+        (Qwen), `num_local_experts` (Mixtral, gpt-oss, transformers 5) or `n_routed_experts`
+        (GLM-4.5, DeepSeek-V3); Mixtral and gpt-oss give their experts' width as
+        `intermediate_size`; rope_theta sits in `rope_parameters` (transformers 5),
+        `rope_scaling` or at the top."""
         arch = (raw.get("architectures") or [raw.get("model_type", "unknown")])[0]
-        rope = raw.get("rope_parameters") or {}
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-        num_experts = raw.get("num_experts", raw.get("num_local_experts", 0))
+        num_experts = raw.get("num_experts", raw.get("num_local_experts", raw.get("n_routed_experts", 0))) or 0
+        expert_width = raw.get("moe_intermediate_size") or (raw.get("intermediate_size", 0) if num_experts else 0)
         heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        shared = raw.get("n_shared_experts") or 0
+        shared_width = raw.get("shared_expert_intermediate_size") or shared * expert_width
         return cls(
             architecture=arch, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
             num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=heads,
-            num_key_value_heads=raw.get("num_key_value_heads", heads),
+            # latent attention has no KV heads (DeepseekV3Config writes its default of 128 anyway)
+            num_key_value_heads=heads if raw.get("kv_lora_rank") else raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             intermediate_size=raw.get("intermediate_size", 0),
-            moe_intermediate_size=raw.get("moe_intermediate_size", 0),
+            moe_intermediate_size=expert_width,
             num_experts=num_experts, num_experts_per_tok=raw.get("num_experts_per_tok", 0),
             norm_topk_prob=raw.get("norm_topk_prob", False),
-            decoder_sparse_step=raw.get("decoder_sparse_step", 1),
+            decoder_sparse_step=raw.get("decoder_sparse_step") or 1,
             mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False), eos_token_ids=eos)
+            tie_word_embeddings=raw.get("tie_word_embeddings", False), eos_token_ids=eos,
+            first_k_dense_replace=raw.get("first_k_dense_replace") or 0,
+            num_shared_experts=1 if raw.get("shared_expert_intermediate_size") else shared,
+            shared_expert_intermediate_size=shared_width, raw=dict(raw))
 
     @classmethod
     def from_path(cls, path: str | Path) -> "ModelConfig":

@@ -90,8 +90,9 @@ class EngineCore:
                 check_independence(experts.slots, layer)
             prefetch = config.paged_experts_prefetch
             self.model.prefetch_experts = torch.device(device).type == "cuda" if prefetch is None else prefetch
+        components, kv_heads, kv_dim = mc.kv_geometry
         self.pool = PagePool(config.num_pages, config.page_size, mc.num_hidden_layers,
-                             mc.num_key_value_heads, mc.head_dim, config.dtype, device,
+                             kv_heads, kv_dim, config.dtype, device, kv_components=components,
                              prefix_cache=config.enable_prefix_cache, audit=config.kv_audit)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_prefill_tokens, interleave)
         limit = mc.max_position_embeddings
@@ -233,8 +234,7 @@ class EngineCore:
     # ---- paged experts -----------------------------------------------------------------
     def paged_experts(self) -> dict[int, PagedExperts]:
         """MoE layer index -> its paged experts (empty when every expert is resident)."""
-        return {i: layer.experts for i, layer in enumerate(self.model.layers)
-                if isinstance(layer.experts, PagedExperts)}
+        return self.model.paged_experts()
 
     def verify_experts(self, on: bool = True) -> None:
         """Guard mode: after each MoE compute the slots it read (and before eviction, every slot

@@ -17,7 +17,7 @@ from engine.config import SHIPPED_MODEL, EngineConfig, ModelConfig, parse_dtype
 from engine.core import EngineCore
 from engine.experts import PagedExperts
 from engine.kv_pool import PagePool
-from engine.models.qwen3_moe import Qwen3MoeModel
+from engine.models.decoder import DecoderModel
 from engine.params import SamplingParams
 from engine.prefix_cache import cache_salt as derive_salt
 from engine.request import Request, RequestOutput
@@ -66,7 +66,7 @@ class LLM:
         return self.core.tokenizer
 
     @property
-    def model(self) -> Qwen3MoeModel:
+    def model(self) -> DecoderModel:
         return self.core.model
 
     @property

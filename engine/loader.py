@@ -17,8 +17,8 @@ from engine.attention import TorchAttention
 from engine.checkpoint import CheckpointError, iter_tensors, weight_files
 from engine.config import ModelConfig
 from engine.models import spec_for
-from engine.models.qwen3_moe import Qwen3MoeModel
-from engine.models.qwen3_moe_weights import ExpertsFactory
+from engine.models.decoder import DecoderModel
+from engine.models.weights import ExpertsFactory
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PROGRESS_MIN_TENSORS = 2000
@@ -27,7 +27,7 @@ WEIGHT_ALIGNMENT = 64  # bytes; torch's CPU allocator gives 64, CUDA's caching a
 
 def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
                attention: TorchAttention, progress: bool | None = None,
-               make_experts: ExpertsFactory | None = None, moe_triton: bool = False) -> Qwen3MoeModel:
+               make_experts: ExpertsFactory | None = None, moe_triton: bool = False) -> DecoderModel:
     """Read every tensor, check its name and shape, copy it in `dtype` to `device`, fuse.
 
     With `make_experts` (paged experts) the expert tensors stay in host memory and the

@@ -8,14 +8,14 @@ import torch
 
 from engine.forward_batch import build_batch
 from engine.kv_pool import PagePool
-from engine.models.qwen3_moe import Qwen3MoeModel
+from engine.models.decoder import DecoderModel
 from engine.request import Request
 from engine.sampling import SampleOutput, sample
 from engine.scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3MoeModel, pool: PagePool, device: str, eos_ids: frozenset[int] = frozenset()):
+    def __init__(self, model: DecoderModel, pool: PagePool, device: str, eos_ids: frozenset[int] = frozenset()):
         self.model = model
         self.pool = pool
         self.device = device

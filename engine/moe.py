@@ -67,6 +67,71 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: boo
     return (weights if x.dtype == torch.float32 else weights.to(x.dtype)), ids
 
 
+class Router(Protocol):
+    """A MoE layer's choice of experts: h [T, H] -> (weights [T, k] in h's dtype, ids [T, k] int64)."""
+
+    def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def _in(dtype: torch.dtype, weights: torch.Tensor) -> torch.Tensor:
+    return weights if dtype == torch.float32 else weights.to(dtype)
+
+
+class SoftmaxRouter:
+    """Qwen-MoE, Mixtral (norm_topk_prob=True): softmax over every expert, top-k."""
+
+    def __init__(self, weight: torch.Tensor, top_k: int, norm_topk_prob: bool) -> None:
+        self.weight, self.top_k, self.norm = weight, top_k, norm_topk_prob  # weight [E, H]
+
+    def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(h, self.weight, self.top_k, self.norm)
+
+
+class GroupedSigmoidRouter:
+    """GLM-4.5 and DeepSeek-V3: sigmoid scores in fp32; the choice adds a per-expert correction
+    bias and is limited to the `topk_group` groups (of `n_group`) whose two best biased scores
+    sum highest; the weights are the unbiased scores of the chosen experts, renormalised when
+    `norm` and multiplied by `scale` (routed_scaling_factor)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
+                 topk_group: int, norm: bool, scale: float) -> None:
+        e = weight.shape[0]
+        if n_group < 1 or e % n_group or e // n_group < 2 or not 1 <= topk_group <= n_group:
+            raise ValueError(f"n_group={n_group}, topk_group={topk_group} do not fit {e} experts "
+                             "(groups of at least two experts, 1 <= topk_group <= n_group)")
+        if top_k > topk_group * (e // n_group):
+            raise ValueError(f"top_k={top_k} exceeds the {topk_group * (e // n_group)} experts of "
+                             f"topk_group={topk_group} groups")
+        self.weight, self.bias = weight.float(), bias.float()  # [E, H], [E]
+        self.top_k, self.n_group, self.topk_group, self.norm, self.scale = top_k, n_group, topk_group, norm, scale
+
+    def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t, e = h.shape[0], self.weight.shape[0]
+        scores = F.linear(h.float(), self.weight).sigmoid()  # [T, E]
+        biased = scores + self.bias
+        groups = biased.view(t, self.n_group, e // self.n_group)
+        best = groups.topk(2, dim=-1)[0].sum(dim=-1)  # [T, n_group]
+        chosen = torch.topk(best, self.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, chosen, True)
+        biased = biased.masked_fill(~keep.repeat_interleave(e // self.n_group, dim=1), float("-inf"))
+        ids = torch.topk(biased, self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.norm:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return _in(h.dtype, weights * self.scale), ids
+
+
+class LogitTopkRouter:
+    """gpt-oss: top-k of the router's logits (with its bias), softmax over those k."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, top_k: int) -> None:
+        self.weight, self.bias, self.top_k = weight, bias, top_k  # [E, H], [E]
+
+    def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        values, ids = torch.topk(F.linear(h, self.weight, self.bias), self.top_k, dim=-1)
+        return F.softmax(values, dim=1, dtype=values.dtype), ids
+
+
 def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Weighted sum over the k experts of each token. y: [T, k, H] -> [T, H]."""
     return torch.bmm(weights.unsqueeze(1), y).squeeze(1)

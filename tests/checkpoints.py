@@ -10,7 +10,7 @@ import torch
 
 from engine.checkpoint import save_checkpoint
 from engine.config import SHIPPED_MODEL, ModelConfig
-from engine.models.qwen3_moe_weights import expected_tensors
+from engine.models.qwen3_moe import expected_tensors
 
 # A shape unlike the shipped model's: GQA 4:1, tied embeddings, a dense layer
 # (mlp_only_layers), and the transformers-5 spelling of the config keys.

@@ -153,8 +153,8 @@ def storage_range(t: torch.Tensor) -> tuple[int, int]:
 # Per layer: two norms, wqkv, wo, qk_norm; per MoE layer: router and two expert tensors (paged:
 # the host store's two and the slots' two); per dense layer: w13, w2; embed, lm_head, final norm.
 @pytest.mark.parametrize("num_resident, at_least, must_hold", [
-    (None, 3 * 5 + 2 * 3 + 2 + 3, ["layers[0].experts.w13", "layers[2].router", "lm_head"]),
-    (2, 3 * 5 + 2 * 5 + 2 + 3, ["layers[0].experts.slots.store.w13", "layers[2].experts.slots.w2"]),
+    (None, 3 * 5 + 2 * 3 + 2 + 3, ["layers[0].mlp.experts.w13", "layers[2].mlp.router.weight", "lm_head"]),
+    (2, 3 * 5 + 2 * 5 + 2 + 3, ["layers[0].mlp.experts.slots.store.w13", "layers[2].mlp.experts.slots.w2"]),
 ])
 def test_every_weight_is_owned_and_aligned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                            num_resident: int | None, at_least: int, must_hold: list[str]) -> None:

@@ -8,13 +8,13 @@ import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
 from engine.layers import rms_norm
-from engine.models.qwen3_moe import Qwen3MoeModel
+from engine.models.decoder import DecoderModel
 
 
 class ContiguousCache:
     """The same model, with K/V in one contiguous [L, T, Hkv, D] tensor per request."""
 
-    def __init__(self, model: Qwen3MoeModel):
+    def __init__(self, model: DecoderModel):
         self.m = model
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -28,10 +28,11 @@ class ContiguousCache:
         x = m.embed[torch.tensor(ids)]
         for li, layer in enumerate(m.layers):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(h, layer.wqkv).view(len(ids), -1, cfg.head_dim)
+            a = layer.attn
+            qkv = F.linear(h, a.wqkv).view(len(ids), -1, cfg.head_dim)
             hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-            qk = rms_norm(qkv[:, :hq + hkv], layer.qk_norm, cfg.rms_norm_eps)
-            qk = m.rotary.apply(qk, *m.rotary.tables(pos, x.dtype))
+            qk = rms_norm(qkv[:, :hq + hkv], a.qk_norm, cfg.rms_norm_eps)
+            qk = a.rope.apply(qk, *a.rope.tables(pos, x.dtype))
             q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
             if len(self.k) <= li:
                 self.k.append(k)
@@ -43,10 +44,10 @@ class ContiguousCache:
             mask = torch.arange(total)[None, :] <= pos[:, None]  # [Q, T]
             att = F.scaled_dot_product_attention(q.transpose(0, 1), self.k[li].transpose(0, 1),
                                                  self.v[li].transpose(0, 1), attn_mask=mask,
-                                                 scale=m.scale, enable_gqa=True)
-            x = x + F.linear(att.transpose(0, 1).reshape(len(ids), -1), layer.wo)
+                                                 scale=a.scale, enable_gqa=True)
+            x = x + F.linear(att.transpose(0, 1).reshape(len(ids), -1), a.wo)
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            x = x + (m._moe(h, li) if layer.experts is not None else m._dense(h, layer))
+            x = x + layer.mlp(h)
         hidden = rms_norm(x[-1:], m.final_norm, cfg.rms_norm_eps)
         return torch.log_softmax(m.logits(hidden)[0], dim=-1)
 

@@ -1,17 +1,23 @@
-"""Model registry: architecture name (config.json `architectures[0]`) -> its weight spec.
+"""Model registry: architecture name (config.json `architectures[0]`) -> its family module.
 
-Adding a Mixtral- or DeepSeek-style model means one module with `expected_tensors`,
-`ignorable` and `assemble`, and one line here.
+A family module provides:
+    expected_tensors(cfg) -> {name: shape}   every tensor the checkpoint must hold
+    ignorable(cfg, name) -> bool             tensors checkpoints carry that are not used
+    is_routed_expert(name) -> bool           a routed expert's tensor (paged experts keep it on the host)
+    expert_bytes(cfg, element_size) -> int   one routed expert's weights, all its tensors
+    assemble(cfg, tensors, attention, make_experts, moe_triton) -> DecoderModel
+
+Importing this module imports the family modules (and torch).
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from engine.models import qwen3_moe_weights
+from engine.models import qwen3_moe
 
 REGISTRY: dict[str, ModuleType] = {
-    "Qwen3MoeForCausalLM": qwen3_moe_weights,
+    "Qwen3MoeForCausalLM": qwen3_moe,
 }
 
 
