@@ -158,15 +158,25 @@ def select_attention(device: torch.device | str, backend: str | None = None,
 
 
 def _startup_check(attn: TritonAttention, device: torch.device) -> None:
-    """Compile the kernel now and compare it with the reference on a small input, so a
-    broken build fails at start-up, not on the first decode step."""
+    """Compile the kernel's variants now (plain GQA; window with sinks; MLA's 576-dim latent
+    with Dv = 512) and compare each with the reference on a small input, so a broken build
+    fails at start-up, not on the first decode step."""
     gen = torch.Generator(device="cpu").manual_seed(0)
-    q = torch.randn(3, 4, 64, generator=gen).to(device)
-    kv = torch.randn(2, 8, 16, 2, 64, generator=gen).to(device)
     table = torch.tensor([[3, 1, 0], [7, 2, 5], [4, 6, 0]], dtype=torch.int32, device=device)
     lens = torch.tensor([20, 48, 1], dtype=torch.int32, device=device)
-    got = attn.decode(q, kv, (table, lens), 0.125)
-    want = paged_decode_attention_ref(q, kv[0], kv[1], table, lens, 0.125)
-    err = (got - want).abs().max().item()
-    if not err < 1e-3:
-        raise RuntimeError(f"Triton decode attention differs from the reference by {err} at start-up")
+    sinks = torch.randn(4, generator=gen).to(device)
+    # (name, q shape, kv_layer shape, window, sinks, v_dim)
+    cases: list[tuple[str, tuple[int, ...], tuple[int, ...], int | None, torch.Tensor | None, int | None]] = [
+        ("plain", (3, 4, 64), (2, 8, 16, 2, 64), None, None, None),
+        ("window+sinks", (3, 4, 64), (2, 8, 16, 2, 64), 21, sinks, None),
+        ("latent", (3, 16, 576), (1, 8, 16, 1, 576), None, None, 512)]
+    for name, q_shape, kv_shape, window, sink, v_dim in cases:
+        q = torch.randn(q_shape, generator=gen).to(device)
+        kv = torch.randn(kv_shape, generator=gen).to(device)
+        got = attn.decode(q, kv, (table, lens), 0.125, window=window, sinks=sink, v_dim=v_dim)
+        k_cache, v_cache = split_kv(kv, v_dim)
+        want = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, 0.125, window=window, sinks=sink)
+        err = (got - want).abs().max().item()
+        if not err < 1e-3:
+            raise RuntimeError(f"Triton decode attention ({name}) differs from the reference by "
+                               f"{err} at start-up")

@@ -121,7 +121,7 @@ def _inputs(**over):
     (dict(page_table=torch.zeros(2, 3, dtype=torch.int64)), "int32"),
     (dict(q=torch.randn(2, 4, 16, dtype=torch.float16)), "dtype"),
     (dict(q=torch.randn(2, 4, 12), k_cache=torch.randn(5, 4, 2, 12), v_cache=torch.randn(5, 4, 2, 12)),
-     "power of two"),
+     "head_dim must be in"),
     (dict(k_cache=torch.randn(5, 4, 2, 32)[..., ::2]), "contiguous"),
 ])
 def test_launcher_rejects_bad_inputs(over: dict, match: str) -> None:
