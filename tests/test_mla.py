@@ -1,24 +1,32 @@
 """Multi-head latent attention (engine/models/mla.py): one layer against transformers'
 DeepseekV3Attention (fp32), the absorbed path (serving) against the expanded one (reference)
-over paged latent rows, what a page row holds, and the KV bytes a token takes."""
+over paged latent rows, what a page row holds, the KV bytes a token takes, and a whole
+Kimi-K2-shaped model (one expert group, no q lora, the older rope_scaling spelling) against
+transformers' generate."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
-from transformers import DeepseekV3Config
+from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3Attention,
     DeepseekV3RotaryEmbedding,
     apply_rotary_pos_emb_interleave,
 )
 
+from engine import LLM, SamplingParams
 from engine.attention import TorchAttention
-from engine.config import ModelConfig
+from engine.config import SHIPPED_MODEL, ModelConfig
 from engine.forward_batch import build_batch
 from engine.models import deepseek_v3
 from engine.models.decoder import StepContext
 from engine.models.mla import MlaAttention
+from tests.test_parity_hf import check_parity
 
 PAGE = 4
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
@@ -168,3 +176,64 @@ def test_unsupported_variants_are_refused_by_name(field, value):
     cfg = ModelConfig.from_dict({**DEEPSEEK_V3, field: value})
     with pytest.raises(ValueError, match=field):
         deepseek_v3.expected_tensors(cfg)
+
+
+def write_kimi_shaped(path: Path) -> Path:
+    """A tiny Kimi-K2-shaped checkpoint written by transformers: one expert group (n_group =
+    topk_group = 1), q_proj instead of q lora, routed_scaling_factor 2.827, YaRN factor 32 past
+    an original context of 16, no MTP layer; its config.json then respelled as Kimi-K2's is
+    (model_type kimi_k2, `rope_scaling` with `type`, a top-level rope_theta), with the shipped
+    tokenizer.  Returns the directory transformers reads (model_type deepseek_v3)."""
+    torch.manual_seed(1)
+    cfg = DeepseekV3Config(
+        vocab_size=4096, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=12, num_experts_per_tok=3,
+        n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.827, kv_lora_rank=16,
+        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, max_position_embeddings=512,
+        eos_token_id=1, num_mtp_layers=0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 16, "beta_fast": 1.0,
+                         "beta_slow": 1.0})
+    model = DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
+    model.save_pretrained(path)
+    for f in SHIPPED_MODEL.iterdir():
+        if f.name.startswith("tokenizer"):
+            shutil.copy(f, path / f.name)
+    raw = json.loads((path / "config.json").read_text())
+    hf_dir = path.parent / (path.name + "-hf")
+    shutil.copytree(path, hf_dir)
+    rope = raw.pop("rope_parameters")
+    raw["rope_theta"], rope["type"] = rope.pop("rope_theta"), rope.pop("rope_type")
+    for key in ("head_dim", "qk_head_dim"):
+        raw.pop(key, None)
+    raw.update(model_type="kimi_k2", rope_scaling=rope, scoring_func="sigmoid", topk_method="noaux_tc",
+               moe_layer_freq=1)
+    (path / "config.json").write_text(json.dumps(raw, indent=1))
+    (hf_dir / "config.json").write_text(json.dumps({**raw, "model_type": "deepseek_v3"}, indent=1))
+    return hf_dir
+
+
+def test_kimi_k2_shaped_model_matches_transformers(tmp_path):
+    """Greedy tokens identical and every logprob within 1e-4 of transformers', on prompts that
+    run past the original context (YaRN's interpolated frequencies and mscale at work)."""
+    hf_dir = write_kimi_shaped(tmp_path / "kimi")
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    llm = LLM(str(tmp_path / "kimi"), page_size=8)
+    assert llm.pool.geometry == (1, 1, 16 + 8)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 4096, (n,), generator=gen).tolist() for n in (1, 6, 17, 40)]
+    try:
+        check_parity(llm, hf, prompts)
+        # a prompt sharing the last one's first 24 tokens: its prefill runs over cached latent pages
+        shared = prompts[-1][:24] + [5, 6, 7, 8, 9]
+        check_parity(llm, hf, [shared])
+        out = llm.generate([shared], SamplingParams(max_tokens=1, temperature=0))[0]
+        assert out.num_cached_tokens == 24
+    finally:
+        llm.pool.check_integrity()
+        assert llm.pool.num_free == llm.pool.num_pages

@@ -92,9 +92,9 @@ def ignorable(cfg: ModelConfig, name: str) -> bool:
     return name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
 
 
-def keep_fp32(cfg: ModelConfig, name: str) -> bool:
-    """The router's weight and correction bias, which HF keeps in fp32 in every dtype (the
-    bias's small differences decide the top-k)."""
+def keeps_fp32(name: str) -> bool:
+    """Tensors transformers keeps in fp32 whatever the serving dtype: the router's weight and
+    correction bias (routing runs in fp32; a bf16 bias would move near-tie choices)."""
     return name.endswith((".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"))
 
 
