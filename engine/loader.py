@@ -4,17 +4,26 @@ Every tensor is copied once, here, into memory the engine allocates: the model n
 view into the memory-mapped file.  Such a view sits at the tensor's offset in the file, so its
 alignment (and with it the order in which MKL's SGEMM sums) would depend on how the checkpoint
 happens to be sharded, and rewriting the file would change the live weights.
+
+Real checkpoints carry more than the model runs: block-wise FP8 weights are dequantized to the
+serving dtype here (engine/checkpoint.py `dequantized`), and the multi-token-prediction layers
+of DeepSeek-V3 and GLM-4.5 (`num_nextn_predict_layers` layers numbered from num_hidden_layers
+on) are skipped with one log line.
 """
 
 from __future__ import annotations
 
+import logging
+import re
+from collections import Counter
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from tqdm import tqdm
 
 from engine.attention import TorchAttention
-from engine.checkpoint import CheckpointError, iter_tensors, weight_files
+from engine.checkpoint import SCALE_SUFFIX, CheckpointError, dequantized, fp8_block, iter_tensors, weight_files
 from engine.config import ModelConfig
 from engine.models import spec_for
 from engine.models.decoder import DecoderModel
@@ -23,6 +32,9 @@ from engine.models.weights import ExpertsFactory
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PROGRESS_MIN_TENSORS = 2000
 WEIGHT_ALIGNMENT = 64  # bytes; torch's CPU allocator gives 64, CUDA's caching allocator 512
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+log = logging.getLogger(__name__)
 
 
 def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
@@ -33,16 +45,27 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: s
     With `make_experts` (paged experts) the expert tensors stay in host memory and the
     factory builds each layer's experts from them.
 
+    Float8 weights are dequantized with their block scales; multi-token-prediction layers are
+    skipped (one log line says how many tensors); the tensors the family's `keeps_fp32(name)`
+    names (grouped routers) are copied in float32.
+
     Raises CheckpointError naming the tensor (and both shapes) when a tensor is missing,
-    misshapen, of an unsupported dtype, or not part of the architecture.
+    misshapen, of an unsupported dtype, not part of the architecture, or a float8 weight
+    without its scale (or a scale without its weight).
     """
     spec = spec_for(cfg.architecture)
     expected = spec.expected_tensors(cfg)
-    total = len(weight_files(path))
+    block = fp8_block(cfg.raw)
+    # grouped sigmoid routers (GLM-4.5, DeepSeek-V3) stay in fp32 whatever the serving dtype, as
+    # in transformers: their correction bias decides near-ties
+    keeps_fp32 = getattr(spec, "keeps_fp32", None) or (lambda name: False)
+    names = weight_files(path)
+    total = sum(not n.endswith(SCALE_SUFFIX) and mtp_layer(cfg, n) is None for n in names)
     show = progress if progress is not None else total >= PROGRESS_MIN_TENSORS
+    skipped: Counter[int] = Counter()
     loaded: dict[str, torch.Tensor] = {}
-    for name, tensor in tqdm(iter_tensors(path), total=total, desc="loading weights",
-                             unit="tensor", disable=not show):
+    for name, tensor in tqdm(dequantized(without_mtp(cfg, iter_tensors(path), skipped), block), total=total,
+                             desc="loading weights", unit="tensor", disable=not show):
         if name not in expected:
             if spec.ignorable(cfg, name):
                 continue
@@ -55,14 +78,41 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: s
         if tensor.dtype not in SUPPORTED_DTYPES:
             raise CheckpointError(f"tensor {name} has dtype {tensor.dtype}; supported: "
                                   "float32, bfloat16, float16")
-        on_host = make_experts is not None and ".mlp.experts." in name  # the store is pinned once stacked
-        loaded[name] = owned_copy(tensor, dtype, "cpu" if on_host else device)
+        on_host = make_experts is not None and spec.is_routed_expert(name)  # the store is pinned once stacked
+        loaded[name] = owned_copy(tensor, torch.float32 if keeps_fp32(name) else dtype, "cpu" if on_host else device)
+    if skipped:
+        layers = sorted(skipped)
+        log.info("skipped %d tensors of %d multi-token-prediction layer%s (model.layers.%s): "
+                 "the engine does not run them", sum(skipped.values()), len(layers),
+                 "s" if len(layers) > 1 else "", ",".join(map(str, layers)))
     missing = [n for n in expected if n not in loaded]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"missing tensor {missing[0]} (expected shape {list(expected[missing[0]])})"
                               f"{more} in {path}")
     return spec.assemble(cfg, loaded, attention, make_experts, moe_triton)
+
+
+def mtp_layer(cfg: ModelConfig, name: str) -> int | None:
+    """The multi-token-prediction layer `name` belongs to (layers num_hidden_layers ..
+    num_hidden_layers + num_nextn_predict_layers - 1 of DeepSeek-V3 / GLM-4.5), or None."""
+    extra = int(cfg.raw.get("num_nextn_predict_layers") or 0)
+    m = LAYER.match(name) if extra else None
+    if m is None:
+        return None
+    layer = int(m.group(1))
+    return layer if cfg.num_hidden_layers <= layer < cfg.num_hidden_layers + extra else None
+
+
+def without_mtp(cfg: ModelConfig, tensors: Iterator[tuple[str, torch.Tensor]], skipped: Counter[int]
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`tensors` less those of multi-token-prediction layers (counted per layer in `skipped`)."""
+    for name, tensor in tensors:
+        layer = mtp_layer(cfg, name)
+        if layer is None:
+            yield name, tensor
+        else:
+            skipped[layer] += 1
 
 
 def owned_copy(tensor: torch.Tensor, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:

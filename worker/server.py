@@ -123,12 +123,12 @@ def build_core(config: WorkerConfig, interleave: bool = False) -> EngineCore:
 
 
 def kv_tokens_for_fraction(config: WorkerConfig) -> int:
-    """KV tokens that fit in `mem_fraction` of the device's free memory (host RAM on CPU)."""
+    """KV tokens that fit in `mem_fraction` of the device's free memory (host RAM on CPU), at
+    the model's KV bytes per token (its KV geometry: K and V per head, or one MLA latent row)."""
     assert config.mem_fraction is not None
     ec = config.engine_config()
     mc = ModelConfig.from_path(ec.model)
-    per_token = mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * \
-        torch.empty(0, dtype=parse_dtype(config.dtype)).element_size()
+    per_token = mc.kv_bytes_per_token(torch.empty(0, dtype=parse_dtype(config.dtype)).element_size())
     if torch.device(config.device).type == "cuda":
         free = torch.cuda.mem_get_info(torch.device(config.device))[0]
     else:

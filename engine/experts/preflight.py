@@ -1,7 +1,10 @@
 """What paged experts cost and buy on a device, before anything is loaded.
 
-`preflight(...)` reads only config.json: every size comes from the architecture's
-expected tensors, and the link speed from a measured copy.
+`preflight(...)` reads only config.json: every size comes from the architecture's family
+module (its expected tensors, which of them are routed experts, and one expert's bytes), the
+KV bytes per token from the model's KV geometry (K and V per KV head, or one MLA latent row),
+and the link speed from a measured copy.  Everything that is not a routed expert (attention,
+embeddings, dense layers, routers, shared experts) stays resident on the device.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class PreflightReport(TypedDict):
     num_experts: int
     top_k: int
     moe_layers: int
+    kv_geometry: list[int]
     bytes_per_expert: int
     slot_cost_bytes: int
     slot_cost_kv_tokens: int
@@ -43,6 +47,7 @@ class PreflightReport(TypedDict):
     recommended_k: int
     single_wave_batch_cap: int
     kv_cache_tokens_at_recommended_k: int
+    kv_cache_tokens_at_top_k: int
 
 
 def measure_link(device: str, nbytes: int = PROBE_BYTES, repeats: int = 3) -> tuple[float, str]:
@@ -82,12 +87,13 @@ def preflight(model: str | Path, memory_gib: float, dtype: str = "bfloat16", dev
     if not cfg.moe_layers:
         raise ValueError(f"{model} has no MoE layers: nothing to page")
     elt = torch.empty((), dtype=parse_dtype(dtype)).element_size()
-    shapes = spec_for(cfg.architecture).expected_tensors(cfg)
-    expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * elt
+    family = spec_for(cfg.architecture)
+    shapes = family.expected_tensors(cfg)
+    expert_bytes = family.expert_bytes(cfg, elt)
     layers = len(cfg.moe_layers)
-    dense_bytes = sum(math.prod(s) for n, s in shapes.items() if ".mlp.experts." not in n) * elt
+    dense_bytes = sum(math.prod(s) for n, s in shapes.items() if not family.is_routed_expert(n)) * elt
     slot_bytes = expert_bytes * layers  # one more resident expert in every MoE layer
-    kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elt
+    kv_bytes_per_token = cfg.kv_bytes_per_token(elt)
     budget = int(memory_gib * (1 << 30))
     k_min, e, top_k = cfg.num_experts_per_tok, cfg.num_experts, cfg.num_experts_per_tok
     k_fit = (budget - dense_bytes - kv_bytes_per_token * page_size) // slot_bytes
@@ -102,9 +108,10 @@ def preflight(model: str | Path, memory_gib: float, dtype: str = "bfloat16", dev
     per_token_all = top_k * layers * expert_bytes  # bytes if every routed expert missed
     max_miss = min(1.0, link_bytes_per_s / (target_tok_s * per_token_all))
     kv_left = budget - dense_bytes - recommended * slot_bytes
+    kv_left_top_k = budget - dense_bytes - top_k * slot_bytes
     return {
         "model": str(model), "dtype": dtype, "device": device, "memory_gib": memory_gib,
-        "num_experts": e, "top_k": top_k, "moe_layers": layers,
+        "num_experts": e, "top_k": top_k, "moe_layers": layers, "kv_geometry": list(cfg.kv_geometry),
         "bytes_per_expert": expert_bytes, "slot_cost_bytes": slot_bytes,
         "slot_cost_kv_tokens": slot_bytes // kv_bytes_per_token,
         "kv_bytes_per_token": kv_bytes_per_token, "non_expert_bytes": dense_bytes,
@@ -114,6 +121,7 @@ def preflight(model: str | Path, memory_gib: float, dtype: str = "bfloat16", dev
         "concurrency": concurrency, "recommended_k": recommended,
         "single_wave_batch_cap": recommended // top_k,
         "kv_cache_tokens_at_recommended_k": max(0, kv_left) // kv_bytes_per_token,
+        "kv_cache_tokens_at_top_k": max(0, kv_left_top_k) // kv_bytes_per_token,
     }
 
 
@@ -127,13 +135,23 @@ def render(r: PreflightReport) -> str:
         f"top_k {r['top_k']}",
         f"one expert: {_size(r['bytes_per_expert'])}; one slot in every layer: "
         f"{_size(r['slot_cost_bytes'])} = {r['slot_cost_kv_tokens']:,} KV-cache tokens",
-        f"non-expert weights on the device: {_size(r['non_expert_bytes'])}; "
-        f"host store for all experts: {_size(r['host_store_bytes'])}",
+        f"non-expert weights on the device (attention, embeddings, dense layers, routers, shared "
+        f"experts): {_size(r['non_expert_bytes'])}; host store for all routed experts: "
+        f"{_size(r['host_store_bytes'])}",
+        f"KV cache: {r['kv_bytes_per_token']:,} bytes per token ({_geometry(r['kv_geometry'])})",
         f"link: {r['link_bytes_per_s'] / 1e9:.2f} GB/s ({r['link_measured_by']})",
         f"at {r['target_tok_s']:g} tokens/s the link allows a miss rate of at most "
         f"{r['max_miss_rate_for_target']:.3f} (link time alone, compute not counted)",
         f"for {r['concurrency']} concurrent requests: K = {r['recommended_k']} "
         f"(K >= batch x top_k; at most {r['max_k_in_budget']} fit in {r['memory_gib']:g} GiB); "
         f"one wave serves up to {r['single_wave_batch_cap']} requests",
-        f"KV cache left at that K: {r['kv_cache_tokens_at_recommended_k']:,} tokens",
+        f"KV cache left at that K: {r['kv_cache_tokens_at_recommended_k']:,} tokens "
+        f"(at K = top_k: {r['kv_cache_tokens_at_top_k']:,})",
     ])
+
+
+def _geometry(g: list[int]) -> str:
+    c, h, d = g
+    if c == 1:
+        return f"one latent row of {d} values per layer"
+    return f"K and V of {h} KV heads x {d} per layer"
