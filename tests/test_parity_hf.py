@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import SamplingParams
+from tests.parity import check_parity
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -18,29 +18,6 @@ PROMPTS = [
     "x",
     "raise ValueError(",
 ]
-NEW_TOKENS = 32
-TOLERANCE = 1e-4
-
-
-def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
-
-
-def check_parity(llm, hf, prompts):
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
-    outs = llm.generate(prompts, params)
-    for prompt, out in zip(prompts, outs):
-        assert len(out.token_ids) == NEW_TOKENS
-        ids = out.prompt_token_ids + out.token_ids
-        ref = hf_logprobs(hf, ids)
-        n = len(out.prompt_token_ids)
-        # Teacher-forced greedy: HF's argmax at every step is the engine's token.
-        assert ref[n - 1:-1].argmax(-1).tolist() == out.token_ids, f"greedy tokens differ for {prompt!r}"
-        for step, (tok, lps) in enumerate(zip(out.token_ids, out.logprobs)):
-            for tid, lp in lps.items():
-                want = ref[n - 1 + step, tid].item()
-                assert abs(lp - want) <= TOLERANCE, f"step {step} token {tid}: {lp} vs HF {want}"
 
 
 @pytest.fixture(scope="module")
