@@ -1,6 +1,7 @@
 """`tandem preflight`: sizes from config.json, a K recommendation, readable refusals."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +33,72 @@ def test_preflight_command_prints_text_and_json(capsys):
 def test_preflight_refuses_a_budget_too_small(capsys):
     assert main(["preflight", "--memory-gib", "0.001", "--link-gbps", "16"]) == 2
     assert "raise --memory-gib" in capsys.readouterr().err
+
+
+# models/published/<name>/config.json: the published config.json of each real model.  By hand,
+# at bf16 (2 bytes): KV per token = layers x components x kv_heads x head_dim x 2 (MLA: one
+# kv_lora_rank + qk_rope_head_dim row); one routed expert = gate, up and down (H x I each) plus,
+# for gpt-oss, its biases (2I + H).
+PUBLISHED = Path(__file__).resolve().parent.parent / "models" / "published"
+BY_HAND = {
+    #                      KV bytes per token     bytes per routed expert               E    top_k MoE layers
+    "deepseek-v3":       (61 * 1 * 1 * 576 * 2, 3 * 7168 * 2048 * 2,                  256, 8, 58),
+    "kimi-k2":           (61 * 1 * 1 * 576 * 2, 3 * 7168 * 2048 * 2,                  384, 8, 60),
+    "glm-4.5":           (92 * 2 * 8 * 128 * 2, 3 * 5120 * 1536 * 2,                  160, 8, 89),
+    "glm-4.5-air":       (46 * 2 * 8 * 128 * 2, 3 * 4096 * 1408 * 2,                  128, 8, 45),
+    "mixtral-8x7b":      (32 * 2 * 8 * 128 * 2, 3 * 4096 * 14336 * 2,                 8, 2, 32),
+    "qwen1.5-moe-a2.7b": (24 * 2 * 16 * 128 * 2, 3 * 2048 * 1408 * 2,                 60, 4, 24),
+    "gpt-oss-20b":       (24 * 2 * 8 * 64 * 2, (3 * 2880 * 2880 + 2 * 2880 + 2880) * 2, 32, 4, 24),
+    "gpt-oss-120b":      (36 * 2 * 8 * 64 * 2, (3 * 2880 * 2880 + 2 * 2880 + 2880) * 2, 128, 4, 36),
+}
+
+
+def test_every_published_config_is_checked_by_hand():
+    assert sorted(p.name for p in PUBLISHED.iterdir()) == sorted(BY_HAND)
+
+
+@pytest.mark.parametrize("name", sorted(BY_HAND))
+def test_preflight_of_the_published_models(name):
+    r = preflight(PUBLISHED / name, memory_gib=139, dtype="bfloat16", concurrency=8, link_bytes_per_s=50e9)
+    kv, expert, e, top_k, layers = BY_HAND[name]
+    assert r["kv_bytes_per_token"] == kv
+    assert r["bytes_per_expert"] == expert
+    assert (r["num_experts"], r["top_k"], r["moe_layers"]) == (e, top_k, layers)
+    assert r["slot_cost_bytes"] == layers * expert and r["host_store_bytes"] == e * layers * expert
+    assert r["link_measured_by"] == "given"
+    # it fits one H200 (139 GiB) with top_k experts per layer resident
+    assert r["non_expert_bytes"] + top_k * r["slot_cost_bytes"] < 139 * 2**30
+    assert r["kv_cache_tokens_at_top_k"] > 100_000
+    assert r["kv_cache_tokens_at_top_k"] >= r["kv_cache_tokens_at_recommended_k"]
+
+
+def test_resident_bytes_by_hand():
+    """Everything but routed experts stays on the device; counted by hand for two families."""
+    mixtral = preflight(PUBLISHED / "mixtral-8x7b", memory_gib=139, link_bytes_per_s=50e9)
+    layer = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 2 * 4096 + 8 * 4096   # q, o, k, v, 2 norms, router
+    assert mixtral["non_expert_bytes"] == (32 * layer + 2 * 32000 * 4096 + 4096) * 2
+    dsv3 = preflight(PUBLISHED / "deepseek-v3", memory_gib=139, link_bytes_per_s=50e9)
+    mla = (1536 * 7168 + 1536 + 128 * 192 * 1536 + 576 * 7168 + 512 + 128 * 256 * 512 + 7168 * 128 * 128
+           + 2 * 7168)                                    # q_a, q_a norm, q_b, kv_a, kv_a norm, kv_b, o, 2 norms
+    dense = 3 * 7168 * 18432                              # the first 3 layers' MLP
+    moe = 256 * 7168 + 256 + 3 * 7168 * 2048              # router, its correction bias, the shared expert
+    assert dsv3["non_expert_bytes"] == (61 * mla + 3 * dense + 58 * moe + 2 * 129280 * 7168 + 7168) * 2
+
+
+def test_preflight_text_names_the_kv_geometry(capsys):
+    assert main(["preflight", "--model", str(PUBLISHED / "deepseek-v3"), "--memory-gib", "139",
+                 "--link-gbps", "400"]) == 0
+    text = capsys.readouterr().out
+    assert "KV cache: 70,272 bytes per token (one latent row of 576 values per layer)" in text
+    assert main(["preflight", "--model", str(PUBLISHED / "mixtral-8x7b"), "--memory-gib", "139",
+                 "--link-gbps", "400"]) == 0
+    assert "KV cache: 131,072 bytes per token (K and V of 8 KV heads x 128 per layer)" in capsys.readouterr().out
+
+
+def test_a_quantized_checkpoint_is_sized_as_its_serving_copy(capsys):
+    r = preflight(PUBLISHED / "deepseek-v3", memory_gib=139, link_bytes_per_s=50e9)
+    assert r["checkpoint_quantization"] == "fp8" and r["bytes_per_expert"] == 3 * 7168 * 2048 * 2
+    assert main(["preflight", "--model", str(PUBLISHED / "gpt-oss-20b"), "--memory-gib", "139",
+                 "--link-gbps", "400"]) == 0
+    assert ("the checkpoint is mxfp4-quantized: sizes below are for its bfloat16 serving copy (mxfp4 "
+            "checkpoints are not served yet: convert to bfloat16 first)") in capsys.readouterr().out

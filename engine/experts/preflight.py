@@ -26,6 +26,7 @@ class PreflightReport(TypedDict):
     """What `preflight` returns (sizes in bytes unless named otherwise)."""
     model: str
     dtype: str
+    checkpoint_quantization: str | None
     device: str
     memory_gib: float
     num_experts: int
@@ -83,7 +84,11 @@ def preflight(model: str | Path, memory_gib: float, dtype: str = "bfloat16", dev
               page_size: int = 16) -> PreflightReport:
     """Sizes, costs and a recommended K.  Raises ValueError when the budget cannot hold the
     non-expert weights plus top_k slots per layer."""
-    cfg = ModelConfig.from_path(model)
+    loaded = ModelConfig.from_path(model)
+    # sized as served: at `dtype`, whatever the checkpoint's own quantization (fp8 is dequantized
+    # at load; other methods are refused by `tandem serve`, and the report says so)
+    quantization = (loaded.raw.get("quantization_config") or {}).get("quant_method")
+    cfg = ModelConfig.from_dict({k: v for k, v in loaded.raw.items() if k != "quantization_config"})
     if not cfg.moe_layers:
         raise ValueError(f"{model} has no MoE layers: nothing to page")
     elt = torch.empty((), dtype=parse_dtype(dtype)).element_size()
@@ -110,7 +115,8 @@ def preflight(model: str | Path, memory_gib: float, dtype: str = "bfloat16", dev
     kv_left = budget - dense_bytes - recommended * slot_bytes
     kv_left_top_k = budget - dense_bytes - top_k * slot_bytes
     return {
-        "model": str(model), "dtype": dtype, "device": device, "memory_gib": memory_gib,
+        "model": str(model), "dtype": dtype, "checkpoint_quantization": quantization,
+        "device": device, "memory_gib": memory_gib,
         "num_experts": e, "top_k": top_k, "moe_layers": layers, "kv_geometry": list(cfg.kv_geometry),
         "bytes_per_expert": expert_bytes, "slot_cost_bytes": slot_bytes,
         "slot_cost_kv_tokens": slot_bytes // kv_bytes_per_token,
@@ -130,7 +136,11 @@ def _size(n: float) -> str:
 
 
 def render(r: PreflightReport) -> str:
-    return "\n".join([
+    quant = r["checkpoint_quantization"]
+    return "\n".join(([] if quant is None else [
+        f"the checkpoint is {quant}-quantized: sizes below are for its {r['dtype']} serving copy"
+        + (" (dequantized at load)" if quant == "fp8" else f" ({quant} checkpoints are not served yet: "
+                                                           f"convert to {r['dtype']} first)")]) + [
         f"model {r['model']} ({r['dtype']}): {r['num_experts']} experts x {r['moe_layers']} MoE layers, "
         f"top_k {r['top_k']}",
         f"one expert: {_size(r['bytes_per_expert'])}; one slot in every layer: "
