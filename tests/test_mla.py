@@ -26,7 +26,7 @@ from engine.forward_batch import build_batch
 from engine.models import deepseek_v3
 from engine.models.decoder import StepContext
 from engine.models.mla import MlaAttention
-from tests.test_parity_hf import check_parity
+from tests.parity import check_parity
 
 PAGE = 4
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
@@ -237,3 +237,22 @@ def test_kimi_k2_shaped_model_matches_transformers(tmp_path):
     finally:
         llm.pool.check_integrity()
         assert llm.pool.num_free == llm.pool.num_pages
+
+
+@pytest.mark.parametrize("over", [
+    {},
+    {"q_lora_rank": None, "attention_bias": True},
+    {"n_shared_experts": 2, "first_k_dense_replace": 0, "tie_word_embeddings": True},
+    {"n_shared_experts": 0, "first_k_dense_replace": 2},
+], ids=["q_lora", "q_proj-bias", "two_shared-no_dense-tied", "no_shared-two_dense"])
+def test_expected_tensors_are_what_transformers_writes(over, tmp_path):
+    from safetensors import safe_open
+    cfg = tiny_config(intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3, n_routed_experts=4,
+                      num_experts_per_tok=2, n_group=2, topk_group=1, **over)
+    DeepseekV3ForCausalLM(cfg).save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        written = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    mc = ModelConfig.from_path(tmp_path)
+    ignored = {name: shape for name, shape in written.items() if deepseek_v3.ignorable(mc, name)}
+    assert all(0 in shape for shape in ignored.values())  # only n_shared_experts=0's empty MLPs
+    assert deepseek_v3.expected_tensors(mc) == {n: s for n, s in written.items() if n not in ignored}

@@ -88,8 +88,10 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def ignorable(cfg: ModelConfig, name: str) -> bool:
-    """Tensors some checkpoints carry that the runtime does not use."""
-    return name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
+    """Tensors some checkpoints carry that the runtime does not use (transformers writes the
+    shared experts with zero rows when n_shared_experts is 0)."""
+    return (name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
+            or (not cfg.num_shared_experts and ".mlp.shared_experts." in name))
 
 
 def keeps_fp32(name: str) -> bool:
