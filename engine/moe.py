@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.fused_moe import fused_moe_ref, gathered_all, moe_gathered, moe_padded
+from engine.kernels.fused_moe import ClampedSwiGLU, fused_moe_ref, gathered_all, moe_gathered, moe_padded
 
 # How a step's (token, expert) pairs are computed on the CPU path (`StepPlan.for_step`): the
 # path with the lowest predicted cost, from a cost model fixed in code (never re-timed, so every
@@ -157,34 +157,41 @@ class StepPlan:
 
 
 def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: torch.Tensor,
-                   out: torch.Tensor, plan: StepPlan) -> torch.Tensor:
-    """Compute the pairs whose slot id is >= 0 into out [T*k, H] (see engine/kernels/fused_moe.py)."""
+                   out: torch.Tensor, plan: StepPlan, *, b13: torch.Tensor | None = None,
+                   b2: torch.Tensor | None = None, act: ClampedSwiGLU | None = None) -> torch.Tensor:
+    """Compute the pairs whose slot id is >= 0 into out [T*k, H] (see engine/kernels/fused_moe.py;
+    b13 [S, 2I] / b2 [S, H]: optional per-slot biases, act: the gated activation)."""
     if plan.strategy == "gathered":
-        return moe_gathered(x, w13, w2, slot_ids, out)
+        return moe_gathered(x, w13, w2, slot_ids, out, b13=b13, b2=b2, act=act)
     if plan.strategy == "padded":
-        return moe_padded(x, w13, w2, slot_ids, out, plan.cap)
+        return moe_padded(x, w13, w2, slot_ids, out, plan.cap, b13=b13, b2=b2, act=act)
     if plan.strategy == "triton":
         from engine.kernels.triton.fused_moe import fused_moe
-        return fused_moe(x, w13, w2, slot_ids, out)
-    return fused_moe_ref(x, w13, w2, slot_ids, out)
+        return fused_moe(x, w13, w2, slot_ids, out, b13=b13, b2=b2, act=act)
+    return fused_moe_ref(x, w13, w2, slot_ids, out, b13=b13, b2=b2, act=act)
 
 
 def select_moe_kernel(device: torch.device | str) -> bool:
     """Whether the Triton fused-MoE kernel runs the experts (CUDA), chosen once at start-up.
 
-    On CUDA the kernel is compiled now and compared with the reference on a small input;
-    raises RuntimeError when they differ."""
+    On CUDA the kernel is compiled now, both variants (silu without biases; biased clamped
+    SwiGLU, gpt-oss), and compared with the reference on a small input; raises RuntimeError
+    when they differ."""
     if torch.device(device).type != "cuda":
         return False
     from engine.kernels.triton.fused_moe import fused_moe
     gen = torch.Generator().manual_seed(0)
-    x, w13, w2 = (torch.randn(*s, generator=gen).to(device) for s in ((5, 64), (4, 64, 64), (4, 64, 32)))
+    x, w13, w2, b13, b2 = (torch.randn(*s, generator=gen).to(device)
+                           for s in ((5, 64), (4, 64, 64), (4, 64, 32), (4, 64), (4, 64)))
     ids = torch.tensor([[0, 1], [1, 2], [3, -1], [0, 3], [2, 2]], device=device)
-    got = fused_moe(x, w13, w2, ids, torch.zeros(10, 64, device=device))
-    want = fused_moe_ref(x, w13, w2, ids, torch.zeros(10, 64, device=device))
-    err = (got - want).abs().max().item()
-    if not err < 1e-3:
-        raise RuntimeError(f"Triton fused MoE differs from the reference by {err} at start-up")
+    variants: list[tuple[str, torch.Tensor | None, torch.Tensor | None, ClampedSwiGLU | None]] = [
+        ("silu", None, None, None), ("biased clamped SwiGLU", b13, b2, ClampedSwiGLU())]
+    for name, bias13, bias2, act in variants:
+        got = fused_moe(x, w13, w2, ids, torch.zeros(10, 64, device=device), b13=bias13, b2=bias2, act=act)
+        want = fused_moe_ref(x, w13, w2, ids, torch.zeros(10, 64, device=device), b13=bias13, b2=bias2, act=act)
+        err = (got - want).abs().max().item()
+        if not err < 1e-3:
+            raise RuntimeError(f"Triton fused MoE ({name}) differs from the reference by {err} at start-up")
     return True
 
 
@@ -196,11 +203,25 @@ class Experts(Protocol):
         ...
 
 
-class ResidentExperts:
-    """All E experts of one layer on the device; the expert id is the slot id."""
+class ExpertsFactory(Protocol):
+    """Builds one MoE layer's experts object from its stacked tensors (the loader's
+    `make_experts`: paged experts; default all resident).  `fingerprints`: per expert, of the
+    checkpoint's own bytes in the order w13, w2, b13, b2 (see engine/experts/check.py)."""
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, triton: bool = False) -> None:
+    def __call__(self, layer: int, w13: torch.Tensor, w2: torch.Tensor, fingerprints: list[int], *,
+                 b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                 act: ClampedSwiGLU | None = None) -> Experts: ...
+
+
+class ResidentExperts:
+    """All E experts of one layer on the device; the expert id is the slot id.
+    b13 [E, 2I] / b2 [E, H]: optional biases; act: the gated activation (None: silu)."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, triton: bool = False, *,
+                 b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                 act: ClampedSwiGLU | None = None) -> None:
         self.w13, self.w2 = w13, w2  # [E, 2I, H], [E, H, I]
+        self.b13, self.b2, self.act = b13, b2, act
         self.triton = triton
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -208,7 +229,7 @@ class ResidentExperts:
         t, k = ids.shape
         plan = StepPlan.for_step(ids, self.w13.shape[0], self.triton)
         if plan.strategy == "gathered":  # every pair is selected: no output buffer needed
-            return gathered_all(x, self.w13, self.w2, ids).view(t, k, -1)
+            return gathered_all(x, self.w13, self.w2, ids, b13=self.b13, b2=self.b2, act=self.act).view(t, k, -1)
         out = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
-        expert_outputs(x, self.w13, self.w2, ids, out, plan)
+        expert_outputs(x, self.w13, self.w2, ids, out, plan, b13=self.b13, b2=self.b2, act=self.act)
         return out.view(t, k, -1)

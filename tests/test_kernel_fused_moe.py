@@ -22,6 +22,8 @@ SENTINEL = 7.0
 # "low" = only slots 0..S/2-1 (the rest unused) and some -1; "shared" = rank 0 of every
 # token on one slot (T > BLOCK_M: its group spans several blocks), the rest random;
 # "none" = every pair -1. hard: x and out are strided views and slot_ids is int32.
+# Names ending in "_oss" run gpt-oss's variant: per-slot biases b13/b2 and the clamped SwiGLU
+# (limit 1.5, so both clamps bite on these inputs).
 CASES = [
     ("t1_k2_unused_slots", 1, 2, 4, 32, 16, "float32", "sparse", False),
     ("t5_k2_low_slots", 5, 2, 8, 64, 32, "float32", "low", False),
@@ -31,6 +33,11 @@ CASES = [
     ("t4_all_skipped", 4, 2, 4, 32, 16, "float32", "none", False),
     ("t9_k4_bf16", 9, 4, 8, 64, 32, "bfloat16", "shared", False),
     ("t5_k2_fp16", 5, 2, 4, 32, 32, "float16", "low", True),
+    ("t1_k2_unused_slots_oss", 1, 2, 4, 32, 16, "float32", "sparse", False),
+    ("t17_k4_shared_slot_oss", 17, 4, 8, 32, 48, "float32", "shared", False),
+    ("t3_odd_h24_i20_oss", 3, 2, 4, 24, 20, "float32", "sparse", True),
+    ("t9_k4_bf16_oss", 9, 4, 8, 64, 32, "bfloat16", "shared", False),
+    ("t5_k2_fp16_oss", 5, 2, 4, 32, 32, "float16", "low", True),
 ]
 TOL = {"float32": 1e-5, "bfloat16": 3e-2, "float16": 3e-3}
 
@@ -58,15 +65,20 @@ def _make_case(t: int, k: int, s: int, h: int, i: int, routing: str, seed: int):
 
 def run_cases(device: str) -> dict[str, str | None]:
     """Per case: None when the kernel matches the reference, else the mismatch message."""
-    from engine.kernels.fused_moe import fused_moe_ref
+    from engine.kernels.fused_moe import ClampedSwiGLU, fused_moe_ref
     from engine.kernels.triton.fused_moe import fused_moe
     results: dict[str, str | None] = {}
     for seed, (name, t, k, s, h, i, dt, routing, hard) in enumerate(CASES):
         dtype = getattr(torch, dt)
         x, w13, w2, slot_ids = (v.to(device) for v in _make_case(t, k, s, h, i, routing, seed))
         x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
+        extra: dict = {}
+        if name.endswith("_oss"):
+            g = torch.Generator().manual_seed(100 + seed)
+            extra = dict(b13=torch.randn(s, 2 * i, generator=g).to(device, dtype),
+                         b2=torch.randn(s, h, generator=g).to(device, dtype), act=ClampedSwiGLU(1.702, 1.5))
         want = fused_moe_ref(x, w13, w2, slot_ids, torch.full((t * k, h), SENTINEL, dtype=dtype,
-                                                              device=device))
+                                                              device=device), **extra)
         try:
             if hard:  # row strides of 2H / 3H instead of H
                 x = torch.cat([x, torch.full_like(x, float("nan"))], dim=1)[:, :h]
@@ -74,7 +86,7 @@ def run_cases(device: str) -> dict[str, str | None]:
                 out, slot_ids = buf[:, h:2 * h], slot_ids.to(torch.int32)
             else:
                 buf = out = torch.full((t * k, h), SENTINEL, dtype=dtype, device=device)
-            got = fused_moe(x, w13, w2, slot_ids, out)
+            got = fused_moe(x, w13, w2, slot_ids, out, **extra)
             assert got is out
             skipped = slot_ids.reshape(-1) < 0
             assert bool((buf[skipped] == SENTINEL).all()), "rows of skipped pairs were written"
@@ -88,10 +100,14 @@ def run_cases(device: str) -> dict[str, str | None]:
                 moved = torch.where(slot_ids >= 0, inv[slot_ids.clamp(min=0)], -1)
                 w13p, w2p = torch.empty_like(w13), torch.empty_like(w2)
                 w13p[inv], w2p[inv] = w13, w2
-                got2 = fused_moe(x, w13p, w2p, moved, torch.full_like(out, SENTINEL))
+                moved_extra = dict(extra)
+                for key in ("b13", "b2") if extra else ():
+                    moved_extra[key] = torch.empty_like(extra[key])
+                    moved_extra[key][inv] = extra[key]
+                got2 = fused_moe(x, w13p, w2p, moved, torch.full_like(out, SENTINEL), **moved_extra)
                 assert torch.equal(got2, got), "result depends on the slot holding the expert"
                 alone = torch.where(slot_ids == s // 2 + 1, slot_ids, -1)
-                got3 = fused_moe(x, w13, w2, alone, torch.full_like(out, SENTINEL))
+                got3 = fused_moe(x, w13, w2, alone, torch.full_like(out, SENTINEL), **extra)
                 keep = alone.reshape(-1) >= 0
                 assert torch.equal(got3[keep], got[keep]), "result depends on other slots' pairs"
             results[name] = None
@@ -148,6 +164,10 @@ def _inputs(**over):
     (dict(slot_ids=torch.zeros(3, 2)), "integer"),
     (dict(slot_ids=torch.tensor([[0, 4], [1, 2], [3, -1]])), r"-1\.\.3"),
     (dict(slot_ids=torch.tensor([[0, -2], [1, 2], [3, -1]])), r"-1\.\.3"),
+    (dict(b13=torch.zeros(4, 32)), "both expert biases"),
+    (dict(b13=torch.zeros(4, 16), b2=torch.zeros(4, 32)), "b13"),
+    (dict(b13=torch.zeros(4, 32), b2=torch.zeros(4, 16)), "b2"),
+    (dict(b13=torch.zeros(4, 32, dtype=torch.float16), b2=torch.zeros(4, 32)), "dtype"),
 ])
 def test_launcher_rejects_bad_inputs(over: dict, match: str) -> None:
     from engine.kernels.triton.fused_moe import fused_moe

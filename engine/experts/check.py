@@ -3,6 +3,8 @@ them, must be what a slot holds after paging it in.
 
 Fingerprints are taken from the per-expert checkpoint tensors before they are stacked,
 so a stacking or repacking bug that mixes experts is caught too, not only a bad copy.
+An expert's fingerprint covers all its tensors in the order w13, w2[, b13, b2] (biases:
+gpt-oss), each laid out as the store holds it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def fingerprint(*tensors: torch.Tensor) -> int:
 
 
 def _slot_fingerprint(slots: ExpertSlots, slot: int) -> int:
-    return fingerprint(slots.w13[slot], slots.w2[slot])
+    return fingerprint(*slots.slot(slot))
 
 
 def check_independence(slots: ExpertSlots, layer: int) -> None:
@@ -38,7 +40,7 @@ def check_independence(slots: ExpertSlots, layer: int) -> None:
     probe = slots.num_slots - 1
     original = slots.expert_in[probe]
     for expert in range(store.num_experts):
-        if fingerprint(store.w13[expert], store.w2[expert]) != store.fingerprints[expert]:
+        if fingerprint(*store.expert(expert)) != store.fingerprints[expert]:
             raise ExpertCheckError(f"layer {layer}: the host store's expert {expert} differs from the "
                                    "checkpoint (experts mixed while stacking?)")
         slot = slots.slot_of[expert]

@@ -10,7 +10,8 @@ first; compute over slots.  When the step needs more than K experts it runs in w
 
 so every needed expert is paged at most once per step and none is evicted before its
 wave has run.  Every pair is computed exactly once into one [T*k, H] buffer with a step
-plan fixed for the whole step, so the result is bit-identical for any K.
+plan fixed for the whole step, so the result is bit-identical for any K.  (The gathered plan
+runs every wave over all T*k pairs, as all-resident experts do: see `moe_gathered`.)
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class PagedExperts:
         if len(waves) == 1 and plan.strategy == "gathered":  # the decode fast path
             used = self._page_in(waves[0])
             for _ in self._guarded(used):
-                y = gathered_all(x, self.slots.w13, self.slots.w2, self.slots.slot_table[ids])
+                y = gathered_all(x, self.slots.w13, self.slots.w2, self.slots.slot_table[ids],
+                                 b13=self.slots.b13, b2=self.slots.b2, act=self.slots.store.act)
             self.slots.mark_used()
             return y.view(t, k, -1)
         out = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
@@ -58,7 +60,8 @@ class PagedExperts:
             used = self._page_in(wave)
             slot_ids = self.slots.slot_lookup(wave)[ids]  # [T, k], -1 outside the wave
             for _ in self._guarded(used):
-                expert_outputs(x, self.slots.w13, self.slots.w2, slot_ids, out, plan)
+                expert_outputs(x, self.slots.w13, self.slots.w2, slot_ids, out, plan,
+                               b13=self.slots.b13, b2=self.slots.b2, act=self.slots.store.act)
             self.slots.mark_used()  # the next wave's page-ins must not overtake this compute
         return out.view(t, k, -1)
 

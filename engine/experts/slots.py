@@ -6,6 +6,10 @@ eviction policy's choice (LRU by default).
 
     store.w13: [E, 2I, H]  store.w2: [E, H, I]   (host; pinned on CUDA)
     w13:       [K, 2I, H]  w2:       [K, H, I]   (device slots)
+    b13:       [K, 2I]     b2:       [K, H]      (only when the store has biases: gpt-oss)
+
+One expert is all its tensors: a page-in, a verify and a fingerprint cover its biases with
+its weights.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Iterable, Protocol
 import torch
 
 from engine.experts.copy import Copy, CopyEngine, DirectCopy
+from engine.kernels.fused_moe import ClampedSwiGLU
 
 
 class EvictionPolicy(Protocol):
@@ -72,13 +77,30 @@ class ExpertStore:
     w13: torch.Tensor   # [E, 2I, H]
     w2: torch.Tensor    # [E, H, I]
     fingerprints: list[int] = field(default_factory=list)  # per expert, from the checkpoint
+    b13: torch.Tensor | None = None     # [E, 2I] gate then up biases (gpt-oss), or None
+    b2: torch.Tensor | None = None      # [E, H] down bias, or None
+    act: ClampedSwiGLU | None = None    # the experts' gated activation (None: silu)
 
     @property
     def num_experts(self) -> int:
         return self.w13.shape[0]
 
     def __post_init__(self) -> None:
-        self.bytes_per_expert = (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
+        if (self.b13 is None) != (self.b2 is None):
+            raise ValueError("expert biases come in pairs: b13 and b2, or neither")
+        if self.b13 is not None and self.b2 is not None:
+            e, i2, h = self.w13.shape
+            if self.b13.shape != (e, i2) or self.b2.shape != (e, h):
+                raise ValueError(f"expert biases {tuple(self.b13.shape)}, {tuple(self.b2.shape)} do not fit "
+                                 f"w13 {tuple(self.w13.shape)}: expected {(e, i2)}, {(e, h)}")
+        self.bytes_per_expert = sum(t.numel() * t.element_size() for t in self.expert(0))
+
+    def expert(self, e: int) -> list[torch.Tensor]:
+        """Every tensor of expert `e`, in fingerprint order: w13, w2[, b13, b2]."""
+        out = [self.w13[e], self.w2[e]]
+        if self.b13 is not None and self.b2 is not None:
+            out += [self.b13[e], self.b2[e]]
+        return out
 
 
 class ExpertSlots:
@@ -91,6 +113,11 @@ class ExpertSlots:
         self.num_slots = num_slots
         self.w13 = torch.empty((num_slots, *store.w13.shape[1:]), dtype=store.w13.dtype, device=device)
         self.w2 = torch.empty((num_slots, *store.w2.shape[1:]), dtype=store.w2.dtype, device=device)
+        self.b13: torch.Tensor | None = None
+        self.b2: torch.Tensor | None = None
+        if store.b13 is not None and store.b2 is not None:
+            self.b13 = torch.empty((num_slots, *store.b13.shape[1:]), dtype=store.b13.dtype, device=device)
+            self.b2 = torch.empty((num_slots, *store.b2.shape[1:]), dtype=store.b2.dtype, device=device)
         self.copier: CopyEngine = copier or DirectCopy()
         self.policy: EvictionPolicy = policy or LRUPolicy(num_slots)
         self.slot_of = [-1] * e                 # expert -> slot
@@ -119,7 +146,7 @@ class ExpertSlots:
                 self.slot_of[old] = -1
             self.expert_in[slot] = expert
             self.slot_of[expert] = slot
-            pairs += [(self.w13[slot], self.store.w13[expert]), (self.w2[slot], self.store.w2[expert])]
+            pairs += list(zip(self.slot(slot), self.store.expert(expert)))
         if not moves:
             return
         self._sync_table([old for old in evicted if old >= 0] + [e for e, _ in moves])
@@ -132,6 +159,14 @@ class ExpertSlots:
         idx = torch.tensor(experts, dtype=torch.int64)
         vals = torch.tensor([self.slot_of[e] for e in experts], dtype=torch.int64)
         self.slot_table[idx.to(self.slot_table.device)] = vals.to(self.slot_table.device)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The slot tensors, [K, ...] each: w13, w2[, b13, b2]."""
+        return [self.w13, self.w2] + ([self.b13, self.b2] if self.b13 is not None and self.b2 is not None else [])
+
+    def slot(self, s: int) -> list[torch.Tensor]:
+        """Every tensor of slot `s`, in the order of `ExpertStore.expert`."""
+        return [t[s] for t in self.tensors()]
 
     def forget_all(self) -> None:
         """Mark every slot empty (no copy): the next step pages in everything it needs."""
@@ -164,10 +199,10 @@ class ExpertSlots:
             if e < 0:
                 continue
             self.wait([s])
-            if not (torch.equal(self.w13[s], self.store.w13[e].to(self.w13.device))
-                    and torch.equal(self.w2[s], self.store.w2[e].to(self.w2.device))):
-                self.w13[s].copy_(self.store.w13[e])
-                self.w2[s].copy_(self.store.w2[e])
+            pairs = list(zip(self.slot(s), self.store.expert(e)))
+            if not all(torch.equal(dst, src.to(dst.device)) for dst, src in pairs):
+                for dst, src in pairs:
+                    dst.copy_(src)
                 bad.append(s)
         self.counters.corrupt_slots += len(bad)
         return bad

@@ -6,6 +6,10 @@
     slot_ids: [T, k] int    the slot serving each (token, rank) pair; -1 = not in this call
     out:      [T*k, H]      row t*k + r receives down(silu(gate(x_t)) * up(x_t)) of slot
                             slot_ids[t, r]; rows of pairs with slot -1 are left untouched
+    b13:      [S, 2I]       optional per-slot biases of gate then up (gpt-oss), added after
+                            the matmul: gate(x) = x @ w13[:I].T + b13[:I]
+    b2:       [S, H]        optional per-slot bias of down
+    act:      None (silu(gate) * up) or a `ClampedSwiGLU` (gpt-oss)
 
 Every slot's tokens are computed together in one GEMM, so a pair's result depends only
 on its expert's weights and the set of tokens routed to that expert, never on which slot
@@ -15,8 +19,41 @@ this for bit-exact results with any number of resident slots).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation (transformers' GptOssExperts._apply_gate):
+    gate.clamp(max=limit), up.clamp(-limit, limit), (up + 1) * gate * sigmoid(alpha * gate)."""
+    alpha: float = 1.702   # config swiglu_alpha
+    limit: float = 7.0     # config swiglu_limit
+
+
+# torch's CPU elementwise kernels run the body of a contiguous range in SIMD vectors and its
+# tail element by element, and the two round sigmoid differently (measured: about 2% of lanes
+# differ by an ulp).  The clamped SwiGLU therefore runs on rows padded to a multiple of this
+# many elements (64: two AVX-512 vectors of fp32, of bf16 too), so that every element takes the
+# vector body whatever the number of rows, and a pair's result does not depend on how many
+# other pairs share the call (paged experts stay bit-identical to all-resident).
+LANE_ALIGN = 64
+
+
+def glu(gate: torch.Tensor, up: torch.Tensor, act: ClampedSwiGLU | None = None) -> torch.Tensor:
+    """The gated activation fed to down_proj: silu(gate) * up, or `act`'s clamped SwiGLU."""
+    if act is None:
+        return F.silu(gate) * up
+    width = gate.shape[-1]
+    pad = -width % LANE_ALIGN
+    if pad:
+        gate, up = F.pad(gate, (0, pad)), F.pad(up, (0, pad))
+    gate = gate.clamp(max=act.limit)
+    up = up.clamp(min=-act.limit, max=act.limit)
+    out = (up + 1) * (gate * torch.sigmoid(gate * act.alpha))
+    return out[..., :width] if pad else out
 
 
 def _selected_by_slot(slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,7 +66,8 @@ def _selected_by_slot(slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: torch.Tensor,
-                  out: torch.Tensor) -> torch.Tensor:
+                  out: torch.Tensor, *, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                  act: ClampedSwiGLU | None = None) -> torch.Tensor:
     """Write each selected pair's expert output into `out` (see the module doc); returns `out`."""
     k = slot_ids.shape[1]
     pairs, slots = _selected_by_slot(slot_ids)
@@ -42,37 +80,53 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids
         if n == 0:
             continue
         chunk = xs[start:start + n]
-        gate, up = F.linear(chunk, w13[s]).chunk(2, dim=-1)
-        out[pairs[start:start + n]] = F.linear(F.silu(gate) * up, w2[s])
+        h13 = F.linear(chunk, w13[s])
+        if b13 is not None:
+            h13 = h13 + b13[s]
+        gate, up = h13.chunk(2, dim=-1)
+        y = F.linear(glu(gate, up, act), w2[s])
+        out[pairs[start:start + n]] = y if b2 is None else y + b2[s]
         start += n
     return out
 
 
-def gathered_all(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+def gathered_all(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: torch.Tensor, *,
+                 b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                 act: ClampedSwiGLU | None = None) -> torch.Tensor:
     """Every pair selected (no -1): each pair is one item of a batched matmul over its slot's
     gathered weights.  x: [T, H]; slot_ids: [T, k].  Returns [T*k, H]."""
     flat = slot_ids.reshape(-1)
     xs = x.repeat_interleave(slot_ids.shape[1], 0).unsqueeze(-1)  # [T*k, H, 1]
-    gate, up = torch.bmm(w13.index_select(0, flat), xs).squeeze(-1).chunk(2, dim=-1)  # [T*k, I]
-    return torch.bmm(w2.index_select(0, flat), (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+    h13 = torch.bmm(w13.index_select(0, flat), xs).squeeze(-1)  # [T*k, 2I]
+    if b13 is not None:
+        h13 = h13 + b13.index_select(0, flat)
+    gate, up = h13.chunk(2, dim=-1)  # [T*k, I]
+    y = torch.bmm(w2.index_select(0, flat), glu(gate, up, act).unsqueeze(-1)).squeeze(-1)
+    return y if b2 is None else y + b2.index_select(0, flat)
 
 
 def moe_gathered(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: torch.Tensor,
-                 out: torch.Tensor) -> torch.Tensor:
+                 out: torch.Tensor, *, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                 act: ClampedSwiGLU | None = None) -> torch.Tensor:
     """Same contract as `fused_moe_ref`, for a few pairs: each selected pair is one item of
-    a batched matmul over its slot's gathered weights (no per-slot Python loop)."""
-    k = slot_ids.shape[1]
+    a batched matmul over its slot's gathered weights (no per-slot Python loop).
+
+    Every call runs the batched matmul over all T*k pairs (pairs outside the call through slot
+    0, their rows discarded): a BLAS may sum differently for another batch count (seen at
+    H=64, I=32: 1e-6 apart), so a wave of paged experts must see the same shapes as the
+    all-resident step to stay bit-identical to it."""
     flat = slot_ids.reshape(-1)
     if bool((flat >= 0).all()):
-        return out.copy_(gathered_all(x, w13, w2, slot_ids))
+        return out.copy_(gathered_all(x, w13, w2, slot_ids, b13=b13, b2=b2, act=act))
     pairs = (flat >= 0).nonzero().squeeze(1)  # [P]
-    if pairs.numel() > 0:  # the selected pairs as one token each
-        out[pairs] = gathered_all(x.index_select(0, pairs // k), w13, w2, flat[pairs].unsqueeze(1))
+    if pairs.numel() > 0:
+        out[pairs] = gathered_all(x, w13, w2, slot_ids.clamp(min=0), b13=b13, b2=b2, act=act)[pairs]
     return out
 
 
 def moe_padded(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: torch.Tensor,
-               out: torch.Tensor, cap: int) -> torch.Tensor:
+               out: torch.Tensor, cap: int, *, b13: torch.Tensor | None = None,
+               b2: torch.Tensor | None = None, act: ClampedSwiGLU | None = None) -> torch.Tensor:
     """Same contract as `fused_moe_ref`, for a batch of decodes: pairs grouped by slot into
     a zero-padded [S, cap, H] block, then two batched matmuls over all slots (no weight is
     copied).  `cap` must be at least the largest group; callers pass one value for a whole
@@ -85,7 +139,12 @@ def moe_padded(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: t
     rank = torch.arange(pairs.numel(), device=x.device) - (counts.cumsum(0) - counts)[slots]
     grouped = x.new_zeros(w13.shape[0], cap, x.shape[1])  # [S, cap, H]
     grouped[slots, rank] = x.index_select(0, pairs // k)
-    gate, up = torch.bmm(grouped, w13.transpose(1, 2)).chunk(2, dim=-1)  # [S, cap, I]
-    y = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))  # [S, cap, H]
+    h13 = torch.bmm(grouped, w13.transpose(1, 2))  # [S, cap, 2I]
+    if b13 is not None:
+        h13 = h13 + b13.unsqueeze(1)
+    gate, up = h13.chunk(2, dim=-1)  # [S, cap, I]
+    y = torch.bmm(glu(gate, up, act), w2.transpose(1, 2))  # [S, cap, H]
+    if b2 is not None:
+        y = y + b2.unsqueeze(1)
     out[pairs] = y[slots, rank]
     return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from engine.models import deepseek_v3, glm4_moe, mixtral, qwen2_moe, qwen3_moe
+from engine.models import deepseek_v3, glm4_moe, gpt_oss, mixtral, qwen2_moe, qwen3_moe
 
 REGISTRY: dict[str, ModuleType] = {
     "Qwen3MoeForCausalLM": qwen3_moe,
@@ -22,6 +22,7 @@ REGISTRY: dict[str, ModuleType] = {
     "MixtralForCausalLM": mixtral,
     "Glm4MoeForCausalLM": glm4_moe,
     "DeepseekV3ForCausalLM": deepseek_v3,   # also Kimi-K2-shaped configs
+    "GptOssForCausalLM": gpt_oss,
 }
 
 

@@ -13,10 +13,10 @@ import torch
 
 from engine.experts.check import fingerprint
 from engine.models.decoder import DenseMlp
-from engine.moe import Experts, ResidentExperts
+from engine.moe import Experts, ExpertsFactory, ResidentExperts
 
-# make_experts(layer, w13, w2, fingerprints): a layer's experts from its stacked weights
-ExpertsFactory = Callable[[int, torch.Tensor, torch.Tensor, list[int]], Experts]
+__all__ = ["ExpertNames", "ExpertsFactory", "build_experts", "dense_mlp", "mlp_shapes", "stack_experts"]
+
 # expert e -> the checkpoint names of its (gate, up, down) weights
 ExpertNames = Callable[[int], tuple[str, str, str]]
 

@@ -5,7 +5,10 @@ The host sorts the selected (token, rank) pairs by slot and pads each slot's gro
 multiple of BLOCK_M (vLLM's "moe_align_block_size"), on the device and without a sync.
 Two grouped GEMMs then run one program per (block of BLOCK_M pairs of one slot, column
 tile): gate/up = x @ w13[slot].T with act = silu(gate) * up into an intermediate in x's
-dtype, then out = act @ w2[slot].T. Accumulation is fp32. The block sizes depend only on
+dtype, then out = act @ w2[slot].T. Accumulation is fp32. With biases (gpt-oss) the slot's b13
+is added to gate/up and its b2 to out in fp32 before the store; the clamped-SwiGLU variant
+computes act = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+(constexpr branches: the plain silu kernel is unchanged). The block sizes depend only on
 the dtype, never on T, k, S or the routing, and every row of a tile is computed
 independently, so a pair's result depends only on its token and its expert's weights.
 """
@@ -15,6 +18,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from engine.kernels.fused_moe import ClampedSwiGLU
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
@@ -27,11 +32,14 @@ BLOCK_M = 16
 @triton.jit
 def _gate_up_kernel(
     x_ptr: tl.tensor, w_ptr: tl.tensor, act_ptr: tl.tensor, ids_ptr: tl.tensor, bslot_ptr: tl.tensor,
+    b_ptr: tl.tensor,                                                     # b13: [S, 2I] when HAS_BIAS
     stride_xt: tl.tensor, stride_xh: tl.tensor,                           # x:   [T, H]
     stride_ws: tl.tensor, stride_wn: tl.tensor, stride_wh: tl.tensor,     # w13: [S, 2I, H]
     stride_am: tl.tensor, stride_an: tl.tensor,                           # act: [num_blocks * BLOCK_M, I]
+    stride_bs: tl.tensor, stride_bn: tl.tensor,                           # b13
     num_pairs: tl.tensor, K: tl.tensor, H: tl.tensor, INTER: tl.tensor,   # INTER: I in the shapes
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
 ) -> None:
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -63,7 +71,16 @@ def _gate_up_kernel(
             a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
         acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
         acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u                     # silu(gate) * up, fp32
+    if HAS_BIAS:
+        b_row = b_ptr + slot * stride_bs
+        acc_g += tl.load(b_row + offs_n * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_row + (offs_n + INTER) * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if CLAMPED:                                                      # gpt-oss clamped SwiGLU, fp32
+        g = tl.minimum(acc_g, LIMIT)
+        u = tl.minimum(tl.maximum(acc_u, -LIMIT), LIMIT)
+        act = (u + 1.0) * (g / (1.0 + tl.exp(-(g * ALPHA))))
+    else:
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u                 # silu(gate) * up, fp32
     tl.store(act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :] * stride_an,
              act.to(act_ptr.dtype.element_ty), mask=n_mask[None, :])
 
@@ -71,11 +88,14 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     act_ptr: tl.tensor, w_ptr: tl.tensor, out_ptr: tl.tensor, ids_ptr: tl.tensor, bslot_ptr: tl.tensor,
+    b_ptr: tl.tensor,                                                     # b2: [S, H] when HAS_BIAS
     stride_am: tl.tensor, stride_an: tl.tensor,                           # act: [num_blocks * BLOCK_M, I]
     stride_ws: tl.tensor, stride_wn: tl.tensor, stride_wi: tl.tensor,     # w2:  [S, H, I]
     stride_om: tl.tensor, stride_oh: tl.tensor,                           # out: [T*k, H]
+    stride_bs: tl.tensor, stride_bn: tl.tensor,                           # b2
     num_pairs: tl.tensor, H: tl.tensor, INTER: tl.tensor,                 # INTER: I in the shapes
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ) -> None:
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -100,6 +120,8 @@ def _down_kernel(
         if DOT_F32:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision="ieee")
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + slot * stride_bs + offs_n * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     o_rows = tl.where(m_mask, pair, 0).to(tl.int64)
     tl.store(out_ptr + o_rows[:, None] * stride_om + offs_n[None, :] * stride_oh,
              acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
@@ -141,8 +163,10 @@ def align_block_size(slot_ids: torch.Tensor, num_slots: int, block_m: int
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: torch.Tensor,
-              out: torch.Tensor) -> torch.Tensor:
-    """Write down(silu(gate(x_t)) * up(x_t)) of slot slot_ids[t, r] into out[t*k + r].
+              out: torch.Tensor, *, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+              act: ClampedSwiGLU | None = None) -> torch.Tensor:
+    """Write down(silu(gate(x_t)) * up(x_t)) of slot slot_ids[t, r] into out[t*k + r]
+    (with `act`: its clamped SwiGLU; with b13 [S, 2I] / b2 [S, H]: the slot's biases added).
 
     x: [T, H]; w13: [S, 2I, H]; w2: [S, H, I]; out: [T*k, H], all one dtype (fp32, fp16 or
     bf16) on one device; slot_ids: [T, k] integer, values in -1..S-1 (-1: pair skipped).
@@ -164,12 +188,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: to
     if slot_ids.shape[0] != t or out.shape != (t * k, h):
         raise ValueError(f"expected slot_ids [{t}, k] and out [T*k, {h}], got "
                          f"{tuple(slot_ids.shape)} and {tuple(out.shape)}")
-    if x.dtype not in _DTYPES or any(w.dtype != x.dtype for w in (w13, w2, out)):
-        raise ValueError(f"x/w13/w2/out must share one dtype among {_DTYPES}, got "
-                         f"{x.dtype}/{w13.dtype}/{w2.dtype}/{out.dtype}")
+    if (b13 is None) != (b2 is None):
+        raise ValueError("pass both expert biases b13 and b2, or neither")
+    biases = [b for b in (b13, b2) if b is not None]
+    if b13 is not None and b2 is not None and (b13.shape != (s, i2) or b2.shape != (s, h)):
+        raise ValueError(f"expected biases b13 [S, 2I] = {(s, i2)} and b2 [S, H] = {(s, h)}, got "
+                         f"{tuple(b13.shape)} and {tuple(b2.shape)}")
+    if x.dtype not in _DTYPES or any(w.dtype != x.dtype for w in (w13, w2, out, *biases)):
+        raise ValueError(f"x/w13/w2/out (and biases) must share one dtype among {_DTYPES}, got "
+                         f"{x.dtype}/{w13.dtype}/{w2.dtype}/{out.dtype}"
+                         + "".join(f"/{b.dtype}" for b in biases))
     if slot_ids.dtype not in _INT_DTYPES:
         raise ValueError(f"slot_ids must be a signed integer tensor, got {slot_ids.dtype}")
-    devices = {v.device for v in (x, w13, w2, slot_ids, out)}
+    devices = {v.device for v in (x, w13, w2, slot_ids, out, *biases)}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
     if slot_ids.numel() == 0:
@@ -182,19 +213,24 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: to
 
     sorted_ids, block_slot = align_block_size(slot_ids, s, BLOCK_M)
     num_blocks = block_slot.numel()
-    act = x.new_empty(num_blocks * BLOCK_M, i)                       # [NB*BM, I]
+    hidden = x.new_empty(num_blocks * BLOCK_M, i)                    # [NB*BM, I] activations
     dot_f32 = _INTERPRETED and x.dtype == torch.bfloat16
     bk = 32 if x.dtype == torch.float32 else 64
     bn = 64
+    has_bias = b13 is not None
+    bias13 = b13 if b13 is not None else w13[:, :, 0]    # any [S, 2I] view: not read without biases
+    bias2 = b2 if b2 is not None else w2[:, :, 0]        # any [S, H] view
+    alpha, limit = (act.alpha, act.limit) if act is not None else (1.0, 0.0)
     if i > 0:
         _gate_up_kernel[(num_blocks, triton.cdiv(i, bn))](
-            x, w13, act, sorted_ids, block_slot,
+            x, w13, hidden, sorted_ids, block_slot, bias13,
             x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
-            act.stride(0), act.stride(1), t * k, k, h, i,
-            BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=dot_f32)
+            hidden.stride(0), hidden.stride(1), bias13.stride(0), bias13.stride(1), t * k, k, h, i,
+            BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=dot_f32,
+            HAS_BIAS=has_bias, CLAMPED=act is not None, ALPHA=float(alpha), LIMIT=float(limit))
     _down_kernel[(num_blocks, triton.cdiv(h, bn))](
-        act, w2, out, sorted_ids, block_slot,
-        act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
-        out.stride(0), out.stride(1), t * k, h, i,
-        BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=dot_f32)
+        hidden, w2, out, sorted_ids, block_slot, bias2,
+        hidden.stride(0), hidden.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+        out.stride(0), out.stride(1), bias2.stride(0), bias2.stride(1), t * k, h, i,
+        BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=dot_f32, HAS_BIAS=has_bias)
     return out
