@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,42 @@ def test_layers_past_the_mtp_ones_or_without_the_config_stay_refused(tmp_path: P
     (path / "config.json").write_text(json.dumps(dict(RANDOM_CONFIG, num_nextn_predict_layers=1)))
     with pytest.raises(CheckpointError, match=r"unexpected tensor model\.layers\.4\."):
         LLM(path)                                           # layer 4 is not an MTP layer of 1
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_a_real_shaped_checkpoint_fp8_with_an_mtp_layer_serves_like_its_dequantized_copy(
+        tmp_path: Path, family: str, caplog) -> None:
+    """What DeepSeek-V3 / GLM-4.5-FP8 ship: every Linear weight but the router in float8 with
+    128x128-style block scales (16x16 here), and one MTP layer after the last."""
+    from tests.families import tiny_checkpoint
+    block = (16, 16)
+    fp8, ref = tiny_checkpoint(family, tmp_path / "fp8"), tmp_path / "dequantized"
+    shutil.copytree(fp8, ref)
+    config = json.loads((fp8 / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    tensors = load_file(str(fp8 / "model.safetensors"))
+    quantized, dequantized = {}, {}
+    for name, t in tensors.items():
+        if linear_weight(name, t) and not name.endswith(".mlp.gate.weight") and name != "lm_head.weight":
+            w8, s = quantize(t, block)
+            quantized[name], quantized[name + "_scale_inv"] = w8, s
+            dequantized[name] = dequantize_by_blocks(w8, s, block)
+        else:
+            quantized[name] = dequantized[name] = t
+    mtp = {n.replace("model.layers.0.", f"model.layers.{layers}."): t.clone()
+           for n, t in quantized.items() if n.startswith("model.layers.0.")}
+    mtp[f"model.layers.{layers}.eh_proj.weight"] = torch.zeros(64, 128, dtype=torch.float8_e4m3fn)
+    mtp[f"model.layers.{layers}.eh_proj.weight_scale_inv"] = torch.ones(4, 8)
+    save_file({**quantized, **mtp}, str(fp8 / "model.safetensors"))
+    save_file(dequantized, str(ref / "model.safetensors"))
+    (fp8 / "config.json").write_text(json.dumps(dict(
+        config, num_nextn_predict_layers=1, quantization_config={
+            "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block)})))
+    with caplog.at_level(logging.INFO, logger="engine.loader"):
+        a = LLM(fp8)
+    assert [r.getMessage() for r in caplog.records if r.name == "engine.loader"] == [
+        f"skipped {len(mtp)} tensors of 1 multi-token-prediction layer (model.layers.{layers}): "
+        f"the engine does not run them"]
+    b = LLM(ref)
+    for x, y in zip(a.generate(PROMPTS, GREEDY), b.generate(PROMPTS, GREEDY)):
+        assert x.token_ids == y.token_ids and x.logprobs == y.logprobs
