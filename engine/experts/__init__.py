@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from engine.experts.check import check_independence
 from engine.experts.copy import CudaStreamCopy, DirectCopy, EmulatedLink
 from engine.experts.paged import PagedExperts
 from engine.experts.slots import ExpertCounters, ExpertSlots, ExpertStore, LRUPolicy
+from engine.kernels.fused_moe import ClampedSwiGLU
+from engine.moe import ExpertsFactory
 
 SUPPORTED_EXPERT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -34,16 +34,20 @@ def validate_num_resident(k: int | None, num_experts: int, top_k: int, dtype: to
                          "(quantised expert formats are not supported yet)")
 
 
-def paged_factory(num_resident: int, device: torch.device | str, triton: bool = False
-                  ) -> Callable[[int, torch.Tensor, torch.Tensor, list[int]], PagedExperts]:
-    """A `make_experts` for the loader: each layer gets a host store, K slots on `device`
-    (copies on a side CUDA stream on a GPU, direct copies elsewhere) and LRU eviction."""
+def paged_factory(num_resident: int, device: torch.device | str, triton: bool = False) -> ExpertsFactory:
+    """A `make_experts` for the loader: each layer gets a host store (with the experts' biases
+    and clamped activation where the family has them: gpt-oss), K slots on `device` (copies on
+    a side CUDA stream on a GPU, direct copies elsewhere) and LRU eviction."""
     dev = torch.device(device)
 
-    def make(layer: int, w13: torch.Tensor, w2: torch.Tensor, prints: list[int]) -> PagedExperts:
+    def make(layer: int, w13: torch.Tensor, w2: torch.Tensor, fingerprints: list[int], *,
+             b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+             act: ClampedSwiGLU | None = None) -> PagedExperts:
         copier = CudaStreamCopy(dev) if dev.type == "cuda" else DirectCopy()
         if dev.type == "cuda":  # page-locked, so copies are true async DMA
             w13, w2 = w13.pin_memory(), w2.pin_memory()
-        store = ExpertStore(w13, w2, prints)
+            if b13 is not None and b2 is not None:
+                b13, b2 = b13.pin_memory(), b2.pin_memory()
+        store = ExpertStore(w13, w2, fingerprints, b13=b13, b2=b2, act=act)
         return PagedExperts(ExpertSlots(store, num_resident, dev, copier=copier), triton=triton)
     return make
