@@ -144,36 +144,35 @@ def test_absorbed_matches_expanded_over_cached_prefixes():
     assert diff < 1e-5, diff
 
 
-DEEPSEEK_V3 = {  # the published config.json's attention and layer dims (deepseek-ai/DeepSeek-V3)
-    "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280, "hidden_size": 7168,
-    "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
-    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
-    "v_head_dim": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 256,
-    "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 3}
+PUBLISHED = Path(__file__).resolve().parent.parent / "models" / "published"
 
 
-def gqa_equivalent_bytes(raw: dict, element_size: int) -> int:
+def gqa_equivalent_bytes(cfg: ModelConfig, element_size: int) -> int:
     """Per token: K (dn + dr) and V (dv) of every head in every layer, as an expanded cache holds them."""
-    heads, layers = raw["num_attention_heads"], raw["num_hidden_layers"]
-    return layers * heads * (raw["qk_nope_head_dim"] + raw["qk_rope_head_dim"] + raw["v_head_dim"]) * element_size
+    raw = cfg.raw
+    per_head = raw["qk_nope_head_dim"] + raw["qk_rope_head_dim"] + raw["v_head_dim"]
+    return cfg.num_hidden_layers * cfg.num_attention_heads * per_head * element_size
 
 
 def test_kv_bytes_per_token_latent_against_expanded():
     tiny = ModelConfig.from_dict({**tiny_config().to_dict(), "num_hidden_layers": 2})
     assert tiny.kv_geometry == (1, 1, 16 + 8)
     assert tiny.kv_bytes_per_token(4) == 2 * 24 * 4                              # 192 B in fp32
-    assert gqa_equivalent_bytes(tiny.raw, 4) == 2 * 4 * (16 + 8 + 12) * 4        # 1,152 B: 6x
-    real = ModelConfig.from_dict(DEEPSEEK_V3)
-    assert real.kv_geometry == (1, 1, 576)
-    assert real.kv_bytes_per_token(2) == 70_272                                  # 68.6 KiB in bf16
-    assert gqa_equivalent_bytes(DEEPSEEK_V3, 2) == 4_997_120                     # 4.77 MiB: 71x
-    assert deepseek_v3.expert_bytes(real, 2) == 3 * 7168 * 2048 * 2              # 84 MiB per routed expert
+    assert gqa_equivalent_bytes(tiny, 4) == 2 * 4 * (16 + 8 + 12) * 4            # 1,152 B: 6x
+    dsv3, kimi = (ModelConfig.from_path(PUBLISHED / name) for name in ("deepseek-v3", "kimi-k2"))
+    for real in (dsv3, kimi):                                                    # 61 layers of 512 + 64
+        assert real.kv_geometry == (1, 1, 576)
+        assert real.kv_bytes_per_token(2) == 70_272                              # 68.6 KiB in bf16
+        assert deepseek_v3.expert_bytes(real, 2) == 3 * 7168 * 2048 * 2          # 84 MiB per routed expert
+        assert deepseek_v3.expected_tensors(real)                                # every field is supported
+    assert gqa_equivalent_bytes(dsv3, 2) == 4_997_120                            # 128 heads: 4.77 MiB, 71x
+    assert gqa_equivalent_bytes(kimi, 2) == 2_498_560                            # 64 heads: 2.38 MiB, 36x
 
 
 @pytest.mark.parametrize("field,value", [("scoring_func", "softmax"), ("topk_method", "greedy"),
                                          ("hidden_act", "gelu")])
 def test_unsupported_variants_are_refused_by_name(field, value):
-    cfg = ModelConfig.from_dict({**DEEPSEEK_V3, field: value})
+    cfg = ModelConfig.from_dict({**ModelConfig.from_path(PUBLISHED / "deepseek-v3").raw, field: value})
     with pytest.raises(ValueError, match=field):
         deepseek_v3.expected_tensors(cfg)
 
