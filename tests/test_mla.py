@@ -83,9 +83,10 @@ def hf_outputs(cfg: DeepseekV3Config, att: DeepseekV3Attention, x: torch.Tensor)
 @pytest.mark.parametrize("absorbed", [True, False], ids=["absorbed", "expanded"])
 @pytest.mark.parametrize("over", [
     {},                                                                          # q lora, YaRN, interleaved
+    {"attention_bias": True},                                                    # q_a / kv_a / o biases
     {"q_lora_rank": None, "attention_bias": True, "rope_parameters": DEFAULT_ROPE},  # q_proj, biases
     {"rope_interleave": False},                                                  # halves pairing
-], ids=["q_lora-yarn", "q_proj-bias-default_rope", "not_interleaved"])
+], ids=["q_lora-yarn", "q_lora-bias", "q_proj-bias-default_rope", "not_interleaved"])
 def test_layer_matches_transformers(over, absorbed):
     """Two requests on scattered pages: a prefill of both, then three decode steps; every
     token's output equals HF's attention over the whole sequence."""
