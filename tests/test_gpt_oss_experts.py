@@ -142,17 +142,21 @@ def test_fingerprints_are_the_stacked_bytes_and_cover_the_biases() -> None:
     assert store.bytes_per_expert == gpt_oss.expert_bytes(cfg, 4) == 4 * (3 * H * INTER + 2 * INTER + H)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("strategy", ["gathered", "padded", "grouped"])
 @pytest.mark.parametrize("k", [TOP_K, E // 2, E])
-def test_paged_experts_bit_identical_to_all_resident(k: int, strategy: str, monkeypatch) -> None:
+def test_paged_experts_bit_identical_to_all_resident(k: int, strategy: str, dtype: torch.dtype, monkeypatch) -> None:
     monkeypatch.setattr(moe, "choose_strategy", lambda *a: strategy)
     monkeypatch.setattr(moe, "GATHER_MAX_PAIRS", 8 if strategy == "gathered" else 0)
-    store, _ = biased_store(3)
+    full, _ = biased_store(3)
+    store = ExpertStore(*(t.to(dtype) for t in (full.w13, full.w2)), full.fingerprints,
+                        b13=full.b13.to(dtype), b2=full.b2.to(dtype), act=ACT)
     resident = ResidentExperts(store.w13, store.w2, b13=store.b13, b2=store.b2, act=store.act)
     paged = PagedExperts(ExpertSlots(store, k, "cpu"))
     sizes = [1, 4, 3, 1, 2] if strategy == "gathered" else [1, 5, 12, 3, 20, 2]
     for i, tokens in enumerate(sizes):
         x, ids = step(tokens, seed=100 + i)
+        x = x.to(dtype)
         assert StepPlan.for_step(ids, E).strategy == strategy
         assert torch.equal(paged(x, ids), resident(x, ids)), f"step {i}: {tokens} tokens, K={k}"
     if k < E:
