@@ -25,7 +25,7 @@ from engine.config import SHIPPED_MODEL, ModelConfig
 from engine.forward_batch import build_batch
 from engine.models import deepseek_v3
 from engine.models.decoder import StepContext
-from engine.models.mla import MlaAttention
+from engine.models.mla import MlaAttention, MlaDims, expanding_is_cheaper
 from tests.parity import check_parity
 
 PAGE = 4
@@ -145,6 +145,25 @@ def test_absorbed_matches_expanded_over_cached_prefixes():
     assert diff < 1e-5, diff
 
 
+def test_serving_takes_the_expanded_path_for_long_prefills_only():
+    """absorbed=None (serving): a decode step and a short prefill run absorbed, a prefill long
+    enough that expanding the latent costs fewer multiplies runs expanded (bit for bit the
+    forced paths' results)."""
+    cfg = tiny_config(hidden_size=96, num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=32,
+                      q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20)
+    att = hf_attention(cfg, seed=2)
+    auto, absorbed, expanded = (engine_block(cfg, att, a) for a in (None, True, False))
+    assert [expanding_is_cheaper(auto.dims, [q], [q]) for q in (70, 71)] == [False, True]  # 32*44/20 = 70.4
+    table = list(range(30))
+    gen = torch.Generator().manual_seed(5)
+    for n, start in ((8, 0), (100, 0), (1, 100)):  # a short prefill, a long one, a decode step
+        x = torch.randn(n, cfg.hidden_size, generator=gen)
+        outs = [run(block, torch.zeros(1, 30, PAGE, 1, auto.dims.row), [x], [start], [table])
+                for block in (auto, absorbed, expanded)]
+        assert torch.equal(outs[0], outs[2] if n == 100 else outs[1]), n
+        torch.testing.assert_close(outs[1], outs[2], atol=1e-5, rtol=0)
+
+
 PUBLISHED = Path(__file__).resolve().parent.parent / "models" / "published"
 
 
@@ -168,6 +187,10 @@ def test_kv_bytes_per_token_latent_against_expanded():
         assert deepseek_v3.expected_tensors(real)                                # every field is supported
     assert gqa_equivalent_bytes(dsv3, 2) == 4_997_120                            # 128 heads: 4.77 MiB, 71x
     assert gqa_equivalent_bytes(kimi, 2) == 2_498_560                            # 64 heads: 2.38 MiB, 36x
+    d = MlaDims.from_raw(dsv3.raw)   # prefill expands from 512 * 256 / (1088 - 320) = 170.7 queries
+    assert [expanding_is_cheaper(d, [q], [q]) for q in (170, 171)] == [False, True]
+    assert not expanding_is_cheaper(d, [1], [100_000])                          # a decode-sized chunk
+    assert expanding_is_cheaper(d, [512], [8192])                                # a long chunk over a prefix
 
 
 @pytest.mark.parametrize("field,value", [("scoring_func", "softmax"), ("topk_method", "greedy"),

@@ -126,7 +126,7 @@ def make_rope(cfg: ModelConfig, device: torch.device | str) -> Rope:
 
 
 def attention_layer(cfg: ModelConfig, t: dict[str, torch.Tensor], p: str, rope: Rope,
-                    absorbed: bool = True) -> MlaAttention:
+                    absorbed: bool | None = None) -> MlaAttention:
     """Pop layer `p`'s (e.g. "model.layers.3.") attention weights from `t` into its block."""
     d, a = MlaDims.from_raw(cfg.raw), p + "self_attn."
     bias = bool(cfg.raw.get("attention_bias"))

@@ -10,11 +10,13 @@ Per head, kv_b_proj [Hq * (dn + dv), r] expands the latent: k_nope = W_uk c, v =
 (W_uk = its first dn rows of each head's block, W_uv the last dv).  A head's score is
 q_nope . W_uk c + q_pe . k_pe = (W_uk^T q_nope) . c + q_pe . k_pe, so:
 
-  absorbed (serving): query [W_uk^T q_nope | q_pe] (Dk = r + dr) attends over the cached rows
-      as one shared KV head (MQA) with V = the row's first r dims (the backend's C == 1,
-      v_dim=r); the per-head output o_c [Hq, r] is lifted by W_uv, then o_proj.
-  expanded (reference): every cached latent goes through kv_b_proj into per-head K and V
-      (HF's computation), then ordinary causal attention.
+  absorbed: query [W_uk^T q_nope | q_pe] (Dk = r + dr) attends over the cached rows as one
+      shared KV head (MQA) with V = the row's first r dims (the backend's C == 1, v_dim=r);
+      the per-head output o_c [Hq, r] is lifted by W_uv, then o_proj.  Every decode step.
+  expanded: every cached latent goes through kv_b_proj into per-head K and V (HF's
+      computation), then ordinary causal attention.  The reference, and a prefill's path when
+      it costs fewer multiplies (`expanding_is_cheaper`: long prompts, DeepSeek-V3 from ~171
+      queries per request).
 
 The softmax scale is (dn + dr) ** -0.5 times mscale(factor, mscale_all_dim) ** 2 under YaRN
 (HF's yarn_apply_mscale); the rope's own attention factor is applied in its cos/sin tables.
@@ -81,7 +83,10 @@ class MlaAttention:
     """One layer's latent attention: a `Mixer` (h [T, H] -> [T, H]) that writes the layer's
     cached rows into `kv_layer` [1, P, S, 1, r + dr] at the batch's slots."""
 
-    def __init__(self, w: MlaWeights, dims: MlaDims, rope: Rope, scale: float, absorbed: bool = True) -> None:
+    def __init__(self, w: MlaWeights, dims: MlaDims, rope: Rope, scale: float,
+                 absorbed: bool | None = None) -> None:
+        """`absorbed`: True or False forces that path (tests); None (serving) takes the
+        absorbed one for decode steps and for prefills unless expanding is cheaper."""
         self.w, self.dims, self.rope, self.scale = w, dims, rope, scale
         self.absorbed = absorbed
         per_head = w.w_kv_b.view(dims.heads, dims.nope + dims.v, dims.kv_lora_rank)
@@ -90,11 +95,20 @@ class MlaAttention:
 
     def __call__(self, h: torch.Tensor, kv_layer: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         q_nope, q_pe = self._query_and_cache(h, kv_layer, ctx)
-        if self.absorbed:
-            out = self._absorbed(q_nope, q_pe, kv_layer, ctx)
-        else:
+        if self._expands(ctx):
             out = self.expanded(q_nope, q_pe, kv_layer, ctx.batch)
+        else:
+            out = self._absorbed(q_nope, q_pe, kv_layer, ctx)
         return F.linear(out.reshape(h.shape[0], -1), self.w.w_o, self.w.b_o)
+
+    def _expands(self, ctx: StepContext) -> bool:
+        if self.absorbed is not None:
+            return not self.absorbed
+        if ctx.plan is not None:  # a decode step: one query per request
+            return False
+        batch = ctx.batch
+        assert batch.q_valid is not None  # a prefill batch
+        return expanding_is_cheaper(self.dims, batch.q_valid.sum(dim=1).tolist(), batch.seq_lens.tolist())
 
     def _query_and_cache(self, h: torch.Tensor, kv_layer: torch.Tensor,
                          ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,8 +144,7 @@ class MlaAttention:
         d, s = self.dims, kv_layer.shape[2]
         out = q_nope.new_empty(q_nope.shape[0], d.heads, d.v)
         query = torch.cat((q_nope, q_pe), dim=-1)  # [T, Hq, dn + dr]
-        for b, tokens in enumerate(_request_tokens(batch)):
-            length = int(batch.seq_lens[b])
+        for b, (tokens, length) in enumerate(zip(_request_tokens(batch), batch.seq_lens.tolist())):
             pages = batch.page_table[b, :-(-length // s)].long()
             rows = kv_layer[0, pages].reshape(-1, d.row)[:length]                  # [L, r + dr]
             kv = F.linear(rows[:, :d.kv_lora_rank], self.w.w_kv_b).view(length, d.heads, -1)
@@ -143,6 +156,18 @@ class MlaAttention:
                                                attn_mask=visible, scale=self.scale)  # [Hq, Tb, dv]
             out[tokens] = o.transpose(0, 1)
         return out
+
+
+def expanding_is_cheaper(d: MlaDims, queries: list[int], lengths: list[int]) -> bool:
+    """Whether the expanded path multiplies less than the absorbed one for requests with
+    `queries[b]` queries over `lengths[b]` cached tokens.  Per head and cached token, the
+    absorbed path costs each query 2r + dr (scores over r + dr dims, values over r); the
+    expanded one costs r (dn + dv) once (kv_b_proj of the row) and each query dn + dr + dv.
+    (Lifting queries and outputs through W_uk / W_uv is per query, not per cached token.)"""
+    absorbed = sum(q * n * (2 * d.kv_lora_rank + d.rope) for q, n in zip(queries, lengths))
+    expanded = sum(n * (d.kv_lora_rank * (d.nope + d.v) + q * (d.nope + d.rope + d.v))
+                   for q, n in zip(queries, lengths))
+    return expanded < absorbed
 
 
 def _request_tokens(batch: ForwardBatch) -> list[torch.Tensor]:
