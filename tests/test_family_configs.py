@@ -18,8 +18,12 @@ from transformers import (
     Qwen2MoeForCausalLM,
 )
 
+from engine.attention import TorchAttention
 from engine.config import ModelConfig
+from engine.loader import load_model
 from engine.models import glm4_moe, mixtral, qwen2_moe
+from engine.models.decoder import MoeBlock
+from engine.moe import GroupedSigmoidRouter
 
 SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
 
@@ -95,3 +99,20 @@ def test_expected_tensors_are_what_transformers_writes(name, tmp_path):
     assert all(".experts." in n and "shared" not in n for n in routed)
     assert module.expert_bytes(cfg, 2) * cfg.num_experts * len(cfg.moe_layers) == 2 * sum(
         torch.Size(expected[n]).numel() for n in routed)
+
+
+def test_glm_router_stays_fp32_in_a_bf16_model(tmp_path):
+    """transformers keeps the grouped router in fp32 whatever the dtype; so does the loader
+    (`glm4_moe.keeps_fp32`): a bf16 serve routes with the checkpoint's exact bias and weight."""
+    cls, hf_cfg = CHECKPOINTS["glm4_moe-bias-norm"]
+    model = cls(hf_cfg)
+    gate = model.model.layers[0].mlp.gate
+    with torch.no_grad():
+        gate.e_score_correction_bias.copy_(1 + 1e-3 * torch.randn(4, generator=torch.Generator().manual_seed(0)))
+    cfg, _ = written(model, tmp_path)
+    loaded = load_model(tmp_path, cfg, torch.bfloat16, "cpu", TorchAttention(16))
+    block = loaded.layers[0].mlp
+    assert isinstance(block, MoeBlock) and isinstance(block.router, GroupedSigmoidRouter)
+    assert torch.equal(block.router.bias, gate.e_score_correction_bias)  # not rounded to bf16
+    assert torch.equal(block.router.weight, gate.weight.detach())
+    assert block.shared is not None and block.shared.w13.dtype == torch.bfloat16
