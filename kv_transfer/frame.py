@@ -2,7 +2,7 @@
 
 A frame carries one page of one request for a range of layers:
 
-    payload = kv[layer_start:layer_end, :, page, :num_tokens]    # [Lr, 2, n, Hkv, D]
+    payload = kv[layer_start:layer_end, :, page, :num_tokens]    # [Lr, C, n, H, D] (the pool's geometry)
 
     checksum = xxh3_64(header_bytes(header) + payload)            # every field but checksum
     tag      = HMAC-SHA256(secret, tenant | request_id | transfer_id | prompt_digest)[:16]

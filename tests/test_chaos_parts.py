@@ -204,11 +204,11 @@ def test_expert_guard_recomputes_when_a_slot_flips_during_the_compute(monkeypatc
     flips = []
 
     def flipping(real):
-        def run(*args):
+        def run(*args, **kw):
             if not flips:                                      # the first compute reads a flipped slot
                 flips.append(corrupt_expert(type("L", (), {"paged_experts": lambda self: {0: layer}})(),
                                             random.Random(2)))
-            return real(*args)
+            return real(*args, **kw)
         return run
     monkeypatch.setattr(paged, "gathered_all", flipping(paged.gathered_all))
     monkeypatch.setattr(paged, "expert_outputs", flipping(paged.expert_outputs))
