@@ -25,12 +25,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2_moe": ("Qwen2MoeConfig", dict(
         num_hidden_layers=3, num_key_value_heads=2, intermediate_size=96, moe_intermediate_size=32,
         shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
-        mlp_only_layers=[1])),
+        mlp_only_layers=[1], use_sliding_window=True, sliding_window=8, max_window_layers=2)),
     "glm4_moe": ("Glm4MoeConfig", dict(
         num_hidden_layers=3, num_key_value_heads=2, head_dim=16, intermediate_size=96,
         moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
         n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.5,
-        norm_topk_prob=True, use_qk_norm=True, partial_rotary_factor=0.5)),
+        norm_topk_prob=True, use_qk_norm=True, partial_rotary_factor=0.5, attention_bias=True)),
     "deepseek_v3": ("DeepseekV3Config", dict(
         num_hidden_layers=3, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32,
         n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,

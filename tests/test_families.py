@@ -87,7 +87,8 @@ def resident_experts(path: Path) -> tuple[int, int]:
 
 
 def test_disaggregated_greedy_equals_the_engine(family: tuple[str, Path], reference: list[Any]) -> None:
-    cfg = config(model=str(family[1]), kv_cache_tokens=2048, max_prefill_tokens=32, layer_group=1)
+    cfg = config(model=str(family[1]), kv_cache_tokens=2048, max_prefill_tokens=32, layer_group=1,
+                 max_model_len=512)   # gpt-oss states 131,072 positions
     decode, prefill = start_decode(cfg), start_prefill(cfg)
     try:
         dch, pch = channel(decode.address), channel(prefill.address)

@@ -145,6 +145,9 @@ class DecoderModel:
         assert isinstance(target.mlp, MoeBlock) and isinstance(target.mlp.experts, PagedExperts)
         weights, predicted = target.mlp.router(rms_norm(x, target.post_norm, self.cfg.rms_norm_eps))
         # Most confident first (every token's first choice, then every second choice, ...),
-        # and only guesses with at least PREFETCH_MIN_WEIGHT of the token's routing weight.
-        ranked = zip(predicted.t().reshape(-1).tolist(), weights.t().reshape(-1).tolist())
+        # and only guesses with at least PREFETCH_MIN_WEIGHT of the token's routing weight (its
+        # share of the token's k weights: routers that scale or do not renormalise them, as
+        # GLM-4.5's and DeepSeek-V3's do, keep the rule measured on probabilities).
+        share = weights / weights.sum(dim=-1, keepdim=True)
+        ranked = zip(predicted.t().reshape(-1).tolist(), share.t().reshape(-1).tolist())
         target.mlp.experts.prefetch(list(dict.fromkeys(e for e, w in ranked if w >= PREFETCH_MIN_WEIGHT)))
