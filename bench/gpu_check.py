@@ -8,7 +8,13 @@ the check goes on):
   cuda_tests           `pytest -m cuda tests/test_cuda_paths.py` (compiled kernels, paged experts
                        over CUDA copy streams, workers over gRPC and shared memory with the pool
                        on the device, transfer faults against a CUDA pool); all skip without CUDA
-  kernels_interpreted  without CUDA only: the kernel tests under the Triton interpreter
+  families             `pytest -m cuda tests/test_cuda_families.py`: every model family's tiny
+                       checkpoint on the device (Triton attention and fused MoE) against the CPU's
+                       torch path, paged experts bit-identical to resident, bf16, the compiled
+                       attention variants, latent pages through CUDA workers; figures per family
+                       (max logprob difference from the CPU, ...) under figures["families"]
+  kernels_interpreted  without CUDA only: the kernel tests (attention variants included) under
+                       the Triton interpreter
   attention_bandwidth  Triton paged attention's achieved memory bandwidth (CUDA only)
   engine, experts, transfer   `bench.engine`, `bench.experts`, `bench.transfer` with --device
 
@@ -55,13 +61,16 @@ class Step:
 STEPS = [
     Step("device", 60),
     Step("cuda_tests", 240, quick=False),
+    Step("families", 240, where="cuda", quick=False),
     Step("kernels_interpreted", 300, where="cpu", quick=False),
     Step("attention_bandwidth", 90, where="cuda"),
     Step("experts", 120),
     Step("engine", 90),
     Step("transfer", 90, quick=False),
 ]
-SKIP_WHY = {"cuda": "needs a CUDA device", "cpu": "on CUDA the compiled kernels run in cuda_tests"}
+SKIP_WHY = {"cuda": "needs a CUDA device", "cpu": "on CUDA the compiled kernels run in cuda_tests and families"}
+KERNEL_TESTS = ["tests/test_kernel_paged_attention.py", "tests/test_kernel_fused_moe.py",
+                "tests/test_attention_variants.py"]
 
 
 def child_env() -> tuple[dict[str, str], str | None]:
@@ -111,9 +120,12 @@ def run_module_step(name: str, device: str, quick: bool, limit_s: float, env: di
 def run_step(step: Step, device: str, quick: bool, limit_s: float, env: dict[str, str], tmp: str) -> dict[str, Any]:
     if step.name == "cuda_tests":
         return pytest_step(["-m", "cuda", "tests/test_cuda_paths.py"], limit_s, env, tmp, ROOT, "cuda_tests")
+    if step.name == "families":
+        result = pytest_step(["-m", "cuda", "tests/test_cuda_families.py"], limit_s, env, tmp, ROOT, "families")
+        result["figures"]["families"] = result["figures"].pop("properties", {})
+        return result
     if step.name == "kernels_interpreted":
-        return pytest_step(["tests/test_kernel_paged_attention.py", "tests/test_kernel_fused_moe.py"],
-                           limit_s, env, tmp, ROOT, "kernels_interpreted")
+        return pytest_step(KERNEL_TESTS, limit_s, env, tmp, ROOT, "kernels_interpreted")
     return run_module_step(step.name, device, quick, limit_s, env, tmp)
 
 

@@ -1,5 +1,6 @@
 """A pytest run as one `bench.gpu_check` step: a child process with a time limit, read back
-from its JUnit XML (counts, each test's outcome and time, failures with their tracebacks)."""
+from its JUnit XML (counts, each test's outcome and time, failures with their tracebacks, and the
+figures the tests recorded with pytest's `record_testsuite_property`)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,33 @@ from typing import Any
 TRACE_CHARS = 4000      # per failed test, the end of its traceback
 
 
+def property_value(text: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def recorded(root: ET.Element) -> dict[str, Any]:
+    """The testsuite properties (`record_testsuite_property`), a name "group.figure" nested as
+    {group: {figure: value}}; numbers as numbers."""
+    out: dict[str, Any] = {}
+    for suite in root.iter("testsuite"):
+        for prop in suite.findall("./properties/property"):
+            name, value = prop.get("name", ""), property_value(prop.get("value", ""))
+            group, dot, figure = name.partition(".")
+            if dot:
+                out.setdefault(group, {})[figure] = value
+            else:
+                out[name] = value
+    return out
+
+
 def read_junit(path: str) -> tuple[dict[str, Any], list[str], list[str]]:
-    """(figures, failure details, skip reasons) from a JUnit XML file."""
+    """(figures, failure details, skip reasons) from a JUnit XML file; figures["properties"]:
+    what the tests recorded (see `recorded`), when they recorded anything."""
     root = ET.parse(path).getroot()
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
     tests: dict[str, dict[str, Any]] = {}
@@ -33,7 +59,8 @@ def read_junit(path: str) -> tuple[dict[str, Any], list[str], list[str]]:
                 skips.append(child.get("message", ""))
         counts[outcome] += 1
         tests[name] = {"outcome": outcome, "seconds": round(float(case.get("time", 0) or 0), 2)}
-    return {**counts, "tests": tests}, details, skips
+    props = recorded(root)
+    return {**counts, "tests": tests, **({"properties": props} if props else {})}, details, skips
 
 
 def pytest_step(args: list[str], limit_s: float, env: dict[str, str], tmp: str, root: Path,

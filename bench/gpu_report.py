@@ -24,10 +24,18 @@ def _experts(f: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _families(f: dict[str, Any]) -> str:
+    diffs = ", ".join(f"{name} {_num(v.get('cuda_vs_cpu_max_logprob_diff'), '.1e')}"
+                      for name, v in sorted(f.get("families", {}).items()))
+    return (f"passed {f.get('passed')} failed {f.get('failed')} errors {f.get('errors')} skipped {f.get('skipped')}"
+            + (f"; max |logprob| cuda-cpu: {diffs}" if diffs else ""))
+
+
 LINES = {
     "device": _device,
     "cuda_tests": lambda f: f"passed {f.get('passed')} failed {f.get('failed')} errors {f.get('errors')} "
                             f"skipped {f.get('skipped')}",
+    "families": _families,
     "kernels_interpreted": lambda f: f"passed {f.get('passed')} failed {f.get('failed')} skipped {f.get('skipped')}",
     "attention_bandwidth": lambda f: f"{_num(f.get('achieved_gbps'))} GB/s = {_num(f.get('fraction_of_peak'))} of "
                                      f"peak {_num(f.get('peak_gbps'))}, "

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.gpu_check import STEPS, child_env, run_module_step
+from bench.gpu_check import STEPS, child_env, run_module_step, skip_reason
 from bench.gpu_pytest import pytest_step
 from bench.gpu_report import summary
 
@@ -46,6 +46,7 @@ def test_quick_cpu_run_writes_the_report(tmp_path: Path) -> None:
     assert steps["engine"]["figures"]["engine_single_tok_s"] > 0
     assert steps["attention_bandwidth"]["status"] == "skipped"
     assert steps["cuda_tests"]["reason"] == "not selected (--steps)"
+    assert steps["families"]["status"] == "skipped"
     assert "0 failed step(s)" in proc.stdout and str(out) in proc.stdout
 
 
@@ -70,6 +71,32 @@ def test_a_pytest_step_whose_tests_all_skip_is_skipped_with_the_reason(tmp_path:
     env, _ = child_env()
     r = pytest_step([str(tmp_path / "test_skips.py")], 120, env, str(tmp_path), tmp_path, "skips")
     assert r["status"] == "skipped" and "needs a CUDA device" in r["reason"]
+
+
+def test_a_pytest_step_reads_the_figures_its_tests_record(tmp_path: Path) -> None:
+    (tmp_path / "test_figures.py").write_text(
+        "def test_a(record_testsuite_property):\n"
+        "    record_testsuite_property('mixtral.cuda_vs_cpu_max_logprob_diff', 1.5e-06)\n"
+        "    record_testsuite_property('mixtral.paged_misses', 12)\n"
+        "    record_testsuite_property('note', 'text')\n")
+    env, _ = child_env()
+    r = pytest_step([str(tmp_path / "test_figures.py")], 120, env, str(tmp_path), tmp_path, "figures")
+    assert r["status"] == "ok", r
+    assert r["figures"]["properties"] == {"mixtral": {"cuda_vs_cpu_max_logprob_diff": 1.5e-06, "paged_misses": 12},
+                                          "note": "text"}
+
+
+def test_the_families_step_needs_cuda_and_its_summary_names_each_family() -> None:
+    families = next(s for s in STEPS if s.name == "families")
+    assert skip_reason(families, cuda=False, quick=False, chosen=None, left_s=300) == "needs a CUDA device"
+    assert skip_reason(families, cuda=True, quick=False, chosen=None, left_s=300) is None
+    figures = {"passed": 27, "failed": 0, "errors": 0, "skipped": 0,
+               "families": {"deepseek_v3": {"cuda_vs_cpu_max_logprob_diff": 2.1e-06},
+                            "gpt_oss": {"cuda_vs_cpu_max_logprob_diff": 9.5e-07}}}
+    steps = [{"name": s.name, "status": "ok" if s.name == "families" else "skipped", "reason": "why",
+              "figures": figures if s.name == "families" else {}, "details": [], "seconds": 0.0} for s in STEPS]
+    text = summary({"device": {"device": "cuda"}, "steps": steps, "failures": 0, "seconds": 3.0}, "/x.json")
+    assert "passed 27 failed 0" in text and "deepseek_v3 2.1e-06, gpt_oss 9.5e-07" in text
 
 
 def test_a_step_over_its_time_limit_fails_and_says_so(tmp_path: Path) -> None:
