@@ -90,6 +90,12 @@ class Tokenizer:
             env.filters["tojson"] = _tojson
             self._template = env.from_string(self.chat_template)
 
+    @property
+    def backend(self) -> _HFTokenizer:
+        """The `tokenizers` object (from tokenizer.json, or built from tiktoken.model): what
+        reads the tokenizer's spec or encodes off the GIL uses it, not tokenizer.json."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 

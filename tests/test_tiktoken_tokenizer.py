@@ -330,3 +330,17 @@ def test_refusals(tmp_path: Path, vocab: list[bytes]) -> None:
     inside = write_checkpoint(tmp_path / "inside", singles, {"added_tokens_decoder": {"65": {"content": "<x>"}}})
     with pytest.raises(ValueError, match=r"added token '<x>' has id 65, which tiktoken\.model gives to b'A'"):
         Tokenizer(inside)
+
+
+def test_backend_serialises_and_keeps_the_gateway_byte_bound(kimi: Path) -> None:
+    """The gateway's prompt encoder reads the `tokenizers` spec: the built tokenizer
+    round-trips through JSON and keeps every byte (so the byte-length bound applies)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from gateway.prompts import byte_bound
+    tok = Tokenizer(kimi)
+    spec = tok.backend.to_str()
+    copy = HFTokenizer.from_str(spec)
+    text = TEXTS[1] + TEXTS[4] + "<|im_end|>"
+    assert copy.encode(text, add_special_tokens=False).ids == tok.encode(text)
+    assert byte_bound(json.loads(spec), 16) == 16
