@@ -276,9 +276,13 @@ def tiktoken_tokenizer(file: Path, pattern: str, cfg: dict[str, Any], reserved: 
                                                                                   use_regex=False)])
     tok.decoder = decoders.ByteLevel()
 
-    special = _special_tokens(file, cfg, ranks, reserved)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    for i, t in enumerate(special):
+    # one at a time, in id order: `tokenizers` numbers added tokens as they come
+    for i, (t, is_special) in enumerate(_special_tokens(file, cfg, ranks, reserved)):
+        added = AddedToken(t, special=is_special, normalized=False)
+        if is_special:
+            tok.add_special_tokens([added])
+        else:
+            tok.add_tokens([added])
         if tok.token_to_id(t) != n + i:
             raise ValueError(f"special token {t!r} got id {tok.token_to_id(t)} instead of {n + i} ({file})")
     return tok
@@ -309,12 +313,15 @@ def read_tiktoken_ranks(file: Path) -> dict[bytes, int]:
     return ranks
 
 
-def _special_tokens(file: Path, cfg: dict[str, Any], ranks: dict[bytes, int], reserved: int) -> list[str]:
-    """The special tokens in id order from len(ranks): added_tokens_decoder's (ids below that
-    must be the ranked token itself), the rest `<|reserved_token_{id}|>`."""
+def _special_tokens(file: Path, cfg: dict[str, Any], ranks: dict[bytes, int],
+                    reserved: int) -> list[tuple[str, bool]]:
+    """The added tokens in id order from len(ranks), with whether decoding skips them:
+    added_tokens_decoder's (ids below len(ranks) must be the ranked token itself; "special"
+    as it says, true when absent: TikToken matches them all in text), the rest
+    `<|reserved_token_{id}|>` (special)."""
     n = len(ranks)
     by_rank = {r: t for t, r in ranks.items()}
-    named: dict[int, str] = {}
+    named: dict[int, tuple[str, bool]] = {}
     decoder = cfg.get("added_tokens_decoder") or {}
     if not isinstance(decoder, dict):
         raise ValueError(f"tokenizer_config.json beside {file}: added_tokens_decoder must be an object")
@@ -329,11 +336,12 @@ def _special_tokens(file: Path, cfg: dict[str, Any], ranks: dict[bytes, int], re
                 raise ValueError(f"tokenizer_config.json beside {file}: added token {content!r} has id {i}, "
                                  f"which {file.name} gives to {by_rank[i]!r}")
             continue
-        named[i] = content
+        named[i] = (content, not isinstance(value, dict) or value.get("special", True) is not False)
     end = max([n + reserved, *(i + 1 for i in named)])
-    out = [named.get(i, f"<|reserved_token_{i}|>") for i in range(n, end)]
-    if len(set(out)) != len(out):
-        dup = next(t for t in out if out.count(t) > 1)
+    out = [named.get(i, (f"<|reserved_token_{i}|>", True)) for i in range(n, end)]
+    texts = [t for t, _ in out]
+    if len(set(texts)) != len(texts):
+        dup = next(t for t in texts if texts.count(t) > 1)
         raise ValueError(f"tokenizer_config.json beside {file}: special token {dup!r} has two ids")
     return out
 

@@ -208,6 +208,18 @@ def test_special_tokens_take_their_ids(kimi: Path, vocab: list[bytes]) -> None:
     assert tok.decode(ids) == "user你好, world"
 
 
+def test_added_tokens_not_special_survive_decoding(tmp_path: Path, vocab: list[bytes]) -> None:
+    n = len(vocab)
+    root = write_checkpoint(tmp_path / "open", vocab)
+    cfg = json.loads((root / "tokenizer_config.json").read_text())
+    cfg["added_tokens_decoder"][str(n + 8)] = {"content": "<|open|>", "special": False}
+    (root / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = Tokenizer(root)
+    ids = tok.encode("a<|open|>b<|im_end|>")
+    assert n + 8 in ids and n + 2 in ids
+    assert tok.decode(ids) == "a<|open|>b"
+
+
 def test_eos_from_config_and_kimi_defaults(tmp_path: Path, vocab: list[bytes]) -> None:
     n = len(vocab)
     im_end = Tokenizer(write_checkpoint(tmp_path / "a", vocab, {"eos_token": {"content": "<|im_end|>"}}))
