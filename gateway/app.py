@@ -47,7 +47,7 @@ class Gateway:
         self.draining = False
         path = config.model or SHIPPED_MODEL
         self.tokenizer = Tokenizer(path)
-        self.encoder = PromptEncoder(path, self.tokenizer)
+        self.encoder = PromptEncoder(self.tokenizer)
         # tokenising, chat templates and stop-pattern checks run here, never on the event loop
         self.executor = ThreadPoolExecutor(config.prepare_threads, thread_name_prefix="gateway-prepare")
         self.model_config = ModelConfig.from_path(path)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -43,9 +42,12 @@ class PromptEncoder:
     while it works (`encode_batch` runs outside it); `check(text, context)` raises
     PromptTooLong for a text that cannot fit in `context` tokens."""
 
-    def __init__(self, model_dir: str | Path, tokenizer: Tokenizer) -> None:
-        self._tok = HFTokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
-        spec = json.loads(self._tok.to_str())
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        # an independent copy of the engine tokenizer's backend (tokenizer.json, or the one built
+        # from a TikToken checkpoint's tiktoken.model), so the gateway reads any checkpoint it does
+        spec_text = tokenizer.backend.to_str()
+        self._tok = HFTokenizer.from_str(spec_text)
+        spec = json.loads(spec_text)
         self.max_token_bytes = max(len(tokenizer.decode([i], skip_special_tokens=False).encode())
                                    for i in range(self._tok.get_vocab_size(with_added_tokens=True)))
         self.bytes_per_token = byte_bound(spec, self.max_token_bytes)

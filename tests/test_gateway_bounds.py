@@ -206,7 +206,7 @@ def test_tokenising_runs_off_the_event_loop(gateway_of):
 
 def test_the_encoder_matches_the_tokenizer():
     tok = Tokenizer(SHIPPED_MODEL)
-    enc = PromptEncoder(SHIPPED_MODEL, tok)
+    enc = PromptEncoder(tok)
     for text in ("", "def f(x):\n        return x", "héllo wörld ✓ 𝐀", "<|im_start|>user\nhi<|im_end|>"):
         assert enc.encode(text) == tok.encode(text)
 
@@ -226,7 +226,7 @@ _ENCODER: list[PromptEncoder] = []
 
 def _shipped_encoder() -> PromptEncoder:
     if not _ENCODER:
-        _ENCODER.append(PromptEncoder(SHIPPED_MODEL, Tokenizer(SHIPPED_MODEL)))
+        _ENCODER.append(PromptEncoder(Tokenizer(SHIPPED_MODEL)))
     return _ENCODER[0]
 
 
