@@ -17,7 +17,8 @@ import pytest
 import regex
 
 from engine.config import SHIPPED_MODEL
-from engine.tokenizer import KIMI_PATTERN, KIMI_PATTERN_PARTS, IncrementalDetokenizer, Tokenizer, read_tiktoken_ranks
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.tokenizer_tiktoken import KIMI_PATTERN, KIMI_PATTERN_PARTS, read_tiktoken_ranks
 
 CORPUS = """The quick brown fox jumps over the lazy dog. I'm sure they'll say it's done, we've seen
 HTTPServer and XMLHttpRequest calls: 12345 + 678 = 13023. naïve café résumé déjà vu.
