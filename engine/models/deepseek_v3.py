@@ -14,11 +14,25 @@ import torch
 
 from engine.attention import TorchAttention
 from engine.config import ModelConfig
-from engine.models.decoder import DecoderLayer, DecoderModel, DenseMlp, MoeBlock
+from engine.models.decoder import DecoderModel
 from engine.models.mla import MlaAttention, MlaDims, MlaWeights, softmax_scale
-from engine.models.weights import ExpertNames, ExpertsFactory, build_experts, dense_mlp, mlp_shapes
-from engine.moe import GroupedSigmoidRouter
+from engine.models.weights import (
+    ExpertsFactory,
+    Shapes,
+    decoder_layer,
+    decoder_shapes,
+    finish,
+    grouped_moe,
+    grouped_moe_shapes,
+    is_routed_expert,
+)
+from engine.models.weights import ignorable as _plain_ignorable
+from engine.models.weights import keeps_router_fp32 as keeps_fp32
+from engine.models.weights import silu_expert_bytes as expert_bytes
 from engine.rope import Rope, rope_params
+
+__all__ = ["assemble", "attention_layer", "expected_tensors", "expert_bytes", "ignorable", "is_routed_expert",
+           "keeps_fp32", "make_rope"]
 
 # HF DeepseekV3Config's defaults, for config.json files that leave a field out
 DEFAULTS: dict[str, Any] = {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
@@ -65,57 +79,16 @@ def _attention_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def expected_tensors(cfg: ModelConfig) -> Shapes:
     """Every tensor the checkpoint must hold, with the shape the config implies."""
     check_supported(cfg)
-    h, e = cfg.hidden_size, cfg.num_experts
-    out = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (cfg.vocab_size, h)
-    for li in range(cfg.num_hidden_layers):
-        p = f"model.layers.{li}."
-        out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
-        out.update(_attention_shapes(cfg, p))
-        if cfg.is_moe_layer(li):
-            out.update({p + "mlp.gate.weight": (e, h), p + "mlp.gate.e_score_correction_bias": (e,)})
-            for x in range(e):
-                out.update(mlp_shapes(p + f"mlp.experts.{x}.", h, cfg.moe_intermediate_size))
-            if cfg.num_shared_experts:
-                out.update(mlp_shapes(p + "mlp.shared_experts.", h, cfg.shared_expert_intermediate_size))
-        else:
-            out.update(mlp_shapes(p + "mlp.", h, cfg.intermediate_size))
-    return out
+    return decoder_shapes(cfg, lambda li, p: {**_attention_shapes(cfg, p), **grouped_moe_shapes(cfg, li, p)})
 
 
 def ignorable(cfg: ModelConfig, name: str) -> bool:
     """Tensors some checkpoints carry that the runtime does not use (transformers writes the
     shared experts with zero rows when n_shared_experts is 0)."""
-    return (name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
-            or (not cfg.num_shared_experts and ".mlp.shared_experts." in name))
-
-
-def keeps_fp32(name: str) -> bool:
-    """Tensors transformers keeps in fp32 whatever the serving dtype: the router's weight and
-    correction bias (routing runs in fp32; a bf16 bias would move near-tie choices)."""
-    return name.endswith((".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"))
-
-
-def is_routed_expert(name: str) -> bool:
-    """Whether a checkpoint tensor belongs to a routed expert (paged experts keep those on the
-    host); the shared experts (`mlp.shared_experts.`) stay resident."""
-    return ".mlp.experts." in name
-
-
-def expert_bytes(cfg: ModelConfig, element_size: int) -> int:
-    """One routed expert's weights: gate, up and down."""
-    return 3 * cfg.hidden_size * cfg.moe_intermediate_size * element_size
-
-
-def _experts(p: str) -> ExpertNames:
-    def names(e: int) -> tuple[str, str, str]:
-        q = p + f"mlp.experts.{e}."
-        return q + "gate_proj.weight", q + "up_proj.weight", q + "down_proj.weight"
-    return names
+    return _plain_ignorable(cfg, name) or (not cfg.num_shared_experts and ".mlp.shared_experts." in name)
 
 
 def make_rope(cfg: ModelConfig, device: torch.device | str) -> Rope:
@@ -141,21 +114,6 @@ def attention_layer(cfg: ModelConfig, t: dict[str, torch.Tensor], p: str, rope: 
     return MlaAttention(w, d, rope, softmax_scale(cfg.raw), absorbed)
 
 
-def _moe(cfg: ModelConfig, t: dict[str, torch.Tensor], li: int, make_experts: ExpertsFactory | None,
-         moe_triton: bool) -> MoeBlock:
-    p = f"model.layers.{li}."
-    router = GroupedSigmoidRouter(
-        t.pop(p + "mlp.gate.weight"), t.pop(p + "mlp.gate.e_score_correction_bias"), cfg.num_experts_per_tok,
-        int(_get(cfg, "n_group")), int(_get(cfg, "topk_group")), bool(_get(cfg, "norm_topk_prob")),
-        float(_get(cfg, "routed_scaling_factor")))
-    experts = build_experts(li, t, _experts(p), cfg.num_experts, make_experts, moe_triton)
-    shared = None
-    if cfg.num_shared_experts:
-        q = p + "mlp.shared_experts."
-        shared = dense_mlp(t, q + "gate_proj.weight", q + "up_proj.weight", q + "down_proj.weight")
-    return MoeBlock(router, experts, shared)
-
-
 def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], attention: TorchAttention,
              make_experts: ExpertsFactory | None = None, moe_triton: bool = False) -> DecoderModel:
     """Fuse loaded tensors (already in the target dtype and place) into the model.
@@ -168,12 +126,6 @@ def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], attention: TorchAtten
     layers = []
     for li in range(cfg.num_hidden_layers):
         p = f"model.layers.{li}."
-        attn = attention_layer(cfg, t, p, rope)
-        mlp: MoeBlock | DenseMlp = (_moe(cfg, t, li, make_experts, moe_triton) if cfg.is_moe_layer(li) else
-                                    dense_mlp(t, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
-                                              p + "mlp.down_proj.weight"))
-        layers.append(DecoderLayer(t.pop(p + "input_layernorm.weight"), t.pop(p + "post_attention_layernorm.weight"),
-                                   attn, mlp))
-    embed = t.pop("model.embed_tokens.weight")
-    lm_head = embed if cfg.tie_word_embeddings else t.pop("lm_head.weight")
-    return DecoderModel(cfg, layers, embed, t.pop("model.norm.weight"), lm_head, attention)
+        layers.append(decoder_layer(t, p, attention_layer(cfg, t, p, rope),
+                                    grouped_moe(cfg, t, li, DEFAULTS, make_experts, moe_triton)))
+    return finish(cfg, t, layers, attention)

@@ -20,11 +20,28 @@ import torch
 
 from engine.attention import TorchAttention
 from engine.config import ModelConfig
-from engine.models.decoder import DecoderLayer, DecoderModel, DenseMlp, MoeBlock
+from engine.models.decoder import DecoderModel
 from engine.models.gqa import gqa_shapes, pop_gqa
-from engine.models.weights import ExpertNames, ExpertsFactory, build_experts, dense_mlp, mlp_shapes
-from engine.moe import GroupedSigmoidRouter
-from engine.rope import Rope, rope_params
+from engine.models.weights import (
+    ExpertsFactory,
+    Shapes,
+    decoder_layer,
+    decoder_shapes,
+    finish,
+    grouped_moe,
+    grouped_moe_shapes,
+    ignorable,
+    is_routed_expert,
+    make_rope,
+)
+from engine.models.weights import keeps_router_fp32 as keeps_fp32
+from engine.models.weights import silu_expert_bytes as expert_bytes
+
+__all__ = ["assemble", "expected_tensors", "expert_bytes", "ignorable", "is_routed_expert", "keeps_fp32",
+           "rotary_dim"]
+
+# Glm4MoeConfig's defaults, for config.json files that leave a routing field out
+DEFAULTS = {"n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0}
 
 
 def _options(cfg: ModelConfig) -> tuple[bool, bool]:
@@ -41,73 +58,11 @@ def rotary_dim(cfg: ModelConfig) -> int:
     return int(cfg.head_dim * float(factor))
 
 
-def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def expected_tensors(cfg: ModelConfig) -> Shapes:
     """Every tensor the checkpoint must hold, with the shape the config implies."""
-    h = cfg.hidden_size
     bias, qk_norm = _options(cfg)
-    out = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (cfg.vocab_size, h)
-    for li in range(cfg.num_hidden_layers):
-        p = f"model.layers.{li}."
-        out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
-        out.update(gqa_shapes(cfg, p, bias=bias, qk_norm=qk_norm))
-        if cfg.is_moe_layer(li):
-            out.update({p + "mlp.gate.weight": (cfg.num_experts, h),
-                        p + "mlp.gate.e_score_correction_bias": (cfg.num_experts,)})
-            for e in range(cfg.num_experts):
-                out.update(mlp_shapes(p + f"mlp.experts.{e}.", h, cfg.moe_intermediate_size))
-            if cfg.num_shared_experts:
-                out.update(mlp_shapes(p + "mlp.shared_experts.", h, cfg.shared_expert_intermediate_size))
-        else:
-            out.update(mlp_shapes(p + "mlp.", h, cfg.intermediate_size))
-    return out
-
-
-def ignorable(cfg: ModelConfig, name: str) -> bool:
-    """Tensors some checkpoints carry that the runtime does not use."""
-    return name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
-
-
-def keeps_fp32(name: str) -> bool:
-    """Tensors transformers keeps in fp32 whatever the serving dtype: the router's weight and
-    correction bias (routing runs in fp32; a bf16 bias would move near-tie choices)."""
-    return name.endswith((".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"))
-
-
-def is_routed_expert(name: str) -> bool:
-    """Whether a checkpoint tensor belongs to a routed expert (not the shared ones, which stay resident)."""
-    return ".mlp.experts." in name
-
-
-def expert_bytes(cfg: ModelConfig, element_size: int) -> int:
-    """One routed expert's weights: gate, up and down."""
-    return 3 * cfg.hidden_size * cfg.moe_intermediate_size * element_size
-
-
-def _expert_names(prefix: str) -> ExpertNames:
-    return lambda e: tuple(f"{prefix}mlp.experts.{e}.{n}_proj.weight"  # type: ignore[return-value]
-                           for n in ("gate", "up", "down"))
-
-
-def _router(cfg: ModelConfig, t: dict[str, torch.Tensor], p: str) -> GroupedSigmoidRouter:
-    raw = cfg.raw
-    return GroupedSigmoidRouter(t.pop(p + "gate.weight"), t.pop(p + "gate.e_score_correction_bias"),
-                                cfg.num_experts_per_tok, int(raw.get("n_group") or 1),
-                                int(raw.get("topk_group") or 1), bool(raw.get("norm_topk_prob", True)),
-                                float(raw.get("routed_scaling_factor", 1.0)))
-
-
-def _mlp(cfg: ModelConfig, t: dict[str, torch.Tensor], li: int, make_experts: ExpertsFactory | None,
-         moe_triton: bool) -> MoeBlock | DenseMlp:
-    p = f"model.layers.{li}.mlp."
-    if not cfg.is_moe_layer(li):
-        return dense_mlp(t, p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight")
-    router = _router(cfg, t, p)
-    experts = build_experts(li, t, _expert_names(f"model.layers.{li}."), cfg.num_experts, make_experts, moe_triton)
-    shared = dense_mlp(t, p + "shared_experts.gate_proj.weight", p + "shared_experts.up_proj.weight",
-                       p + "shared_experts.down_proj.weight") if cfg.num_shared_experts else None
-    return MoeBlock(router, experts, shared)
+    return decoder_shapes(cfg, lambda li, p: {**gqa_shapes(cfg, p, bias=bias, qk_norm=qk_norm),
+                                              **grouped_moe_shapes(cfg, li, p)})
 
 
 def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], attention: TorchAttention,
@@ -118,17 +73,11 @@ def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], attention: TorchAtten
     (default: all resident, run by the Triton kernel when `moe_triton`).  Consumes `t`:
     tensors are popped as they are fused.
     """
-    device = t["model.embed_tokens.weight"].device
-    rope = Rope(rotary_dim(cfg), rope_params(cfg.raw or {"rope_theta": cfg.rope_theta}),
-                cfg.max_position_embeddings, device)
+    rope = make_rope(cfg, t["model.embed_tokens.weight"].device, rotary_dim(cfg))
     bias, qk_norm = _options(cfg)
     layers = []
     for li in range(cfg.num_hidden_layers):
         p = f"model.layers.{li}."
         attn = pop_gqa(cfg, t, p, rope, bias=bias, qk_norm=qk_norm)
-        mlp = _mlp(cfg, t, li, make_experts, moe_triton)
-        layers.append(DecoderLayer(t.pop(p + "input_layernorm.weight"), t.pop(p + "post_attention_layernorm.weight"),
-                                   attn, mlp))
-    embed = t.pop("model.embed_tokens.weight")
-    lm_head = embed if cfg.tie_word_embeddings else t.pop("lm_head.weight")
-    return DecoderModel(cfg, layers, embed, t.pop("model.norm.weight"), lm_head, attention)
+        layers.append(decoder_layer(t, p, attn, grouped_moe(cfg, t, li, DEFAULTS, make_experts, moe_triton)))
+    return finish(cfg, t, layers, attention)

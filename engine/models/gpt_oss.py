@@ -25,10 +25,13 @@ from engine.checkpoint import CheckpointError
 from engine.config import ModelConfig
 from engine.experts.check import fingerprint
 from engine.kernels.fused_moe import ClampedSwiGLU
-from engine.models.decoder import DecoderLayer, DecoderModel, DenseMlp, MoeBlock
+from engine.models.decoder import DecoderModel, MoeBlock
 from engine.models.gqa import gqa_shapes, pop_gqa
+from engine.models.weights import Shapes, decoder_layer, decoder_shapes, finish, is_routed_expert, make_rope
+from engine.models.weights import ignorable as _plain_ignorable
 from engine.moe import Experts, ExpertsFactory, LogitTopkRouter, ResidentExperts
-from engine.rope import Rope, rope_params
+
+__all__ = ["assemble", "expected_tensors", "expert_bytes", "ignorable", "is_routed_expert", "stack_fused_experts"]
 
 MXFP4_SUFFIXES = ("_blocks", "_scales")
 
@@ -80,7 +83,7 @@ def _attention_bias(cfg: ModelConfig) -> bool:
     return bool(cfg.raw.get("attention_bias", True))
 
 
-def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def expected_tensors(cfg: ModelConfig) -> Shapes:
     """Every tensor the checkpoint must hold, with the shape the config implies.
     Raises CheckpointError for an MXFP4 checkpoint."""
     check_supported(cfg)
@@ -88,19 +91,14 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         raise ValueError("gpt-oss config.json has no num_local_experts")
     h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     bias = _attention_bias(cfg)
-    out = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (cfg.vocab_size, h)
-    for li in range(cfg.num_hidden_layers):
-        p = f"model.layers.{li}."
-        out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                    p + "self_attn.sinks": (cfg.num_attention_heads,)})
-        out.update(gqa_shapes(cfg, p, bias=bias, o_bias=bias))
+
+    def layer(li: int, p: str) -> Shapes:
         q = p + "mlp."
-        out.update({q + "router.weight": (e, h), q + "router.bias": (e,),
-                    q + "experts.gate_up_proj": (e, h, 2 * i), q + "experts.gate_up_proj_bias": (e, 2 * i),
-                    q + "experts.down_proj": (e, i, h), q + "experts.down_proj_bias": (e, h)})
-    return out
+        return {**gqa_shapes(cfg, p, bias=bias, o_bias=bias), p + "self_attn.sinks": (cfg.num_attention_heads,),
+                q + "router.weight": (e, h), q + "router.bias": (e,),
+                q + "experts.gate_up_proj": (e, h, 2 * i), q + "experts.gate_up_proj_bias": (e, 2 * i),
+                q + "experts.down_proj": (e, i, h), q + "experts.down_proj_bias": (e, h)}
+    return decoder_shapes(cfg, layer)
 
 
 def ignorable(cfg: ModelConfig, name: str) -> bool:
@@ -108,12 +106,7 @@ def ignorable(cfg: ModelConfig, name: str) -> bool:
     on an MXFP4 expert tensor (a quantized checkpoint whose config.json does not say so)."""
     if ".mlp.experts." in name and name.endswith(MXFP4_SUFFIXES):
         raise _mxfp4_error(f"tensor {name}")
-    return name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
-
-
-def is_routed_expert(name: str) -> bool:
-    """Whether a checkpoint tensor belongs to the routed experts (paged experts keep those on the host)."""
-    return ".mlp.experts." in name
+    return _plain_ignorable(cfg, name)
 
 
 def expert_bytes(cfg: ModelConfig, element_size: int) -> int:
@@ -147,9 +140,7 @@ def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], attention: TorchAtten
     `make_experts(layer, w13, w2, fingerprints, b13=, b2=, act=)` builds each layer's experts
     (default: all resident, run by the Triton kernel when `moe_triton`).  Consumes `t`."""
     check_supported(cfg)
-    device = t["model.embed_tokens.weight"].device
-    rope = Rope(cfg.head_dim, {**rope_params(cfg.raw), "rope_theta": cfg.rope_theta},
-                cfg.max_position_embeddings, device)
+    rope = make_rope(cfg, t["model.embed_tokens.weight"].device)
     act, bias = _activation(cfg), _attention_bias(cfg)
     layers = []
     for li, window in enumerate(_layer_windows(cfg)):
@@ -162,9 +153,5 @@ def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], attention: TorchAtten
             t.pop(q + "experts.down_proj"), t.pop(q + "experts.down_proj_bias"), make_experts is not None)
         experts: Experts = (make_experts(li, w13, w2, prints, b13=b13, b2=b2, act=act) if make_experts
                             else ResidentExperts(w13, w2, moe_triton, b13=b13, b2=b2, act=act))
-        mlp: MoeBlock | DenseMlp = MoeBlock(router, experts)
-        layers.append(DecoderLayer(t.pop(p + "input_layernorm.weight"), t.pop(p + "post_attention_layernorm.weight"),
-                                   attn, mlp))
-    embed = t.pop("model.embed_tokens.weight")
-    lm_head = embed if cfg.tie_word_embeddings else t.pop("lm_head.weight")
-    return DecoderModel(cfg, layers, embed, t.pop("model.norm.weight"), lm_head, attention)
+        layers.append(decoder_layer(t, p, attn, MoeBlock(router, experts)))
+    return finish(cfg, t, layers, attention)

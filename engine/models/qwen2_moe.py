@@ -16,51 +16,48 @@ import torch
 
 from engine.attention import TorchAttention
 from engine.config import ModelConfig
-from engine.models.decoder import DecoderLayer, DecoderModel, DenseMlp, MoeBlock
+from engine.models.decoder import DecoderModel, DenseMlp, MoeBlock
 from engine.models.gqa import gqa_shapes, pop_gqa
-from engine.models.weights import ExpertNames, ExpertsFactory, build_experts, dense_mlp, mlp_shapes
+from engine.models.weights import (
+    ExpertsFactory,
+    Shapes,
+    build_experts,
+    decoder_layer,
+    decoder_shapes,
+    dense_mlp,
+    expert_names,
+    experts_shapes,
+    finish,
+    ignorable,
+    is_routed_expert,
+    make_rope,
+    mlp_shapes,
+)
+from engine.models.weights import silu_expert_bytes as expert_bytes
 from engine.moe import SoftmaxRouter
-from engine.rope import Rope, rope_params
+
+__all__ = ["assemble", "expected_tensors", "expert_bytes", "ignorable", "is_routed_expert", "layer_windows"]
 
 
 def _qkv_bias(cfg: ModelConfig) -> bool:
     return bool(cfg.raw.get("qkv_bias", True))
 
 
-def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def expected_tensors(cfg: ModelConfig) -> Shapes:
     """Every tensor the checkpoint must hold, with the shape the config implies."""
     h = cfg.hidden_size
-    out = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (cfg.vocab_size, h)
-    for li in range(cfg.num_hidden_layers):
-        p = f"model.layers.{li}."
-        out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
-        out.update(gqa_shapes(cfg, p, bias=_qkv_bias(cfg)))
+
+    def layer(li: int, p: str) -> Shapes:
+        out = gqa_shapes(cfg, p, bias=_qkv_bias(cfg))
         if cfg.is_moe_layer(li):
             out[p + "mlp.gate.weight"] = (cfg.num_experts, h)
-            for e in range(cfg.num_experts):
-                out.update(mlp_shapes(p + f"mlp.experts.{e}.", h, cfg.moe_intermediate_size))
+            out.update(experts_shapes(cfg, p + "mlp.experts."))
             out.update(mlp_shapes(p + "mlp.shared_expert.", h, cfg.shared_expert_intermediate_size))
             out[p + "mlp.shared_expert_gate.weight"] = (1, h)
         else:
             out.update(mlp_shapes(p + "mlp.", h, cfg.intermediate_size))
-    return out
-
-
-def ignorable(cfg: ModelConfig, name: str) -> bool:
-    """Tensors some checkpoints carry that the runtime does not use."""
-    return name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
-
-
-def is_routed_expert(name: str) -> bool:
-    """Whether a checkpoint tensor belongs to a routed expert (not the shared one, which stays resident)."""
-    return ".mlp.experts." in name
-
-
-def expert_bytes(cfg: ModelConfig, element_size: int) -> int:
-    """One routed expert's weights: gate, up and down."""
-    return 3 * cfg.hidden_size * cfg.moe_intermediate_size * element_size
+        return out
+    return decoder_shapes(cfg, layer)
 
 
 def layer_windows(cfg: ModelConfig) -> list[int | None]:
@@ -76,20 +73,14 @@ def layer_windows(cfg: ModelConfig) -> list[int | None]:
     return [int(window) if kind == "sliding_attention" else None for kind in types]
 
 
-def _expert_names(prefix: str) -> ExpertNames:
-    return lambda e: tuple(f"{prefix}mlp.experts.{e}.{n}_proj.weight"  # type: ignore[return-value]
-                           for n in ("gate", "up", "down"))
-
-
 def _mlp(cfg: ModelConfig, t: dict[str, torch.Tensor], li: int, make_experts: ExpertsFactory | None,
          moe_triton: bool) -> MoeBlock | DenseMlp:
     p = f"model.layers.{li}.mlp."
     if not cfg.is_moe_layer(li):
-        return dense_mlp(t, p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight")
+        return dense_mlp(t, p)
     router = SoftmaxRouter(t.pop(p + "gate.weight"), cfg.num_experts_per_tok, cfg.norm_topk_prob)
-    experts = build_experts(li, t, _expert_names(f"model.layers.{li}."), cfg.num_experts, make_experts, moe_triton)
-    shared = dense_mlp(t, p + "shared_expert.gate_proj.weight", p + "shared_expert.up_proj.weight",
-                       p + "shared_expert.down_proj.weight")
+    experts = build_experts(li, t, expert_names(p + "experts."), cfg.num_experts, make_experts, moe_triton)
+    shared = dense_mlp(t, p + "shared_expert.")
     return MoeBlock(router, experts, shared, t.pop(p + "shared_expert_gate.weight"))  # gate [1, H]
 
 
@@ -101,17 +92,11 @@ def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], attention: TorchAtten
     (default: all resident, run by the Triton kernel when `moe_triton`).  Consumes `t`:
     tensors are popped as they are fused.
     """
-    device = t["model.embed_tokens.weight"].device
-    rope = Rope(cfg.head_dim, rope_params(cfg.raw or {"rope_theta": cfg.rope_theta}),
-                cfg.max_position_embeddings, device)
+    rope = make_rope(cfg, t["model.embed_tokens.weight"].device)
     bias, windows = _qkv_bias(cfg), layer_windows(cfg)
     layers = []
     for li in range(cfg.num_hidden_layers):
         p = f"model.layers.{li}."
         attn = pop_gqa(cfg, t, p, rope, bias=bias, window=windows[li])
-        mlp = _mlp(cfg, t, li, make_experts, moe_triton)
-        layers.append(DecoderLayer(t.pop(p + "input_layernorm.weight"), t.pop(p + "post_attention_layernorm.weight"),
-                                   attn, mlp))
-    embed = t.pop("model.embed_tokens.weight")
-    lm_head = embed if cfg.tie_word_embeddings else t.pop("lm_head.weight")
-    return DecoderModel(cfg, layers, embed, t.pop("model.norm.weight"), lm_head, attention)
+        layers.append(decoder_layer(t, p, attn, _mlp(cfg, t, li, make_experts, moe_triton)))
+    return finish(cfg, t, layers, attention)
