@@ -10,7 +10,7 @@ attention with its options), `engine/models/mla.py` (latent attention), the rout
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -40,12 +40,20 @@ class StepContext:
     plan: AttentionPlan | None
     dtype: torch.dtype
     _tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _shared: dict[str, Any] = field(default_factory=dict)
 
     def tables(self, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
         key = id(rope)
         if key not in self._tables:
             self._tables[key] = rope.tables(self.batch.positions, self.dtype)
         return self._tables[key]
+
+    def shared(self, key: str, make: Callable[[], Any]) -> Any:
+        """What `make` returns, made once per forward pass for every layer that asks by `key`
+        (e.g. host-side facts about the batch: one device sync per pass, not per layer)."""
+        if key not in self._shared:
+            self._shared[key] = make()
+        return self._shared[key]
 
 
 class Mixer(Protocol):

@@ -14,9 +14,12 @@ q_nope . W_uk c + q_pe . k_pe = (W_uk^T q_nope) . c + q_pe . k_pe, so:
       shared KV head (MQA) with V = the row's first r dims (the backend's C == 1, v_dim=r);
       the per-head output o_c [Hq, r] is lifted by W_uv, then o_proj.  Every decode step.
   expanded: every cached latent goes through kv_b_proj into per-head K and V (HF's
-      computation), then ordinary causal attention.  The reference, and a prefill's path when
-      it costs fewer multiplies (`expanding_is_cheaper`: long prompts, DeepSeek-V3 from ~171
-      queries per request).
+      computation), then ordinary causal attention.  The reference.
+
+A prefill runs request by request, each on the path that costs it fewer multiplies
+(`expanding_is_cheaper`: long prompts expand, DeepSeek-V3 from ~171 queries), so a request's
+numbers never depend on which other requests share its batch (disaggregated prefill batches
+differ from the single-process engine's).
 
 The softmax scale is (dn + dr) ** -0.5 times mscale(factor, mscale_all_dim) ** 2 under YaRN
 (HF's yarn_apply_mscale); the rope's own attention factor is applied in its cos/sin tables.
@@ -95,20 +98,11 @@ class MlaAttention:
 
     def __call__(self, h: torch.Tensor, kv_layer: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         q_nope, q_pe = self._query_and_cache(h, kv_layer, ctx)
-        if self._expands(ctx):
-            out = self.expanded(q_nope, q_pe, kv_layer, ctx.batch)
+        if ctx.plan is not None and self.absorbed is not False:  # a decode step, batched
+            out = self._absorbed_decode(q_nope, q_pe, kv_layer, ctx)
         else:
-            out = self._absorbed(q_nope, q_pe, kv_layer, ctx)
+            out = self._per_request(q_nope, q_pe, kv_layer, ctx)
         return F.linear(out.reshape(h.shape[0], -1), self.w.w_o, self.w.b_o)
-
-    def _expands(self, ctx: StepContext) -> bool:
-        if self.absorbed is not None:
-            return not self.absorbed
-        if ctx.plan is not None:  # a decode step: one query per request
-            return False
-        batch = ctx.batch
-        assert batch.q_valid is not None  # a prefill batch
-        return expanding_is_cheaper(self.dims, batch.q_valid.sum(dim=1).tolist(), batch.seq_lens.tolist())
 
     def _query_and_cache(self, h: torch.Tensor, kv_layer: torch.Tensor,
                          ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,37 +119,54 @@ class MlaAttention:
         rows[ctx.batch.slot_mapping] = torch.cat((latent, k_pe[:, 0]), dim=-1)
         return q[:, :, :d.nope], q_pe
 
-    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
-                  ctx: StepContext) -> torch.Tensor:
-        d = self.dims
-        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, Hq, r]
-        query = torch.cat((q_lat, q_pe), dim=-1)                               # [T, Hq, r + dr]
-        if ctx.plan is not None:  # planned exactly when the batch is a decode
-            o_lat = ctx.attention.decode(query, kv_layer, ctx.plan, self.scale, v_dim=d.kv_lora_rank)
-        else:
-            o_lat = ctx.attention.prefill(query, kv_layer, ctx.batch, self.scale, v_dim=d.kv_lora_rank)
-        # o_lat: [T, Hq, r] -> per head W_uv: [T, Hq, dv]
+    def _absorb(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+        """[W_uk^T q_nope | q_pe]: [T, Hq, r + dr]."""
+        return torch.cat((torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1), q_pe), dim=-1)
+
+    def _lift(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """Per head W_uv: [T, Hq, r] -> [T, Hq, dv]."""
         return torch.bmm(o_lat.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)
 
-    def expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
-                 batch: ForwardBatch) -> torch.Tensor:
-        """The reference: each request's cached rows expanded by kv_b_proj into per-head K/V,
-        causal attention of its queries over them.  Returns [T, Hq, dv]."""
-        d, s = self.dims, kv_layer.shape[2]
+    def _absorbed_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
+                         ctx: StepContext) -> torch.Tensor:
+        assert ctx.plan is not None  # a decode step
+        o_lat = ctx.attention.decode(self._absorb(q_nope, q_pe), kv_layer, ctx.plan, self.scale,
+                                     v_dim=self.dims.kv_lora_rank)
+        return self._lift(o_lat)
+
+    def _per_request(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
+                     ctx: StepContext) -> torch.Tensor:
+        """Each request's queries over its own cached rows, absorbed or expanded as it costs
+        that request less (or as `absorbed` forces).  Returns [T, Hq, dv]."""
+        d = self.dims
         out = q_nope.new_empty(q_nope.shape[0], d.heads, d.v)
-        query = torch.cat((q_nope, q_pe), dim=-1)  # [T, Hq, dn + dr]
-        for b, (tokens, length) in enumerate(zip(_request_tokens(batch), batch.seq_lens.tolist())):
-            pages = batch.page_table[b, :-(-length // s)].long()
+        for tokens, length, pages in ctx.shared("mla.requests", lambda: _requests(ctx.batch, kv_layer.shape[2])):
             rows = kv_layer[0, pages].reshape(-1, d.row)[:length]                  # [L, r + dr]
-            kv = F.linear(rows[:, :d.kv_lora_rank], self.w.w_kv_b).view(length, d.heads, -1)
-            k_pe = rows[:, None, d.kv_lora_rank:].expand(length, d.heads, d.rope)
-            k = torch.cat((kv[:, :, :d.nope], k_pe), dim=-1).transpose(0, 1)      # [Hq, L, dn + dr]
-            v = kv[:, :, d.nope:].transpose(0, 1)                                  # [Hq, L, dv]
-            visible = torch.arange(length, device=rows.device)[None, :] <= batch.positions[tokens][:, None]
-            o = F.scaled_dot_product_attention(query[tokens].transpose(0, 1), k, v,
-                                               attn_mask=visible, scale=self.scale)  # [Hq, Tb, dv]
-            out[tokens] = o.transpose(0, 1)
+            visible = torch.arange(length, device=rows.device)[None, :] <= ctx.batch.positions[tokens][:, None]
+            expand = (not self.absorbed if self.absorbed is not None
+                      else expanding_is_cheaper(d, [tokens.shape[0]], [length]))
+            if expand:
+                out[tokens] = self._expanded(q_nope[tokens], q_pe[tokens], rows, visible)
+            else:
+                query = self._absorb(q_nope[tokens], q_pe[tokens]).transpose(0, 1)  # [Hq, Tb, r + dr]
+                o_lat = F.scaled_dot_product_attention(
+                    query, rows.expand(d.heads, length, d.row), rows[:, :d.kv_lora_rank].expand(d.heads, length, -1),
+                    attn_mask=visible, scale=self.scale)                          # [Hq, Tb, r]
+                out[tokens] = self._lift(o_lat.transpose(0, 1))
         return out
+
+    def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
+                  visible: torch.Tensor) -> torch.Tensor:
+        """The reference for one request: its cached rows [L, r + dr] expanded by kv_b_proj into
+        per-head K/V, attention of its queries under `visible` [Tb, L].  Returns [Tb, Hq, dv]."""
+        d, length = self.dims, rows.shape[0]
+        kv = F.linear(rows[:, :d.kv_lora_rank], self.w.w_kv_b).view(length, d.heads, -1)
+        k_pe = rows[:, None, d.kv_lora_rank:].expand(length, d.heads, d.rope)
+        k = torch.cat((kv[:, :, :d.nope], k_pe), dim=-1).transpose(0, 1)      # [Hq, L, dn + dr]
+        v = kv[:, :, d.nope:].transpose(0, 1)                                  # [Hq, L, dv]
+        query = torch.cat((q_nope, q_pe), dim=-1).transpose(0, 1)             # [Hq, Tb, dn + dr]
+        o = F.scaled_dot_product_attention(query, k, v, attn_mask=visible, scale=self.scale)
+        return o.transpose(0, 1)
 
 
 def expanding_is_cheaper(d: MlaDims, queries: list[int], lengths: list[int]) -> bool:
@@ -170,8 +181,12 @@ def expanding_is_cheaper(d: MlaDims, queries: list[int], lengths: list[int]) -> 
     return expanded < absorbed
 
 
-def _request_tokens(batch: ForwardBatch) -> list[torch.Tensor]:
-    """Flat token indices of each request's queries, in order."""
+def _requests(batch: ForwardBatch, page_size: int) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+    """Per request: the flat indices of its queries, its cached length and its pages (one host
+    sync for the lengths, shared by every layer of the pass)."""
+    lengths = batch.seq_lens.tolist()
     if batch.q_index is None or batch.q_valid is None:  # a decode: token b is request b's
-        return [torch.tensor([b], device=batch.input_ids.device) for b in range(batch.seq_lens.shape[0])]
-    return [idx[valid] for idx, valid in zip(batch.q_index, batch.q_valid)]
+        tokens = [torch.tensor([b], device=batch.input_ids.device) for b in range(len(lengths))]
+    else:
+        tokens = [idx[valid] for idx, valid in zip(batch.q_index, batch.q_valid)]
+    return [(t, n, batch.page_table[b, :-(-n // page_size)].long()) for b, (t, n) in enumerate(zip(tokens, lengths))]
