@@ -135,9 +135,15 @@ class TritonAttention(TorchAttention):
         return self._kernel(q, k_cache, v_cache, table, seq_lens, scale, window=window, sinks=sinks)
 
 
+# The kernel variants a model may need ("window", "sinks", "latent"): start-up compiles and
+# checks the plain kernel and those a model names (engine.models.kernel_variants).
+VARIANTS = frozenset({"window", "sinks", "latent"})
+
+
 def select_attention(device: torch.device | str, backend: str | None = None,
-                     page_size: int = 16) -> TorchAttention:
-    """Pick the backend once: `None` means Triton on CUDA, torch elsewhere.
+                     page_size: int = 16, variants: frozenset[str] = VARIANTS) -> TorchAttention:
+    """Pick the backend once: `None` means Triton on CUDA, torch elsewhere.  `variants`: the
+    kernel variants the model runs (see VARIANTS), checked at start-up with the plain kernel.
 
     Raises ValueError for an unknown name or Triton off CUDA (the Triton interpreter is
     for kernel tests, never for serving); RuntimeError when the kernel fails its
@@ -153,14 +159,15 @@ def select_attention(device: torch.device | str, backend: str | None = None,
         raise ValueError(f"the Triton attention kernel serves on CUDA devices only, not {dev}; "
                          "use attention='torch'")
     attn = TritonAttention(page_size)
-    _startup_check(attn, dev)
+    _startup_check(attn, dev, variants)
     return attn
 
 
-def _startup_check(attn: TritonAttention, device: torch.device) -> None:
-    """Compile the kernel's variants now (plain GQA; window with sinks; MLA's 576-dim latent
-    with Dv = 512) and compare each with the reference on a small input, so a broken build
-    fails at start-up, not on the first decode step."""
+def _startup_check(attn: TritonAttention, device: torch.device, variants: frozenset[str] = VARIANTS) -> None:
+    """Compile the kernel now, plain GQA and the `variants` the model runs (window with
+    sinks; MLA's 576-dim latent with Dv = 512), and compare each with the reference on a
+    small input, so a broken build fails at start-up, not on the first decode step (and a
+    variant a model never runs cannot stop it from starting)."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     table = torch.tensor([[3, 1, 0], [7, 2, 5], [4, 6, 0]], dtype=torch.int32, device=device)
     lens = torch.tensor([20, 48, 1], dtype=torch.int32, device=device)
@@ -170,7 +177,8 @@ def _startup_check(attn: TritonAttention, device: torch.device) -> None:
         ("plain", (3, 4, 64), (2, 8, 16, 2, 64), None, None, None),
         ("window+sinks", (3, 4, 64), (2, 8, 16, 2, 64), 21, sinks, None),
         ("latent", (3, 16, 576), (1, 8, 16, 1, 576), None, None, 512)]
-    for name, q_shape, kv_shape, window, sink, v_dim in cases:
+    wanted = {"plain"} | ({"window+sinks"} if variants & {"window", "sinks"} else set()) | (variants & {"latent"})
+    for name, q_shape, kv_shape, window, sink, v_dim in (c for c in cases if c[0] in wanted):
         q = torch.randn(q_shape, generator=gen).to(device)
         kv = torch.randn(kv_shape, generator=gen).to(device)
         got = attn.decode(q, kv, (table, lens), 0.125, window=window, sinks=sink, v_dim=v_dim)

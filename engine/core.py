@@ -39,6 +39,7 @@ from engine.experts import PagedExperts, check_independence, paged_factory, vali
 from engine.kv_pool import PagePool
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
+from engine.models import kernel_variants
 from engine.moe import select_moe_kernel
 from engine.params import SamplingParams
 from engine.request import Request, Status
@@ -80,9 +81,10 @@ class EngineCore:
         self.model_config = mc = ModelConfig.from_path(path)
         validate_num_resident(k, mc.num_experts, mc.num_experts_per_tok, config.dtype)
         self.tokenizer = Tokenizer(path)
-        attn = select_attention(device, attention, config.page_size)
+        variants = kernel_variants(mc)
+        attn = select_attention(device, attention, config.page_size, variants)
         self.attention_backend = attn.name
-        triton_moe = select_moe_kernel(device)
+        triton_moe = select_moe_kernel(device, clamped="clamped_swiglu" in variants)
         self.model = load_model(path, mc, config.dtype, device, attn, moe_triton=triton_moe,
                                 make_experts=paged_factory(k, device, triton_moe) if k is not None else None)
         if k is not None:

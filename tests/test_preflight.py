@@ -81,8 +81,10 @@ def test_resident_bytes_by_hand():
     mla = (1536 * 7168 + 1536 + 128 * 192 * 1536 + 576 * 7168 + 512 + 128 * 256 * 512 + 7168 * 128 * 128
            + 2 * 7168)                                    # q_a, q_a norm, q_b, kv_a, kv_a norm, kv_b, o, 2 norms
     dense = 3 * 7168 * 18432                              # the first 3 layers' MLP
-    moe = 256 * 7168 + 256 + 3 * 7168 * 2048              # router, its correction bias, the shared expert
-    assert dsv3["non_expert_bytes"] == (61 * mla + 3 * dense + 58 * moe + 2 * 129280 * 7168 + 7168) * 2
+    shared = 3 * 7168 * 2048                              # the shared expert
+    router = 256 * 7168 + 256                             # router and its correction bias: kept in fp32
+    assert dsv3["non_expert_bytes"] == ((61 * mla + 3 * dense + 58 * shared + 2 * 129280 * 7168 + 7168) * 2
+                                        + 58 * router * 4)
 
 
 def test_preflight_text_names_the_kv_geometry(capsys):

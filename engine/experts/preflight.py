@@ -96,7 +96,9 @@ def preflight(model: str | Path, memory_gib: float, dtype: str = "bfloat16", dev
     shapes = family.expected_tensors(cfg)
     expert_bytes = family.expert_bytes(cfg, elt)
     layers = len(cfg.moe_layers)
-    dense_bytes = sum(math.prod(s) for n, s in shapes.items() if not family.is_routed_expert(n)) * elt
+    keeps_fp32 = getattr(family, "keeps_fp32", None) or (lambda name: False)  # loaded in fp32, as served
+    dense_bytes = sum(math.prod(s) * (4 if keeps_fp32(n) else elt)
+                      for n, s in shapes.items() if not family.is_routed_expert(n))
     slot_bytes = expert_bytes * layers  # one more resident expert in every MoE layer
     kv_bytes_per_token = cfg.kv_bytes_per_token(elt)
     budget = int(memory_gib * (1 << 30))

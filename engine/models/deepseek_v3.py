@@ -114,6 +114,10 @@ def attention_layer(cfg: ModelConfig, t: dict[str, torch.Tensor], p: str, rope: 
     return MlaAttention(w, d, rope, softmax_scale(cfg.raw), absorbed)
 
 
+def kernel_variants(cfg: ModelConfig) -> set[str]:
+    return {"latent"}
+
+
 def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], attention: TorchAttention,
              make_experts: ExpertsFactory | None = None, moe_triton: bool = False) -> DecoderModel:
     """Fuse loaded tensors (already in the target dtype and place) into the model.

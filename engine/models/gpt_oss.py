@@ -133,6 +133,10 @@ def stack_fused_experts(gate_up: torch.Tensor, gate_up_bias: torch.Tensor, down:
     return w13, w2, b13, b2, prints
 
 
+def kernel_variants(cfg: ModelConfig) -> set[str]:
+    return {"window", "sinks", "clamped_swiglu"}
+
+
 def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], attention: TorchAttention,
              make_experts: ExpertsFactory | None = None, moe_triton: bool = False) -> DecoderModel:
     """Fuse loaded tensors (already in the target dtype and place) into the model.

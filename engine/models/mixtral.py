@@ -57,6 +57,10 @@ def sliding_window(cfg: ModelConfig) -> int | None:
     return int(window) if window else None
 
 
+def kernel_variants(cfg: ModelConfig) -> set[str]:
+    return {"window"} if sliding_window(cfg) else set()
+
+
 def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], attention: TorchAttention,
              make_experts: ExpertsFactory | None = None, moe_triton: bool = False) -> DecoderModel:
     """Fuse loaded tensors (already in the target dtype and place) into the model.

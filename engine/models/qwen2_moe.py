@@ -73,6 +73,10 @@ def layer_windows(cfg: ModelConfig) -> list[int | None]:
     return [int(window) if kind == "sliding_attention" else None for kind in types]
 
 
+def kernel_variants(cfg: ModelConfig) -> set[str]:
+    return {"window"} if any(w is not None for w in layer_windows(cfg)) else set()
+
+
 def _mlp(cfg: ModelConfig, t: dict[str, torch.Tensor], li: int, make_experts: ExpertsFactory | None,
          moe_triton: bool) -> MoeBlock | DenseMlp:
     p = f"model.layers.{li}.mlp."

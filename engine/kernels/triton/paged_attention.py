@@ -179,7 +179,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q = q if q.stride(-1) == 1 else q.contiguous()
     page_table = page_table.contiguous()
     seq_lens = seq_lens.contiguous()
-    sink = (torch.zeros(1, device=q.device) if sinks is None else sinks.float().contiguous())
+    sink = q if sinks is None else sinks.float().contiguous()  # q: never read without sinks (no allocation)
 
     out = torch.empty((bsz, hq, dv), dtype=q.dtype, device=q.device)  # [B, Hq, Dv]
     if bsz == 0 or hq == 0:
