@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import regex
 from regex import _regex_core
 
+from engine.constraint import Constraint
+
 MAX_LOGPROBS = 20
 UINT32_MAX = 2**32 - 1
 INT32_MAX = 2**31 - 1
@@ -52,6 +54,7 @@ class SamplingParams:
     min_tokens: int = 0          # no stop (EOS, stop ids, strings, regexes) before this many tokens
     stop_regex: tuple[str, ...] = ()   # stop where the output first matches any of these
     no_stop_trim: bool = False   # keep the matched stop text (string, regex or stop token)
+    constraint: Constraint | None = None   # structured output: the grammar the output follows
 
     def __post_init__(self) -> None:
         for name in ("stop", "stop_regex"):
@@ -72,6 +75,8 @@ class SamplingParams:
         _check(self.logprobs is None or _int_in(self.logprobs, 0, MAX_LOGPROBS),
                f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
         self._check_stops()
+        _check(self.constraint is None or isinstance(self.constraint, Constraint),
+               f"constraint must be an engine.constraint.Constraint, got {type(self.constraint).__name__}")
 
     def _check_stops(self) -> None:
         _check(len(self.stop) <= MAX_STOP_STRINGS,

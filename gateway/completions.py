@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.params import SamplingParams
 from gateway.admission import Rejected
 from gateway.cache_view import PrefixKeys
+from gateway.chat import render_chat
 from gateway.choice import ForwardError, Prompt
 from gateway.fairness import reserved_tokens, share_key
 from gateway.forward import cancelling
@@ -92,8 +93,7 @@ class CompletionHandler:
     def _prompts(self, body: Body, context: int) -> list[list[int]]:
         tok, enc = self.gw.tokenizer, self.gw.encoder
         if isinstance(body, ChatCompletionRequest):
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            text = tok.apply_chat_template(messages, add_generation_prompt=True)
+            text = render_chat(tok, body)
             enc.check(text, context, "conversation")
             return [enc.encode(text)]
         p = body.prompt

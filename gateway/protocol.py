@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import fields
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.constraint import Constraint
 from engine.params import MAX_LOGPROBS, SamplingParams
+from gateway.chat import ChatMessage, Tool
 
 INT32_MAX, UINT32_MAX = 2**31 - 1, 2**32 - 1
 MAX_COMPLETION_LOGPROBS = 5          # /v1/completions' logprobs, as OpenAI
@@ -87,33 +89,21 @@ class _Common(BaseModel):
         return None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            parts = [p.get("text", "") for p in self.content if p.get("type") == "text"]
-            if len(parts) != len(self.content):
-                raise ValueError("only text content parts are supported")
-            return "".join(parts)
-        return self.content or ""
-
-
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    # "none", "auto", "required", or {"type": "function", "function": {"name": ...}}
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
+    # vLLM's: extra variables for the chat template (e.g. {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None      # OpenAI's; gpt-oss's template reads it
 
     def unsupported(self) -> str | None:
-        if self.tools:
-            return "tools are not supported by this model"
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            return "response_format other than text is not supported"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs needs logprobs=true"
         return super().unsupported()
@@ -161,7 +151,7 @@ class CompletionRequest(_Common):
 # SamplingParams fields the request does not carry under the same name: the caller decides the
 # first two per choice, and each endpoint spells logprobs its own way (`logprobs_n`).  Every other
 # field is read from the request field of the same name (tests/test_convert.py checks they exist).
-PER_CHOICE = ("max_tokens", "seed", "logprobs")
+PER_CHOICE = ("max_tokens", "seed", "logprobs", "constraint")
 
 
 def _show(value: int) -> str:
@@ -170,8 +160,11 @@ def _show(value: int) -> str:
     return text if len(text) <= 24 else f"{text[:12]}...({len(text)} digits)"
 
 
-def sampling_params(req: _Common, max_tokens: int, seed: int | None) -> SamplingParams:
-    """Raises ValueError with the engine's message on a bad combination."""
+def sampling_params(req: _Common, max_tokens: int, seed: int | None,
+                    constraint: Constraint | None = None) -> SamplingParams:
+    """Raises ValueError with the engine's message on a bad combination.  `constraint`: the
+    request's structured output, built by the caller (gateway/structured.py)."""
     same: dict[str, Any] = {f.name: getattr(req, f.name) for f in fields(SamplingParams) if f.name not in PER_CHOICE}
     # SamplingParams takes a str or list for stop / stop_regex, None for "none"
-    return SamplingParams(**same, max_tokens=max_tokens, seed=seed, logprobs=req.logprobs_n)
+    return SamplingParams(**same, max_tokens=max_tokens, seed=seed, logprobs=req.logprobs_n,
+                          constraint=constraint)

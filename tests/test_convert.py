@@ -7,6 +7,7 @@ from dataclasses import fields
 
 import pytest
 
+from engine.constraint import Constraint
 from engine.params import SamplingParams
 from gateway.forward import ForwardError
 from gateway.protocol import PER_CHOICE, ChatCompletionRequest, CompletionRequest, _Common, sampling_params
@@ -21,7 +22,8 @@ PROTO_FIELDS = {f.name for f in wpb.SamplingParams.DESCRIPTOR.fields}
 # are exactly representable there, so the round trip can be compared with ==.
 NON_DEFAULT = SamplingParams(max_tokens=40, temperature=0.5, top_p=0.75, top_k=7, seed=2**40 + 3,
                              stop=("\n\n", "def "), stop_token_ids=(0, 5), ignore_eos=True, logprobs=3,
-                             min_tokens=2, stop_regex=(r"\d+:",), no_stop_trim=True)
+                             min_tokens=2, stop_regex=(r"\d+:",), no_stop_trim=True,
+                             constraint=Constraint.json_schema({"type": "integer"}, after="</think>"))
 
 
 def test_every_field_has_a_wire_spelling_and_every_wire_field_a_param():

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
+from engine.constraint import Constraint
 from engine.params import SamplingParams
 from proto import worker_pb2 as wpb
 from worker.types import ErrorCode, WorkerError
@@ -29,9 +30,20 @@ SPECIAL_FIELDS: dict[str, WireField] = {
                       lambda m: m.seed if m.has_seed else None),
     "logprobs": WireField(("logprobs",), lambda v: {"logprobs": -1 if v is None else v},
                           lambda m: None if m.logprobs < 0 else m.logprobs),
+    "constraint": WireField(("constraint",), lambda v: {} if v is None else {"constraint": wpb.Constraint(
+                                kind=v.kind, spec=v.spec, after=v.after)},
+                            lambda m: _constraint(m.constraint) if m.HasField("constraint") else None),
 }
 _PLAIN = tuple(f.name for f in fields(SamplingParams) if f.name not in SPECIAL_FIELDS)
 _REPEATED = frozenset(f.name for f in _PROTO.fields if f.is_repeated)
+
+
+def _constraint(m: wpb.Constraint) -> Constraint:
+    """Raises WorkerError(INVALID_REQUEST) naming what is wrong with it."""
+    try:
+        return Constraint(m.kind, m.spec, m.after)
+    except ValueError as e:
+        raise WorkerError(ErrorCode.INVALID_REQUEST, str(e)) from None
 
 
 def params_from_proto(p: wpb.SamplingParams) -> SamplingParams:
