@@ -1,0 +1,238 @@
+"""Structured outputs across the prefill/decode split (issue 21): a constrained request gives
+the same tokens in the single-process `LLM`, a colocated worker and a disaggregated prefill +
+decode pair, greedy and seeded, and every output that ends with "stop" is valid; the grammar's
+state crosses the transfer (a grammar that forbids the model's own first token makes prefill
+pick another, and decode continues from that choice); a decode worker refuses a first token its
+grammar rejects; a constraint the grammar engine cannot compile is refused before any page is
+reserved; a migrated constrained request continues exactly."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import jsonschema
+import pytest
+import regex
+
+from deploy.colocated import start_colocated_worker
+from engine.constraint import Constraint, GrammarCompiler
+from engine.params import SamplingParams
+from proto import worker_pb2 as wpb
+from proto import worker_pb2_grpc as wpb_grpc
+from tests.workers import Result, channel, module_worker, run, start_decode, start_prefill, wait_idle
+from worker.convert import params_to_proto, prefill_request
+
+# Compact JSON (no free whitespace): with llguidance's flexible whitespace the shipped model
+# fills its output with blanks and never closes the object.
+COMPACT = {"x-guidance": {"whitespace_flexible": False}}
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False, **COMPACT},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                               "minItems": 1, "maxItems": 3}, "ok": {"type": "boolean"}},
+     "required": ["tags", "ok"], "additionalProperties": False, **COMPACT},
+    {"type": "object", "properties": {
+        "point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -10, "maximum": 10},
+                                                   "y": {"type": "integer", "minimum": 0, "maximum": 9}},
+                  "required": ["x", "y"], "additionalProperties": False},
+        "label": {"type": "string", "maxLength": 8}, "kind": {"enum": ["a", "b", 3]}},
+     "required": ["point", "label", "kind"], "additionalProperties": False, **COMPACT},
+    {"type": "array", "minItems": 1, "maxItems": 2, "items": {
+        "type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99},
+                                         "word": {"type": "string", "maxLength": 6}},
+        "required": ["id", "word"], "additionalProperties": False}, **COMPACT},
+]
+CHOICES = ["alpha beta", "gamma delta", "transfer", "migration"]
+PATTERN = r"[a-f]{2,5}-[0-9]{1,3}"
+CONSTRAINTS = [*(Constraint("json_schema", json.dumps(s)) for s in SCHEMAS),
+               Constraint.choice(CHOICES), Constraint("regex", PATTERN)]
+GREEDY = SamplingParams(max_tokens=64, temperature=0, logprobs=2, seed=7)
+SEEDED = SamplingParams(max_tokens=64, temperature=0.8, top_p=0.95, logprobs=2, seed=1234)
+MODES = {"greedy": GREEDY, "seeded": SEEDED}
+CHATS = ["Give me a JSON object describing a user.", "def add(a, b):\n    return"]
+
+decode = module_worker(start_decode)
+prefill = module_worker(start_prefill)
+colocated = module_worker(start_colocated_worker)
+
+
+@pytest.fixture(scope="module")
+def prompts(shipped_llm) -> list[list[int]]:
+    tok = shipped_llm.tokenizer
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}])) for c in CHATS]
+
+
+@pytest.fixture(scope="module")
+def compiler(shipped_llm) -> GrammarCompiler:
+    return GrammarCompiler(shipped_llm.tokenizer.backend.to_str(), shipped_llm.model_config.vocab_size,
+                           sorted(shipped_llm.eos_ids))
+
+
+def assert_valid(c: Constraint, text: str, finish: str) -> None:
+    """An output that ends "stop" is valid for `c`; none may end by length (max_tokens is ample)."""
+    assert finish == "stop", f"a {c.kind} output ended with {finish!r} (max_tokens too small?): {text!r}"
+    if c.kind == "json_schema":
+        jsonschema.validate(json.loads(text), json.loads(c.spec))
+    elif c.kind == "choice":
+        assert text in json.loads(c.spec), text
+    else:
+        assert regex.fullmatch(c.spec, text), (c.spec, text)
+
+
+def assert_same(got: Result, want, label: str) -> None:
+    assert got.error is None, (label, got.error)
+    assert got.token_ids == want.token_ids, label
+    assert got.text == want.text and got.finish.finish_reason == want.finish_reason, label
+    assert got.finish.completion_tokens == len(want.token_ids), label
+
+
+def workers_agree(shipped_llm, decode, prefill, colocated, prompts, cases: list[SamplingParams], tag: str):
+    """Every (prompt, params) case in the LLM, the colocated worker and the disaggregated pair:
+    the same tokens and text everywhere; returns the LLM's outputs, one list per prompt."""
+    wants = [shipped_llm.generate([ids] * len(cases), cases) for ids in prompts]
+    places = {"colocated": (channel(colocated.address), None),
+              "disaggregated": (channel(decode.address), channel(prefill.address))}
+    for place, chs in places.items():
+        for i, ids in enumerate(prompts):
+            for j, params in enumerate(cases):
+                assert_same(run(*chs, f"{tag}-{place}-{i}-{j}", ids, params), wants[i][j], f"{place} {i} {j}")
+    wait_idle(decode, prefill, colocated)
+    return wants
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_constrained_outputs_are_valid_and_identical_in_the_engine_colocated_and_disaggregated(
+        shipped_llm, decode, prefill, colocated, prompts, mode):
+    cases = [replace(MODES[mode], constraint=c) for c in CONSTRAINTS]
+    wants = workers_agree(shipped_llm, decode, prefill, colocated, prompts, cases, mode)
+    for outs in wants:
+        for c, out in zip(CONSTRAINTS, outs):
+            assert_valid(c, out.text, out.finish_reason)
+
+
+def first_allowed(compiler: GrammarCompiler, c: Constraint, token: int) -> bool:
+    return compiler.compile(c).consume_token(token)
+
+
+def test_the_grammar_state_crosses_the_transfer(shipped_llm, decode, prefill, colocated, prompts, compiler):
+    """Grammars that forbid the model's own greedy first token X: prefill must pick another
+    token, and decode must go on from the branch that token chose (each choice and the regex
+    take several tokens)."""
+    plain = shipped_llm.generate(prompts, replace(GREEDY, constraint=None))
+    forced = [Constraint.choice(["gamma delta", "transfer", "migration"]),
+              Constraint("regex", r"[0-9]{2,4}-[x-z]{1,3}"), Constraint.choice(["yes", "no"])]
+    for ids, out in zip(prompts, plain):
+        x = out.token_ids[0]
+        assert not any(first_allowed(compiler, c, x) for c in forced), \
+            f"the first token {x} ({shipped_llm.tokenizer.decode([x])!r}) is allowed: choose other grammars"
+    cases = [replace(GREEDY, constraint=c) for c in forced]
+    wants = workers_agree(shipped_llm, decode, prefill, colocated, prompts, cases, "forced")
+    for outs, out in zip(wants, plain):
+        for c, w in zip(forced, outs):
+            assert w.token_ids[0] != out.token_ids[0]
+            assert_valid(c, w.text, w.finish_reason)
+    assert any(len(w.token_ids) > 2 for outs in wants for w in outs)     # decode really continued
+
+
+def test_the_after_gate_crosses_the_transfer(shipped_llm, decode, prefill, colocated, prompts):
+    """A constraint that starts after a marker the model writes itself: at its first token
+    (the marker comes from prefill) and a few tokens in (the gate opens on the decode side)."""
+    tok = shipped_llm.tokenizer
+    plain = shipped_llm.generate(prompts[:1], replace(GREEDY, constraint=None, max_tokens=8))[0].token_ids
+    marks = [i for i, t in enumerate(plain) if tok.encode(tok.decode([t])) == [t] and t not in plain[:i]]
+    at = sorted({marks[0], marks[-1]}) if marks else []
+    assert at and at[-1] > 0, f"no single-token markers after the first token in {plain}"
+    cases = [replace(GREEDY, constraint=Constraint.choice(CHOICES, after=tok.decode([plain[i]]))) for i in at]
+    wants = workers_agree(shipped_llm, decode, prefill, colocated, prompts[:1], cases, "after")[0]
+    for i, w in zip(at, wants):
+        assert w.token_ids[:i + 1] == plain[:i + 1]                     # free up to the marker
+        assert_valid(cases[0].constraint, tok.decode(w.token_ids[i + 1:]), w.finish_reason)
+        assert w.text.endswith(tok.decode(w.token_ids[i + 1:]))
+
+
+def test_a_decode_worker_refuses_a_first_token_its_grammar_rejects(shipped_llm, decode, prefill, prompts,
+                                                                   compiler):
+    """A prefill peer that ignores the constraint (it is sent the request without it) commits
+    the model's own first token; the decode worker's grammar forbids it: an explicit error,
+    the token is never streamed, every page comes back."""
+    ids = prompts[1]
+    constrained = replace(GREEDY, constraint=Constraint.choice(["yes", "no"]))
+    x = shipped_llm.generate([ids], replace(GREEDY, constraint=None, max_tokens=1))[0].token_ids[0]
+    assert not first_allowed(compiler, constrained.constraint, x)
+    call = wpb_grpc.DecodeServiceStub(channel(decode.address)).Generate(wpb.GenerateRequest(
+        request_id="liar", tenant="acme", prompt_token_ids=ids, params=params_to_proto(constrained),
+        timeout_s=60), timeout=60)
+    first = next(call)
+    assert first.WhichOneof("kind") == "reservation", first
+    wpb_grpc.PrefillServiceStub(channel(prefill.address)).Prefill(
+        prefill_request("liar", "acme", ids, replace(constrained, constraint=None), first.reservation), timeout=60)
+    rest = list(call)
+    streamed = [t for m in rest if m.WhichOneof("kind") == "tokens" for t in m.tokens.token_ids]
+    assert x not in streamed and not streamed, rest
+    end = rest[-1]
+    assert end.WhichOneof("kind") == "error" or end.finish.finish_reason == "error", rest
+    wait_idle(decode, prefill)
+
+
+BAD = [(Constraint("regex", "a(b"), "regex"), (Constraint("json_schema", '{"type": "nonsense"}'), "nonsense"),
+       (Constraint("grammar", "start: foo"), "foo")]
+
+
+@pytest.mark.parametrize("bad, words", BAD, ids=[c.kind for c, _ in BAD])
+def test_a_constraint_that_cannot_compile_is_refused_before_any_page(decode, prefill, colocated, prompts,
+                                                                     bad, words):
+    params = replace(GREEDY, constraint=bad)
+    for handle in (decode, colocated):
+        free = handle.core.pool.num_free
+        replies = list(wpb_grpc.DecodeServiceStub(channel(handle.address)).Generate(wpb.GenerateRequest(
+            request_id=f"bad-{handle.role.value}", tenant="acme", prompt_token_ids=prompts[0],
+            params=params_to_proto(params), timeout_s=60), timeout=60))
+        assert [m.WhichOneof("kind") for m in replies] == ["error"], replies
+        assert replies[0].error.code == "INVALID_REQUEST" and words in replies[0].error.message, replies[0]
+        assert handle.core.pool.num_free == free and not handle.core.scheduler.has_work()
+    assert decode.roles[0].receiver.open_transfers == 0
+    reply = wpb_grpc.PrefillServiceStub(channel(prefill.address)).Prefill(prefill_request(
+        "bad-prefill", "acme", prompts[0], params, wpb.Reservation(
+            transfer_id=b"t" * 16, transfer_endpoint=decode.transfer_endpoint, seed=7)), timeout=60)
+    assert not reply.ok and reply.error.code == "INVALID_REQUEST" and words in reply.error.message, reply
+    wait_idle(decode, prefill, colocated)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_migrated_constrained_request_continues_exactly(shipped_llm, decode, prefill, colocated, prompts,
+                                                          mode):
+    """Resuming with `generated_token_ids` replays them into a fresh matcher: the continuation
+    is the uninterrupted stream's, at a break after the first token, in the middle and one
+    token before the end; tokens that already complete the grammar end the request at once."""
+    c = Constraint("json_schema", json.dumps(SCHEMAS[2]))
+    params = replace(MODES[mode], constraint=c)
+    for chs in ((channel(decode.address), channel(prefill.address)), (channel(colocated.address), None)):
+        full = run(*chs, f"mig-{mode}", prompts[0], params)
+        assert full.error is None, full.error
+        assert_valid(c, full.text, full.finish.finish_reason)
+        n = len(full.token_ids)
+        for k in sorted({1, n // 2, n - 1}):
+            resumed = run(*chs, f"mig-{mode}-{k}", prompts[0], params, generated=full.token_ids[:k])
+            assert resumed.error is None, resumed.error
+            assert resumed.token_ids == full.token_ids[k:], k
+            assert "".join(full.deltas[:k]) + resumed.text == full.text
+            assert resumed.finish.finish_reason == "stop" and resumed.finish.completion_tokens == n
+        ended = run(*chs, f"mig-{mode}-end", prompts[0], params, generated=full.token_ids)
+        assert ended.error is None and ended.reservation is None and not ended.token_ids, ended
+        assert ended.finish.finish_reason == "stop" and ended.finish.completion_tokens == n
+    wait_idle(decode, prefill, colocated)
+
+
+def test_generated_tokens_the_grammar_rejects_are_refused(shipped_llm, decode, prefill, prompts, compiler):
+    """A resume whose generated tokens the grammar could not have produced fails closed."""
+    c = Constraint.choice(["yes", "no"])
+    x = shipped_llm.generate([prompts[1]], replace(GREEDY, constraint=None, max_tokens=1))[0].token_ids[0]
+    assert not first_allowed(compiler, c, x)
+    r = run(channel(decode.address), channel(prefill.address), "mig-bad", prompts[1],
+            replace(GREEDY, constraint=c), generated=[x])
+    assert not r.token_ids and (r.error is not None or r.finish.finish_reason == "error"), r
+    if r.error is not None:
+        assert r.error.code == "INVALID_REQUEST", r.error
+    wait_idle(decode, prefill)
