@@ -22,7 +22,8 @@ from starlette.types import Receive, Scope, Send
 from engine.config import SHIPPED_MODEL, ModelConfig
 from engine.tokenizer import Tokenizer
 from gateway.admission import AdmissionQueue, Rejected
-from gateway.completions import CompletionHandler
+from gateway.chat import OutputSettings
+from gateway.completions import IGNORED_HEADER, CompletionHandler
 from gateway.config import GatewayConfig, KeyTable
 from gateway.fairness import ClusterKv
 from gateway.limits import ABORT, BodyLimit, SendDeadline, connection_abort, quiet_idle_closes
@@ -31,6 +32,7 @@ from gateway.openai_format import error_body
 from gateway.prompts import PromptEncoder
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routing import Worker, WorkerPool
+from gateway.structured import DEFAULT_COMPILE_TIMEOUT_S, StructuredOutputs
 from worker.types import ErrorCode, Role
 
 log = logging.getLogger("tandem.gateway")
@@ -59,6 +61,11 @@ class Gateway:
                                     config.queue_timeout_s, ClusterKv(self.pool, config, self.context_len),
                                     self.metrics.tenant_rejected)
         self.metrics.watch(self.queue)
+        # how the model's output is read (reasoning, tool calls), and structured outputs' compiler
+        self.output_settings = OutputSettings()
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config,
+                                            getattr(config, "grammar_compile_timeout_s", DEFAULT_COMPILE_TIMEOUT_S),
+                                            self.metrics.grammar_compile.observe)
         self.completions = CompletionHandler(self)
         self.keys = KeyTable(config.api_keys)
         self.admin_keys = KeyTable({k: "admin" for k in config.admin_keys})
@@ -115,6 +122,7 @@ def create_app(config: GatewayConfig, discover: Discover | None = None) -> FastA
         finally:
             task.cancel()
             gw.executor.shutdown(wait=False, cancel_futures=True)
+            gw.structured.close()
             await gw.pool.close()
 
     app = TandemApp(title="Tandem", lifespan=lifespan)
@@ -131,7 +139,10 @@ def create_app(config: GatewayConfig, discover: Discover | None = None) -> FastA
 
     @app.exception_handler(Rejected)
     async def rejected(request: Request, e: Rejected) -> Response:
-        return _rejected(gw, e)
+        response = _rejected(gw, e)
+        if ignored := getattr(request.state, "ignored_fields", ""):
+            response.headers[IGNORED_HEADER] = ignored
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError) -> Response:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.constraint import Constraint
 from engine.params import SamplingParams
 from gateway.admission import Rejected
 from gateway.cache_view import PrefixKeys
@@ -26,8 +27,10 @@ from gateway.forward import cancelling
 from gateway.migration import forward
 from gateway.openai_format import ChoiceState, Formatter, error_body, prompt_tokens, public_message
 from gateway.prompts import PromptTooLong
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, header_value, sampling_params
 from gateway.streaming import DoneEvent, ErrorEvent, Event, EventStream, Generation, TokensEvent, sse
+from gateway.structured import InvalidField, check_tools
+from gateway.structured import ignored_fields as structured_ignored
 from worker.types import ErrorCode
 
 if TYPE_CHECKING:
@@ -35,6 +38,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.gateway")
 DEFAULT_COMPLETION_TOKENS = 16      # OpenAI's default for /v1/completions
+IGNORED_HEADER = "X-Tandem-Ignored-Fields"
+MAX_WARNED_FIELDS = 1024            # distinct ignored field names logged at warning level
 Body = ChatCompletionRequest | CompletionRequest
 
 
@@ -50,6 +55,7 @@ class Job:
 class CompletionHandler:
     def __init__(self, gw: Gateway):
         self.gw = gw                  # the Gateway: config, tokenizer, pool, queue, metrics
+        self._warned: set[str] = set()    # ignored field names already logged at warning level
 
     # ---- request -> jobs ------------------------------------------------------------
     def check(self, body: Body) -> None:
@@ -64,6 +70,24 @@ class CompletionHandler:
         self._check_counts(body)
         if (why := body.unsupported()) is not None:
             raise Rejected(400, "unsupported", why)
+        if isinstance(body, ChatCompletionRequest):
+            check_tools(body, gw.output_settings)
+
+    def ignored(self, body: Body) -> str:
+        """The request's fields that are ignored (protocol.ignored_fields, structured.ignored_fields),
+        logged (a warning the first time a name is seen) and counted; as the header value ("" : none)."""
+        names = list(dict.fromkeys(body.ignored_fields() + structured_ignored(body)))
+        if not names:
+            return ""
+        self.gw.metrics.ignored_fields.inc()
+        new = [n for n in names if n not in self._warned]
+        if new and len(self._warned) < MAX_WARNED_FIELDS:
+            self._warned.update(new)
+            log.warning("request fields ignored (defined neither by OpenAI nor by the extensions Tandem "
+                        "accepts): %s", header_value(names))
+        else:
+            log.debug("request fields ignored: %s", header_value(names))
+        return header_value(names)
 
     def _check_counts(self, body: Body) -> None:
         """How many messages or prompts the request carries, before any is templated or
@@ -114,11 +138,11 @@ class CompletionHandler:
         return out
 
     def jobs(self, body: Body, context: int, capacity: int, tenant: str = "default",
-             page_sizes: frozenset[int] = frozenset()) -> list[Job]:
+             page_sizes: frozenset[int] = frozenset(), constraint: Constraint | None = None) -> list[Job]:
         """Tokenizes the prompts, builds each choice's sampling parameters (compiling its stop
-        patterns) and, for prefix routing, each prompt's page keys for `page_sizes`: the
-        expensive part, run on a preparation thread.  Raises Rejected (400) naming what is
-        wrong; contacts no worker."""
+        patterns; `constraint`: the request's structured output, already compiled) and, for
+        prefix routing, each prompt's page keys for `page_sizes`: the expensive part, run on a
+        preparation thread.  Raises Rejected (400) naming what is wrong; contacts no worker."""
         gw = self.gw
         prompts = self.prompts(body, context)
         if not prompts or len(prompts) * body.n > gw.config.max_n:
@@ -132,7 +156,7 @@ class CompletionHandler:
             for j in range(body.n):
                 seed = body.seed + j if body.seed is not None else None
                 try:
-                    params = sampling_params(body, max_tokens, seed)
+                    params = sampling_params(body, max_tokens, seed, constraint)
                 except ValueError as e:
                     raise Rejected(400, "invalid_request", str(e)) from None
                 jobs.append(Job(ChoiceState(len(jobs), len(ids), prompt_group=group), ids, params, prompt))
@@ -175,8 +199,16 @@ class CompletionHandler:
 
     # ---- serving ------------------------------------------------------------------------
     async def serve(self, body: Body, request: Request, tenant: str) -> Response:
-        """The response to one request (JSON or a stream of server-sent events); raises
-        Rejected before anything is admitted."""
+        """The response to one request (JSON or a stream of server-sent events), naming the
+        fields it ignored in the IGNORED_HEADER (a refusal names them too: `request.state`);
+        raises Rejected before anything is admitted."""
+        ignored = request.state.ignored_fields = self.ignored(body)
+        response = await self._serve(body, request, tenant)
+        if ignored:
+            response.headers[IGNORED_HEADER] = ignored
+        return response
+
+    async def _serve(self, body: Body, request: Request, tenant: str) -> Response:
         gw = self.gw
         if gw.draining:
             raise Rejected(503, "draining", "the server is shutting down; retry on another replica")
@@ -184,7 +216,9 @@ class CompletionHandler:
         context, capacity = gw.context_len(), gw.pool.capacity_tokens()
         if capacity == 0:
             raise Rejected(503, "no_workers", "no decode worker is ready")
-        jobs = await gw.prepare(self.jobs, body, context, capacity, tenant, frozenset(gw.pool.page_sizes()))
+        constraint = await gw.structured.constraint(body, gw.output_settings)
+        jobs = await gw.prepare(self.jobs, body, context, capacity, tenant, frozenset(gw.pool.page_sizes()),
+                                constraint)
         so = body.stream_options
         fmt = Formatter("chat" if isinstance(body, ChatCompletionRequest) else "text",
                         gw.config.served_model_name, gw.tokenizer, body.logprobs_n, body.return_token_ids,
@@ -275,14 +309,6 @@ class CompletionHandler:
 
     def _error(self, err: ForwardError, rid: str) -> JSONResponse:
         return JSONResponse(self._error_body(err, rid), status_code=err.status)
-
-
-class InvalidField(Rejected):
-    """A 400 that names the request field at fault (`param` of the error body)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(400, "out_of_range", message)
-        self.param = param
 
 
 async def _cancel(tasks: list[asyncio.Task[None]]) -> None:

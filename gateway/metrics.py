@@ -65,6 +65,11 @@ class Metrics:
         self.view_pages = Gauge("tandem_worker_routing_view_pages", "Pages this gateway's router believes "
                                 "the worker caches (from its cache events)", labels, registry=r)
         self.migration = MigrationMetrics(r)
+        self.grammar_compile = Histogram("tandem_grammar_compile_seconds", "Structured outputs: building and "
+                                         "compiling a request's constraint (cached per constraint)",
+                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.ignored_fields = Counter("tandem_requests_with_ignored_fields", "Requests that sent fields the "
+                                      "gateway ignored (named in X-Tandem-Ignored-Fields)", registry=r)
         self.tenant_rejections = Counter("tandem_tenant_rejected", "Requests the admission queue refused, "
                                          "by tenant and reason", ["tenant", "reason"], registry=r)
 

@@ -1,0 +1,318 @@
+"""Structured outputs at the gateway: which field of a request asks for a constraint (one at
+most), the grammar a `tool_choice` implies, and the compilation that refuses what the grammar
+engine cannot use -- off the event loop, within a time budget, cached per constraint -- so that
+a bad schema answers 400 before admission and before any worker is contacted.
+
+The fields, each a way to ask for one constraint (engine/constraint.py kinds):
+
+    response_format      {"type": "json_object"} | {"type": "json_schema", "json_schema": {schema, ...}}
+    structured_outputs   {"json": S} | {"regex": R} | {"choice": [..]} | {"grammar": G} | {"json_object": true}
+    guided_json / guided_regex / guided_choice / guided_grammar     (vLLM's older spelling)
+    json_schema / regex / ebnf                                       (SGLang's)
+    tool_choice          "required" or {"type": "function", "function": {"name": N}}
+
+A named function's output is its arguments object (N's `parameters` schema); "required" makes
+the output a JSON array of calls `[{"name": N, "parameters": {...}}, ...]` (one item at most
+when parallel_tool_calls is false).  The constraint starts after the reasoning section when the
+served model reasons (`after`: gateway/chat.py `reasoning_end`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from engine.config import ModelConfig
+from engine.constraint import MAX_SPEC_CHARS, Constraint, GrammarCompiler
+from engine.tokenizer import Tokenizer
+from gateway.admission import Rejected
+from gateway.chat import OutputSettings, reasoning_end
+
+if TYPE_CHECKING:
+    from gateway.protocol import ChatCompletionRequest, CompletionRequest
+
+    Body = ChatCompletionRequest | CompletionRequest
+
+log = logging.getLogger("tandem.gateway")
+DEFAULT_COMPILE_TIMEOUT_S = 5.0
+TOOL_CHOICES = ("none", "auto", "required")
+# vLLM's structured_outputs: the keys that each ask for a constraint, and the options Tandem
+# cannot honour when set (llguidance's JSON whitespace and properties follow the schema)
+SO_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+            "json_object": "json_object"}
+SO_UNHONOURED = {"disable_any_whitespace": False, "disable_additional_properties": False,
+                 "whitespace_pattern": None, "structural_tag": None}
+SO_NO_EFFECT = ("disable_fallback",)        # Tandem never falls back to unconstrained output
+JSON_SCHEMA_FIELDS = ("name", "schema", "strict", "description")
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+class InvalidField(Rejected):
+    """A 400 that names the request field at fault (`param` of the error body)."""
+
+    def __init__(self, param: str, message: str, reason: str = "out_of_range") -> None:
+        super().__init__(400, reason, message)
+        self.param = param
+
+
+# ---- tool_choice ----------------------------------------------------------------------------
+def tool_mode(body: Body) -> str:
+    """"none", "auto", "required" or "named" (OpenAI's default: auto with tools, none without)."""
+    tc = getattr(body, "tool_choice", None)
+    if tc is None:
+        return "auto" if getattr(body, "tools", None) else "none"
+    return tc if isinstance(tc, str) else "named"
+
+
+def named_tool(body: Body) -> str | None:
+    """The function a named tool_choice asks for (None: not named)."""
+    tc = getattr(body, "tool_choice", None)
+    return tc["function"]["name"] if isinstance(tc, dict) else None
+
+
+def check_tools(body: ChatCompletionRequest, settings: OutputSettings) -> None:
+    """tools and tool_choice make sense together.  Raises InvalidField (400) naming the problem."""
+    tc, names = body.tool_choice, [t.function.name for t in body.tools or ()]
+    if isinstance(tc, str) and tc not in TOOL_CHOICES:
+        raise InvalidField("tool_choice", f"tool_choice {tc[:40]!r} is not one of {', '.join(TOOL_CHOICES)} "
+                           f'or {{"type": "function", "function": {{"name": ...}}}}', "invalid_request")
+    if isinstance(tc, dict):
+        fn = tc.get("function")
+        if tc.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidField("tool_choice", 'a named tool_choice is {"type": "function", "function": '
+                               '{"name": ...}}', "invalid_request")
+    dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if dup is not None:
+        raise InvalidField("tools", f"two tools are named {dup[:64]!r}", "invalid_request")
+    mode = tool_mode(body)
+    if mode in ("required", "named") and not names:
+        raise InvalidField("tool_choice", f"tool_choice={_show_choice(tc)} needs tools", "invalid_request")
+    if mode == "named" and named_tool(body) not in names:
+        raise InvalidField("tool_choice", f"tool_choice names the function {named_tool(body)!r:.64}, which is "
+                           f"not among the tools ({', '.join(names)[:200]})", "invalid_request")
+    if mode == "auto" and names and settings.tool_parser is None:
+        raise InvalidField("tool_choice", "this model has no tool-call parser, so tool calls in its own syntax "
+                           "cannot be read (tool_choice auto): send tool_choice required or a named function, "
+                           "or start the gateway with --tool-call-parser", "unsupported")
+
+
+def tool_schema(body: ChatCompletionRequest) -> dict[str, Any]:
+    """The JSON schema a required or named tool_choice puts on the output (module docstring).
+    Raises InvalidField when the tools' schemas cannot be combined into one."""
+    params = {t.function.name: t.function.parameters or NO_PARAMETERS for t in body.tools or ()}
+    name = named_tool(body)
+    if name is not None:
+        return params[name]
+    defs: dict[str, dict[str, Any]] = {}
+    items = []
+    for n, schema in params.items():
+        schema = _hoist_defs(n, schema, defs)
+        items.append({"type": "object", "properties": {"name": {"enum": [n]}, "parameters": schema},
+                      "required": ["name", "parameters"], "additionalProperties": False})
+    out: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
+    if not body.parallel_tool_calls:
+        out["maxItems"] = 1
+    for key, table in defs.items():
+        out[key] = table
+    return out
+
+
+def _hoist_defs(name: str, schema: dict[str, Any], defs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """`schema` without its $defs/definitions, which move to `defs` (the array's root, where its
+    `#/$defs/...` references point once it is nested).  Refuses a reference to anything else of
+    the tool's own root, and two tools defining one name differently."""
+    for ref in _refs(schema):
+        if ref.startswith("#") and not ref.startswith(("#/$defs/", "#/definitions/")):
+            raise InvalidField("tools", f"tool {name!r}: the reference {ref[:80]!r} points into the tool's own "
+                               f"schema, which tool_choice=required nests in a list of calls; use $defs",
+                               "invalid_constraint")
+    schema = dict(schema)
+    for key in ("$defs", "definitions"):
+        table = schema.pop(key, None)
+        if not isinstance(table, dict):
+            continue
+        root = defs.setdefault(key, {})
+        for k, v in table.items():
+            if k in root and root[k] != v:
+                raise InvalidField("tools", f"tools define {key}/{k[:64]} differently; tool_choice=required "
+                                   f"puts them in one schema", "invalid_constraint")
+            root[k] = v
+    return schema
+
+
+def _refs(value: Any) -> list[str]:
+    """Every "$ref" string in a schema (iteratively)."""
+    out, stack = [], [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            ref = v.get("$ref")
+            if isinstance(ref, str):
+                out.append(ref)
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return out
+
+
+def _show_choice(tc: Any) -> str:
+    return repr(tc) if isinstance(tc, str) else "a named function"
+
+
+# ---- the request's constraint ----------------------------------------------------------------
+def sources(body: Body) -> list[tuple[str, str, Any]]:
+    """Each (field, kind, spec) the request asks for a constraint with: spec is a schema (dict,
+    or JSON text), a pattern, a grammar, a list of choices, or None for json_object."""
+    out: list[tuple[str, str, Any]] = []
+    rf = body.response_format
+    if rf is not None:
+        out += _response_format(rf)
+    so = body.structured_outputs
+    if so is not None:
+        for key, value in so.items():
+            if key in SO_UNHONOURED and value != SO_UNHONOURED[key]:
+                raise InvalidField(f"structured_outputs.{key}", f"structured_outputs.{key} is not supported",
+                                   "unsupported")
+            if key in SO_KINDS and value is not None and not (key == "json_object" and value is False):
+                out.append((f"structured_outputs.{key}", SO_KINDS[key], None if key == "json_object" else value))
+    for field, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                        ("guided_grammar", "grammar"), ("json_schema", "json_schema"), ("regex", "regex"),
+                        ("ebnf", "grammar")):
+        value = getattr(body, field)
+        if value is not None:
+            out.append((field, kind, value))
+    mode = tool_mode(body)
+    if mode in ("required", "named"):
+        out.append(("tool_choice", "json_schema", tool_schema(body)))   # type: ignore[arg-type]
+    return out
+
+
+def _response_format(rf: dict[str, Any]) -> list[tuple[str, str, Any]]:
+    kind = rf.get("type")
+    if kind == "text":
+        return []
+    if kind == "json_object":
+        return [("response_format", "json_object", None)]
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or "schema" not in js:
+            raise InvalidField("response_format.json_schema", "response_format json_schema needs "
+                               '"json_schema": {"name": ..., "schema": {...}}', "invalid_constraint")
+        return [("response_format", "json_schema", js["schema"])]
+    raise InvalidField("response_format.type", f"response_format type {str(kind)[:40]!r} is not supported "
+                       "(text, json_object, json_schema)", "unsupported")
+
+
+def ignored_fields(body: Body) -> list[str]:
+    """Keys of response_format and structured_outputs no one Tandem follows defines."""
+    out: list[str] = []
+    rf, so = body.response_format, body.structured_outputs
+    if rf is not None:
+        out += [f"response_format.{k}" for k in rf if k not in ("type", "json_schema")]
+        js = rf.get("json_schema")
+        if isinstance(js, dict):
+            out += [f"response_format.json_schema.{k}" for k in js if k not in JSON_SCHEMA_FIELDS]
+    if so is not None:
+        out += [f"structured_outputs.{k}" for k in so if k not in SO_KINDS and k not in SO_UNHONOURED
+                and k not in SO_NO_EFFECT]
+    return out
+
+
+def request_constraint(body: Body, settings: OutputSettings) -> tuple[str, Constraint] | None:
+    """The field that asks for a constraint and the constraint (None: free output).  Raises
+    InvalidField (400) when two fields ask for one, when tools are offered for the model to call
+    in its own syntax as well, or when the spec is malformed or past a cap (engine/constraint.py)."""
+    found = sources(body)
+    if not found:
+        return None
+    if len(found) > 1:
+        raise InvalidField(found[1][0], f"{found[0][0]} and {found[1][0]} both ask for a structured output; "
+                           f"send one", "invalid_request")
+    field, kind, spec = found[0]
+    if field != "tool_choice" and tool_mode(body) == "auto":
+        raise InvalidField(field, f"{field} cannot be enforced while the model may call tools in its own "
+                           f"syntax (tool_choice auto): send tool_choice none, required or a named function",
+                           "unsupported")
+    after = reasoning_end(settings, body) if hasattr(body, "messages") else ""   # type: ignore[arg-type]
+    try:
+        return field, _constraint(kind, spec, after)
+    except ValueError as e:
+        raise InvalidField(field, f"{field}: {e}", "invalid_constraint") from None
+
+
+def _constraint(kind: str, spec: Any, after: str) -> Constraint:
+    if isinstance(spec, str) and len(spec) > MAX_SPEC_CHARS:
+        raise ValueError(f"the {kind} is {len(spec)} characters; at most {MAX_SPEC_CHARS} are allowed")
+    if kind == "json_object":
+        return Constraint("json_object", "", after)
+    if kind == "json_schema":
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except (ValueError, RecursionError) as e:
+                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(spec, (dict, bool)):
+            raise ValueError("a JSON schema must be an object")
+        return Constraint.json_schema(spec, after)
+    if kind == "choice":
+        if not isinstance(spec, list) or not all(isinstance(c, str) for c in spec):
+            raise ValueError("choice must be a list of strings")
+        return Constraint.choice(spec, after)
+    if not isinstance(spec, str):
+        raise ValueError(f"the {kind} must be a string")
+    return Constraint(kind, spec, after)
+
+
+class StructuredOutputs:
+    """The gateway's grammar compiler (one, built from the served model's tokenizer) and the
+    threads it compiles on, apart from the tokenizing ones, so slow schemas delay only schemas."""
+
+    def __init__(self, tokenizer: Tokenizer, model_config: ModelConfig, timeout_s: float,
+                 observe: Callable[[float], None] = lambda seconds: None, threads: int = 2):
+        self.timeout_s, self.observe = timeout_s, observe
+        self.executor = ThreadPoolExecutor(threads, thread_name_prefix="gateway-grammar")
+        eos = set(model_config.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)        # the engine's EOS set (engine/core.py)
+        self.compiler: GrammarCompiler | None = None
+        self.unavailable = ""
+        try:
+            self.compiler = GrammarCompiler(tokenizer.backend.to_str(), model_config.vocab_size, sorted(eos))
+        except Exception as e:  # the model still serves free output; constraints are refused by name
+            self.unavailable = f"structured outputs are not available for this model's tokenizer: {e}"
+            log.warning("%s", self.unavailable)
+
+    async def constraint(self, body: Body, settings: OutputSettings) -> Constraint | None:
+        """The request's constraint, compiled (cached) within the time budget.  Raises
+        InvalidField/Rejected (400) naming the problem; contacts no worker."""
+        started = time.monotonic()
+        future = asyncio.get_running_loop().run_in_executor(self.executor, self._prepare, body, settings)
+        try:
+            c = await asyncio.wait_for(future, self.timeout_s)
+        except TimeoutError:
+            raise Rejected(400, "grammar_timeout", f"the structured output took longer than {self.timeout_s:g} s "
+                           f"to compile; simplify the schema") from None
+        if c is not None:
+            self.observe(time.monotonic() - started)
+        return c
+
+    def _prepare(self, body: Body, settings: OutputSettings) -> Constraint | None:
+        found = request_constraint(body, settings)
+        if found is None:
+            return None
+        field, c = found
+        if self.compiler is None:
+            raise Rejected(400, "unsupported", self.unavailable)
+        try:
+            self.compiler.check(c)
+        except ValueError as e:
+            raise InvalidField(field, f"{field}: {e}", "invalid_constraint") from None
+        return c
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+

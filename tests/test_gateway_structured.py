@@ -1,0 +1,269 @@
+"""Structured outputs and "no silent drops" at the gateway, against scripted workers: every
+field that asks for a constraint reaches the worker as one `Constraint`; a bad, too deep or
+too large schema, two constraints at once, an impossible tool_choice and a field Tandem cannot
+honour are refused with 400 naming them before any worker is called; a field nobody defines is
+named in X-Tandem-Ignored-Fields (JSON, stream and refusal alike).  The same requests against
+the shipped model end to end: tests/test_gateway_structured_e2e.py."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from engine.constraint import MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS
+from gateway.completions import IGNORED_HEADER
+from gateway.protocol import MAX_IGNORED_NAMED
+from tests.gateway_helpers import API_KEY, FakeWorker, connection, start_gateway, wait_ready
+
+MSG = [{"role": "user", "content": "Give me a JSON object"}]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "the time now"}}]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[object, FakeWorker]]:
+    prefill, decode = FakeWorker("prefill"), FakeWorker()
+    decode.peer = prefill
+    gw = start_gateway([decode.address], [prefill.address])
+    try:
+        wait_ready(gw.url)
+        yield gw, decode
+    finally:
+        gw.stop()
+        decode.stop()
+        prefill.stop()
+
+
+def call(gw, body: dict, path: str = "/v1/chat/completions") -> tuple[int, dict | list, str | None]:
+    """POST; (status, JSON body or SSE events, the ignored-fields header)."""
+    conn = connection(gw.url)
+    conn.request("POST", path, body=json.dumps(body),
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    resp = conn.getresponse()
+    data = resp.read().decode()
+    conn.close()
+    if resp.getheader("content-type", "").startswith("text/event-stream"):
+        return resp.status, [e[6:] for e in data.split("\n\n") if e.startswith("data: ")], \
+            resp.getheader(IGNORED_HEADER)
+    return resp.status, json.loads(data), resp.getheader(IGNORED_HEADER)
+
+
+def chat(**kw) -> dict:
+    return {"model": "tiny-moe", "messages": MSG, "max_tokens": 8, **kw}
+
+
+def sent_constraint(gw, decode: FakeWorker, body: dict, path: str = "/v1/chat/completions"):
+    before = len(decode.generated)
+    status, got, _ = call(gw, body, path)
+    assert status == 200, got
+    assert len(decode.generated) == before + 1
+    params = decode.generated[-1].params
+    return params.constraint if params.HasField("constraint") else None
+
+
+# ---- each way to ask, as the worker receives it -------------------------------------------------
+@pytest.mark.parametrize("extra, kind, spec", [
+    ({"response_format": {"type": "json_object"}}, "json_object", ""),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}}},
+     "json_schema", SCHEMA),
+    ({"structured_outputs": {"json": SCHEMA}}, "json_schema", SCHEMA),
+    ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, "json_schema", SCHEMA),
+    ({"structured_outputs": {"regex": "[ab]{1,4}"}}, "regex", "[ab]{1,4}"),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, "choice", ["yes", "no"]),
+    ({"structured_outputs": {"grammar": 'start: "x" | "y"'}}, "grammar", 'start: "x" | "y"'),
+    ({"structured_outputs": {"json_object": True, "disable_fallback": True}}, "json_object", ""),
+    ({"guided_json": SCHEMA}, "json_schema", SCHEMA),
+    ({"guided_regex": "[0-9]{3}"}, "regex", "[0-9]{3}"),
+    ({"guided_choice": ["red", "blue"]}, "choice", ["red", "blue"]),
+    ({"guided_grammar": 'start: "a"+'}, "grammar", 'start: "a"+'),
+    ({"json_schema": json.dumps(SCHEMA)}, "json_schema", SCHEMA),
+    ({"regex": "x+"}, "regex", "x+"),
+    ({"ebnf": 'root ::= "a" | "b"'}, "grammar", 'root ::= "a" | "b"'),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     "json_schema", WEATHER),
+])
+def test_each_field_reaches_the_worker_as_one_constraint(cluster, extra, kind, spec):
+    gw, decode = cluster
+    c = sent_constraint(gw, decode, chat(**extra))
+    assert c is not None and c.kind == kind and c.after == ""
+    if kind == "json_schema" or kind == "choice":
+        assert json.loads(c.spec) == spec
+    else:
+        assert c.spec == spec
+
+
+def test_text_and_none_ask_for_nothing(cluster):
+    gw, decode = cluster
+    assert sent_constraint(gw, decode, chat(response_format={"type": "text"})) is None
+    assert sent_constraint(gw, decode, chat(structured_outputs={"json_object": False})) is None
+    assert sent_constraint(gw, decode, chat(tools=TOOLS, tool_choice="none")) is None
+    c = sent_constraint(gw, decode, {"model": "tiny-moe", "prompt": "x", "max_tokens": 4,
+                                     "response_format": {"type": "json_object"}}, "/v1/completions")
+    assert c is not None and c.kind == "json_object"
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_tool_choice_required_is_a_list_of_calls(cluster, parallel):
+    gw, decode = cluster
+    c = sent_constraint(gw, decode, chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel))
+    schema = json.loads(c.spec)
+    assert schema["type"] == "array" and schema["minItems"] == 1 and ("maxItems" in schema) != parallel
+    branches = schema["items"]["anyOf"]
+    assert [b["properties"]["name"] for b in branches] == [{"enum": ["get_weather"]}, {"enum": ["get_time"]}]
+    assert branches[0]["properties"]["parameters"] == WEATHER
+    assert branches[1]["properties"]["parameters"] == {"type": "object", "properties": {},
+                                                       "additionalProperties": False}
+
+
+def test_tool_schemas_with_defs_are_hoisted_to_the_root(cluster):
+    gw, decode = cluster
+    params = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "$defs": {"P": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    schema = json.loads(sent_constraint(gw, decode, chat(tools=tools, tool_choice="required")).spec)
+    assert schema["$defs"] == {"P": {"type": "integer"}}
+    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+
+
+# ---- refusals: 400 naming the problem, no worker called ----------------------------------------
+DEEP: dict = {"type": "integer"}
+for _ in range(MAX_SCHEMA_DEPTH):
+    DEEP = {"type": "array", "items": DEEP}
+
+
+@pytest.mark.parametrize("extra, code, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}},
+     "invalid_constraint", "frob"),
+    ({"guided_regex": "(("}, "invalid_constraint", "guided_regex"),
+    ({"structured_outputs": {"grammar": "start: nothing_here"}}, "invalid_constraint", "nothing_here"),
+    ({"guided_json": DEEP}, "invalid_constraint", f"at most {MAX_SCHEMA_DEPTH}"),
+    ({"guided_json": {"type": "string", "description": "x" * MAX_SPEC_CHARS}}, "invalid_constraint", "characters"),
+    ({"guided_choice": []}, "invalid_constraint", "choice"),
+    ({"guided_json": "{not json"}, "invalid_constraint", "not valid JSON"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "invalid_constraint", "schema"),
+    ({"response_format": {"type": "xml"}}, "unsupported", "xml"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "invalid_request", "guided_regex"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "invalid_request", "both"),
+    ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}}, "unsupported",
+     "disable_any_whitespace"),
+    ({"guided_json": SCHEMA, "tools": TOOLS}, "unsupported", "tool"),
+    ({"tool_choice": "required"}, "invalid_request", "needs tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "invalid_request",
+     "nope"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "invalid_request", "sometimes"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "invalid_request", "named tool_choice"),
+    ({"tools": TOOLS + TOOLS[:1], "tool_choice": "required"}, "invalid_request", "get_weather"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "invalid_request",
+     "both"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"next": {"$ref": "#"}}}}}], "tool_choice": "required"},
+     "invalid_constraint", "$defs"),
+    # OpenAI fields Tandem cannot honour
+    ({"functions": [{"name": "f"}]}, "unsupported", "tools"),
+    ({"function_call": "auto"}, "unsupported", "tool_choice"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "unsupported", "audio"),
+    ({"modalities": ["text", "audio"]}, "unsupported", "modalities"),
+    ({"prediction": {"type": "content", "content": "x"}}, "unsupported", "prediction"),
+    ({"web_search_options": {}}, "unsupported", "web_search_options"),
+    ({"store": True}, "unsupported", "store"),
+    ({"service_tier": "flex"}, "unsupported", "service_tier"),
+    ({"logit_bias": {"5": 10}}, "unsupported", "logit_bias"),
+    # vendor extensions Tandem does not implement
+    ({"min_p": 0.1}, "unsupported", "min_p"),
+    ({"repetition_penalty": 1.2}, "unsupported", "repetition_penalty"),
+    ({"use_beam_search": True}, "unsupported", "use_beam_search"),
+    ({"guided_whitespace_pattern": " "}, "unsupported", "guided_whitespace_pattern"),
+    ({"include_stop_str_in_output": True}, "unsupported", "no_stop_trim"),
+    ({"messages": [{"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+                   *MSG]}, "unsupported", "messages[0].function_call"),
+])
+def test_refusals_name_the_problem_and_call_no_worker(cluster, extra, code, words):
+    gw, decode = cluster
+    before = len(decode.generated)
+    status, got, _ = call(gw, chat(**extra))
+    assert status == 400, got
+    assert got["error"]["code"] == code and words in got["error"]["message"], got
+    assert len(decode.generated) == before
+
+
+def test_neutral_values_of_unhonoured_fields_are_accepted(cluster):
+    gw, decode = cluster
+    status, got, header = call(gw, chat(store=False, modalities=["text"], min_p=0, repetition_penalty=1.0,
+                                        service_tier="auto", metadata={"k": "v"}, skip_special_tokens=True,
+                                        stream_options=None, user="u", prompt_cache_key="k",
+                                        messages=[{"role": "assistant", "content": "hi", "refusal": None,
+                                                   "annotations": []}, *MSG]))
+    assert status == 200 and header is None, got
+
+
+# ---- ignored fields: logged and named -----------------------------------------------------------
+def test_unknown_fields_are_named_in_json_and_stream_responses(cluster, caplog):
+    gw, _ = cluster
+    body = chat(frobnicate=1, stream_options={"include_usage": True, "sparkle": True},
+                response_format={"type": "json_schema", "extra": 1,
+                                 "json_schema": {"name": "p", "schema": SCHEMA, "colour": "red"}})
+    caplog.set_level("WARNING", "tandem.gateway")
+    status, got, header = call(gw, body)
+    assert status == 200, got
+    names = header.split(", ")
+    assert names == ["frobnicate", "stream_options.sparkle", "response_format.extra",
+                     "response_format.json_schema.colour"]
+    assert any("frobnicate" in r.getMessage() for r in caplog.records)
+    status, events, header = call(gw, {**body, "stream": True})
+    assert status == 200 and events[-1] == "[DONE]" and header.split(", ") == names
+
+
+def test_unknown_nested_fields_of_messages_and_tools(cluster):
+    """(Named once the message and tool models keep their extras: gateway/chat.py.)"""
+    gw, _ = cluster
+    msgs = [{"role": "user", "content": "hi", "mood": "sunny"}]
+    tools = [{"type": "function", "colour": 1, "function": {"name": "f", "parameters": WEATHER, "x": 2}}]
+    status, got, header = call(gw, chat(messages=msgs, tools=tools, tool_choice="required"))
+    assert status == 200, got
+    from gateway.chat import ChatMessage
+    if ChatMessage.model_config.get("extra") == "allow":
+        assert header.split(", ") == ["messages[].mood", "tools[].colour", "tools[].function.x"]
+
+
+def test_a_refusal_names_the_ignored_fields_too(cluster):
+    gw, _ = cluster
+    status, got, header = call(gw, chat(model="gpt-4", shiny=True))
+    assert status == 404 and header == "shiny"
+
+
+def test_the_header_is_bounded_and_printable(cluster):
+    gw, _ = cluster
+    status, got, header = call(gw, chat(**{f"f{i}": i for i in range(40)}, **{"é\u2028,x" * 40: 1}))
+    assert status == 200, got
+    names = header.split(", ")
+    assert len(names) == MAX_IGNORED_NAMED + 1 and names[-1] == "(+25 more)"
+    assert header.isascii() and header.isprintable()
+
+
+# ---- compilation: cached, and within its time budget --------------------------------------------
+def test_a_schema_is_compiled_once(cluster):
+    gw, decode = cluster
+    structured = gw.app.state.gateway.structured
+    schema = {"type": "object", "properties": {"only_here": {"type": "boolean"}}}
+    before = structured.compiler.compiled
+    for _ in range(3):
+        assert sent_constraint(gw, decode, chat(guided_json=schema)) is not None
+    assert structured.compiler.compiled == before + 1
+
+
+def test_a_compilation_past_its_budget_is_refused(cluster):
+    gw, decode = cluster
+    structured = gw.app.state.gateway.structured
+    budget, structured.timeout_s = structured.timeout_s, 1e-9
+    try:
+        before = len(decode.generated)
+        status, got, _ = call(gw, chat(guided_json={"type": "object", "properties": {"slow": {"type": "null"}}}))
+        assert status == 400 and got["error"]["code"] == "grammar_timeout", got
+        assert "longer than" in got["error"]["message"] and len(decode.generated) == before
+    finally:
+        structured.timeout_s = budget
