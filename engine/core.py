@@ -26,6 +26,7 @@ released (`publish` for a worker that ends a request itself).
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,7 +36,10 @@ import torch
 
 from engine.attention import select_attention
 from engine.config import EngineConfig, ModelConfig
+from engine.constraint import Constraint, GrammarCompiler
 from engine.experts import PagedExperts, check_independence, paged_factory, validate_num_resident
+from engine.guide import Guide
+from engine.guided_mask import MaskWork
 from engine.kv_pool import PagePool
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
@@ -103,7 +107,9 @@ class EngineCore:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
-        self.runner = ModelRunner(self.model, self.pool, device, self.eos_ids)
+        self.runner = ModelRunner(self.model, self.pool, device, mc.vocab_size, self.eos_ids)
+        self._grammars: GrammarCompiler | None = None      # built at the first constraint
+        self._grammars_lock = threading.Lock()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
 
@@ -128,29 +134,40 @@ class EngineCore:
         (`resumed_params`), and its stop checks have replayed them with `params`
         (`StopChecker.replay`).  When they already end it (the last one stops, or max_tokens),
         it comes back FINISHED with its finish_reason, never to be scheduled.
+
+        `params.constraint`: the request gets a `Guide` (its grammar, compiled here or copied
+        from the compiler's cache), fed `generated` too; a constraint the grammar engine refuses,
+        or generated tokens it refuses, raise RequestError (INVALID_REQUEST) naming the problem.
         Raises RequestError, creating nothing."""
         self.check(ids, params, reserve_output=not handoff)
         check_generated(generated, params, self.model_config.vocab_size, handoff)
+        guide = self.guide(params.constraint)
         g = len(generated)
         if generator is None:
             seed = params.seed if params.seed is not None else \
                 int(torch.randint(0, 2**62, (), generator=self._seed_rng))
             generator = request_generator(seed, 0 if params.greedy else g)
-        stopper = None if handoff else self.resume_checker(params, len(ids), generated)
+        if handoff:
+            stopper = None
+            _replay(guide, generated)
+        else:
+            stopper = self.resume_checker(params, len(ids), generated, guide)
         ended = stopper is not None and stopper.finish_reason is not None
         req = Request(request_id=request_id or f"req-{next(self._ids)}", prompt_token_ids=[*ids, *generated],
                       params=params if ended else resumed_params(params, g), generator=generator,
-                      prompt=prompt, handoff=handoff, stopper=stopper, cache_salt=salt, resumed=g)
+                      prompt=prompt, handoff=handoff, stopper=stopper, cache_salt=salt, resumed=g,
+                      guide=guide)
         if ended:
             assert stopper is not None
             req.status, req.finish_reason = Status.FINISHED, stopper.finish_reason
         return req
 
-    def resume_checker(self, params: SamplingParams, prompt_len: int, generated: Sequence[int]) -> StopChecker:
-        """A request's stop checker, replayed over `generated` (`StopChecker.replay`).  Raises
-        RequestError (INVALID_REQUEST) when a stop fires before the last of them, or a stop check
-        ran past its budget."""
-        stopper = self.stop_checker(params)
+    def resume_checker(self, params: SamplingParams, prompt_len: int, generated: Sequence[int],
+                       guide: Guide | None = None) -> StopChecker:
+        """A request's stop checker (advancing `guide`), replayed over `generated`
+        (`StopChecker.replay`).  Raises RequestError (INVALID_REQUEST) when a stop fires before
+        the last of them, a stop check ran past its budget, or the grammar refuses one."""
+        stopper = self.stop_checker(params, guide)
         try:
             stopper.replay(generated, prompt_len)
         except ValueError as e:
@@ -160,8 +177,37 @@ class EngineCore:
             raise RequestError(Problem.INVALID_REQUEST, stopper.error)
         return stopper
 
-    def stop_checker(self, params: SamplingParams) -> StopChecker:
-        return StopChecker(params, self.tokenizer, self.eos_ids, self.max_model_len, self.stop_limits)
+    def stop_checker(self, params: SamplingParams, guide: Guide | None = None) -> StopChecker:
+        return StopChecker(params, self.tokenizer, self.eos_ids, self.max_model_len, self.stop_limits,
+                           guide=guide)
+
+    # ---- structured outputs ----------------------------------------------------------
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The core's grammar compiler (built at first use: its tokenizer, the model's vocabulary,
+        its EOS ids), with its cache of compiled constraints."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
+                                                 sorted(self.eos_ids))
+            return self._grammars
+
+    def guide(self, constraint: Constraint | None) -> Guide | None:
+        """A fresh grammar state for `constraint` (None without one).  Raises RequestError
+        (INVALID_REQUEST) with the grammar engine's message when it cannot be compiled."""
+        if constraint is None:
+            return None
+        try:
+            matcher = self.grammars.compile(constraint)
+        except ValueError as e:
+            raise RequestError(Problem.INVALID_REQUEST, str(e)) from None
+        gate = self.tokenizer.encode(constraint.after) if constraint.after else []
+        return Guide(matcher, constraint.kind, gate)
+
+    @property
+    def mask_work(self) -> MaskWork:
+        """What the grammar masks have cost (rows masked, fill and apply seconds)."""
+        return self.runner.masker.work
 
     def add(self, req: Request) -> None:
         """Queue a request to prefill here (its pages are allocated when it is admitted)."""
@@ -249,6 +295,16 @@ class EngineCore:
     def expert_stats(self) -> dict[int, dict]:
         """Per paged MoE layer: hits, misses, hit_rate, bytes_paged, waves, steps, prefetch counters."""
         return {i: e.counters.as_dict() for i, e in self.paged_experts().items()}
+
+
+def _replay(guide: Guide | None, generated: Sequence[int]) -> None:
+    """Feed a hand-off request's grammar the tokens it generated before.  Raises RequestError."""
+    if guide is None:
+        return
+    try:
+        guide.replay(generated)
+    except ValueError as e:
+        raise RequestError(Problem.INVALID_REQUEST, str(e)) from None
 
 
 def resumed_params(params: SamplingParams, generated: int) -> SamplingParams:

@@ -1,4 +1,4 @@
-"""Runs one scheduled batch through the model: build tensors, forward, sample."""
+"""Runs one scheduled batch through the model: build tensors, forward, mask, sample."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 
 from engine.forward_batch import build_batch
+from engine.guided_mask import TokenMasker
 from engine.kv_pool import PagePool
 from engine.models.decoder import DecoderModel
 from engine.request import Request
@@ -15,17 +16,20 @@ from engine.scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, pool: PagePool, device: str, eos_ids: frozenset[int] = frozenset()):
+    def __init__(self, model: DecoderModel, pool: PagePool, device: str, vocab_size: int,
+                 eos_ids: frozenset[int] = frozenset()):
         self.model = model
         self.pool = pool
         self.device = device
         self.eos_ids = eos_ids
+        self.masker = TokenMasker(vocab_size, device)   # the rows of requests with a grammar
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, on_layer: Callable[[int], None] | None = None) -> SampleOutput:
         """Forward the batch (writing its K/V into the pool, marking those positions written
         and advancing each request's `num_computed`) and sample a token for every request
-        whose prompt is complete.  Rows of requests still prefilling hold -1.
+        whose prompt is complete (within what its grammar allows, `Request.guide`).  Rows of
+        requests still prefilling hold -1.
         `on_layer(i)` is called after layer i has written its K/V (transfer overlap)."""
         reqs = batch.requests
         tokens = [[r.token_at(p) for p in range(r.num_computed, r.num_computed + n)]
@@ -43,8 +47,14 @@ class ModelRunner:
         if not rows:
             return out
         logits = self.model.logits(hidden[rows] if len(rows) < len(reqs) else hidden)
-        self._mask_early_stops(logits, [reqs[i] for i in rows])
-        picked = sample(logits, [reqs[i].params for i in rows], [reqs[i].generator for i in rows])
+        sampled = [reqs[i] for i in rows]
+        self._mask_early_stops(logits, sampled)
+        masked = self.masker.apply(logits, [r.guide for r in sampled])
+        params, generators = [r.params for r in sampled], [r.generator for r in sampled]
+        if masked is None:
+            picked = sample(logits, params, generators)
+        else:                                   # logprobs stay the model's (before the grammar)
+            picked = sample(masked, params, generators, raw=logits)
         for j, i in enumerate(rows):
             out.tokens[i] = picked.tokens[j]
             out.logprobs[i] = picked.logprobs[j]

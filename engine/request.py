@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.guide import Guide
 from engine.params import SamplingParams
 from engine.stop import StopChecker
 
@@ -32,6 +33,8 @@ class Request:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stopper: StopChecker | None = None         # stop conditions and the output text (not on hand-off)
+    guide: Guide | None = None                 # its grammar (params.constraint): masks its tokens;
+                                               # advanced by `stopper.append` (its stopper holds it)
     cache_salt: bytes = b""                    # the salt of its prefix-cache keys (engine/prefix_cache.py)
     num_cached_tokens: int = 0                 # prompt tokens found in the prefix cache at admission
     resumed: int = 0                           # a migrated request: the last `resumed` of

@@ -19,10 +19,11 @@ class SampleOutput:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator]) -> SampleOutput:
-    """Pick one token per row.  logits: [B, V] fp32 (raw model output).
+           generators: list[torch.Generator], raw: torch.Tensor | None = None) -> SampleOutput:
+    """Pick one token per row.  logits: [B, V] fp32 (raw model output, or its masked copy with
+    `raw` the model's output: a grammar's -inf where a token is not allowed).
 
-    Logprobs are those of the raw model distribution (before temperature and cuts).
+    Logprobs are those of the raw model distribution (before temperature, cuts and a mask).
     Each row's random draw comes from its own generator, so a seeded request samples
     the same tokens whatever else is in the batch.
     """
@@ -37,7 +38,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     want = [p.logprobs for p in params]
     if all(w is None for w in want):
         return SampleOutput(token_list, [None] * b)
-    logp = torch.log_softmax(logits, dim=-1)
+    logp = torch.log_softmax(logits if raw is None else raw, dim=-1)
     top_n = max(w for w in want if w is not None)
     top = logp.topk(top_n, dim=-1) if top_n else None   # values, indices: [B, top_n]
     chosen = logp.gather(1, tokens[:, None]).squeeze(1).tolist()

@@ -24,6 +24,11 @@ Every token's check is bounded, whatever the request asks (issue 16):
   (from the `grace_tokens`-th token on): patterns that stay under the per-token budget but cost
   milliseconds every token, in many requests at once, would otherwise slow every step of the
   worker for everyone.  Such a request ends the same way.
+A request with a grammar (`engine.guide.Guide`, structured outputs) has it advanced here, first
+thing for every token (so replaying a migrated request's tokens replays its grammar too): a
+token the grammar refuses ends the request with "error" (`error` names it); a token after which
+the grammar allows nothing but EOS ends it with "stop" (`matched_stop` None), also where the
+token reached max_tokens.
 `work` counts what the checks examined (characters searched, tokenizer decode calls), so tests
 bound the work per token instead of its time.
 """
@@ -37,6 +42,7 @@ from typing import Callable
 
 import regex
 
+from engine.guide import Guide
 from engine.params import SamplingParams
 from engine.tokenizer import REPLACEMENT, IncrementalDetokenizer, Tokenizer
 
@@ -84,8 +90,9 @@ class StopChecker:
 
     def __init__(self, params: SamplingParams, tokenizer: Tokenizer, eos_ids: frozenset[int],
                  max_model_len: int, limits: StopLimits = StopLimits(),
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, guide: Guide | None = None):
         self.params, self.limits, self.clock = params, limits, clock
+        self.guide = guide                   # the request's grammar (advanced by `append`)
         self.eos_ids, self.max_model_len = eos_ids, max_model_len
         self._stop_ids = frozenset(params.stop_token_ids)
         self._regexes = [regex.compile(p) for p in params.stop_regex]
@@ -108,9 +115,13 @@ class StopChecker:
     def append(self, token: int, num_tokens: int) -> str | None:
         """Record a generated token (`num_tokens`: prompt + output so far).  Returns the
         finish reason ("stop", "length"; "error" when a stop_regex ran past the budget, see
-        `error`) or None to go on."""
+        `error`; also when its grammar refuses the token) or None to go on."""
         self.token_ids.append(token)
         self.work.tokens += 1
+        if self.guide is not None and not self.guide.accept(token):
+            self.error = self.guide.error
+            self.finish_reason = "error"
+            return "error"
         start = self.clock()
         try:
             reason = self._check(token, num_tokens, start + self.limits.budget_s)
@@ -119,6 +130,8 @@ class StopChecker:
         if self._watch:
             self.work.seconds += self.clock() - start
             reason = self._over_mean() or reason
+        if reason in (None, "length") and self.guide is not None and self.guide.stopped:
+            reason = "stop"                          # the grammar is complete: only EOS could follow
         self.finish_reason = reason
         return reason
 
@@ -139,6 +152,8 @@ class StopChecker:
         as they were, and the token counts of min_tokens and max_tokens include them.  The last
         token may end the request (`finish_reason`); raises ValueError when an earlier one does."""
         for i, token in enumerate(tokens):
+            if self.finish_reason == "error" and self.error is not None:
+                raise ValueError(self.error)
             if self.finish_reason is not None:
                 raise ValueError(f"the generated tokens end the request ({self.finish_reason}) at token {i} "
                                  f"of {len(tokens)}: a resumed request carries only tokens it streamed")
