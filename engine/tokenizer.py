@@ -83,20 +83,30 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render `messages` ([{"role", "content"}]) with the checkpoint's template.
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **kwargs: Any) -> str:
+        """Render `messages` with the checkpoint's template, as transformers does: each message a
+        dict with a string `role` and a string `content` (None for an assistant's message that
+        only calls tools), and optionally `tool_calls`, `tool_call_id`, `name`; `tools` (OpenAI's
+        [{"type": "function", "function": {...}}]) and `kwargs` (e.g. enable_thinking) become
+        template variables.
 
-        Raises ValueError when the checkpoint has no template or a message is malformed.
+        Raises ValueError when the checkpoint has no template, a message is malformed, or a
+        keyword would replace one of the variables set here.
         """
         if self._template is None:
             raise ValueError(f"this checkpoint has no chat template ({TEMPLATE_FILE}, or chat_template in "
                              f"tokenizer_config.json)")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
-                    or not isinstance(m.get("content"), str):
+                    or not isinstance(m.get("content"), str | None) \
+                    or not isinstance(m.get("tool_calls", []), list):
                 raise ValueError(f"message {i} must be a dict with string 'role' and 'content'")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        fixed = {"messages": messages, "add_generation_prompt": add_generation_prompt, "tools": tools,
+                 "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        if clash := sorted(set(kwargs) & set(fixed)):
+            raise ValueError(f"chat template variables cannot replace {', '.join(clash)}")
+        return self._template.render(**kwargs, **fixed)
 
 
 class IncrementalDetokenizer:

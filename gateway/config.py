@@ -9,10 +9,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway.reasoning import REASONING_PARSERS
+from gateway.tools import TOOL_PARSERS
 from kv_transfer.frame import check_secret
 from kv_transfer.tls import TlsIdentity
 
 ROUTING_MODES = ("prefix", "load")
+PARSER_FLAGS = ("auto", "none")      # besides the parsers' names
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,12 @@ class GatewayConfig:
     # how a request's workers are chosen (gateway/routing.py): "prefix" weighs what each worker's
     # prefix cache holds of the prompt against its load, "load" takes the least loaded
     routing: str = "prefix"
+    # structured outputs: a constraint's compilation may take this long before the request is refused (400)
+    grammar_compile_timeout_s: float = 5.0
+    # how the model's output is read (gateway/chat.py output_settings): a parser's name, "none", or
+    # "auto" (from the chat template's markers)
+    reasoning_parser: str = "auto"
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if not (self.decode_workers or self.colocated_workers):
@@ -73,7 +82,7 @@ class GatewayConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations={self.max_migrations} must be >= 0")
-        for name in ("queue_timeout_s", "request_timeout_s", "refresh_s"):
+        for name in ("queue_timeout_s", "request_timeout_s", "refresh_s", "grammar_compile_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
         check_secret(self.cluster_secret)
@@ -99,6 +108,9 @@ class GatewayConfig:
             raise ValueError("an empty admin key would let anyone in: refused")
         if self.routing not in ROUTING_MODES:
             raise ValueError(f"routing={self.routing!r}: choose one of {', '.join(ROUTING_MODES)}")
+        for name, known in (("reasoning_parser", REASONING_PARSERS), ("tool_call_parser", TOOL_PARSERS)):
+            if getattr(self, name) not in PARSER_FLAGS + known:
+                raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(PARSER_FLAGS + known)}")
 
 
 def load_api_keys(path: str | Path) -> dict[str, str]:

@@ -6,11 +6,14 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.tokenizer import Tokenizer
 from proto import worker_pb2 as wpb
 from worker.types import ErrorCode
+
+if TYPE_CHECKING:
+    from gateway.chat import ChoiceReader
 
 # What a client is told of a request that failed past the gateway, by code: never a worker's
 # address, a gRPC status or another request's id (those stay in the gateway's log, under the
@@ -46,11 +49,22 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[wpb.TokenLogprobs] = field(default_factory=list)
     finish: wpb.Finish | None = None
+    # a chat choice whose output is read for reasoning and tool calls (gateway/chat.py); None:
+    # its text is the message's content
+    reader: ChoiceReader | None = None
 
     def add(self, tokens: wpb.Tokens) -> None:
         self.text += tokens.text
         self.token_ids += list(tokens.token_ids)
         self.logprobs += list(tokens.logprobs)
+        if self.reader is not None:
+            self.reader.feed(tokens.text, tokens.token_ids)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The Finish's reason; "tool_calls" for a choice that stopped having made calls."""
+        reason = self.finish.finish_reason if self.finish else None
+        return self.reader.finish_reason(reason) if self.reader is not None else reason
 
     @property
     def matched_stop(self) -> str | int | None:
@@ -139,11 +153,13 @@ class Formatter:
     def response(self, choices: list[ChoiceState]) -> dict[str, Any]:
         out = []
         for c in choices:
+            if c.reader is not None:
+                c.reader.finish()
             body: dict[str, Any] = {"index": c.index, "logprobs": self._logprobs(c.logprobs),
-                                    "finish_reason": c.finish.finish_reason if c.finish else None,
-                                    "matched_stop": c.matched_stop}
+                                    "finish_reason": c.finish_reason, "matched_stop": c.matched_stop}
             if self.kind == "chat":
-                body["message"] = {"role": "assistant", "content": c.text}
+                body["message"] = c.reader.message() if c.reader is not None else \
+                    {"role": "assistant", "content": c.text}
             else:
                 body["text"] = c.text
             if self.token_ids:
@@ -155,12 +171,16 @@ class Formatter:
                 "usage": usage(prompt, sum(len(c.token_ids) for c in choices), cached_tokens(choices))}
 
     def chunk(self, c: ChoiceState, text: str, entries: list[wpb.TokenLogprobs], first: bool = False,
-              offset: int = 0, ids: list[int] | None = None) -> dict[str, Any]:
+              offset: int = 0, ids: list[int] | None = None, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One stream chunk of choice `c`: its `text` (or, for a choice with a reader, the
+        reader's `delta`), the logprobs `entries` and token `ids` it came with."""
         body: dict[str, Any] = {"index": c.index, "logprobs": self._logprobs(entries, offset) if entries else None,
-                                "finish_reason": c.finish.finish_reason if c.finish else None}
+                                "finish_reason": c.finish_reason}
         if c.finish is not None:
             body["matched_stop"] = c.matched_stop
-        if self.kind == "chat":
+        if self.kind == "chat" and delta is not None:
+            body["delta"] = {"role": "assistant", **delta} if first else delta
+        elif self.kind == "chat":
             body["delta"] = ({"role": "assistant", "content": text} if first else {"content": text}) \
                 if (text or first) else {}
         else:

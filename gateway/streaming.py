@@ -88,7 +88,8 @@ async def sse(fmt: Formatter, states: list[ChoiceState], events: asyncio.Queue[E
               include_usage: bool, on_error: Callable[[ForwardError], dict[str, object]],
               on_done: Callable[[], None]) -> AsyncIterator[str]:
     """The events of one stream: each choice's first chunk carries the role, then its text as it
-    comes, a final chunk with the finish reason; usage if asked; `[DONE]`.  A choice that fails
+    comes (or, read by its `ChoiceReader`, its reasoning, content and tool-call deltas: what
+    became final by then), a final chunk with the finish reason; usage if asked; `[DONE]`.  A choice that fails
     ends the stream with the error body `on_error` makes (and no `[DONE]`); `on_done` runs when
     the stream completed."""
     sent_role: set[int] = set()
@@ -99,16 +100,19 @@ async def sse(fmt: Formatter, states: list[ChoiceState], events: asyncio.Queue[E
             yield _event(on_error(item.error))
             return
         state = item.state
+        reader = state.reader
         if isinstance(item, TokensEvent) or state.index not in sent_role:
             tokens = item.tokens if isinstance(item, TokensEvent) else wpb.Tokens()
             yield _event(fmt.chunk(_pending(state), tokens.text, list(tokens.logprobs),
                                    first=state.index not in sent_role, offset=offsets[state.index],
-                                   ids=list(tokens.token_ids)))
+                                   ids=list(tokens.token_ids), delta=reader.take() if reader else None))
             offsets[state.index] += len(tokens.text)
             sent_role.add(state.index)
         if isinstance(item, DoneEvent):
             done += 1
-            yield _event(fmt.chunk(state, "", []))
+            if reader is not None:
+                reader.finish()       # what it held back (a call block closed by the end) comes now
+            yield _event(fmt.chunk(state, "", [], delta=reader.take() if reader else None))
             if done == len(states):
                 break
         item = await events.get()

@@ -1,0 +1,313 @@
+"""Tool calls in a chat's output: the syntaxes of the model families (parsers chosen by name),
+and the stages that turn a choice's content into text and `tool_calls` while it streams.
+
+A stage is fed the content text piece by piece (`feed`) and once more at the end (`finish`); it
+writes what is final into an `Output`: content text (append-only) and tool calls (a call's
+arguments only grow).  Text that might still turn out to be part of a marker is held back.
+
+The syntaxes (facts from the families' chat templates and vLLM's parsers):
+- hermes (Qwen2.5/Qwen3, Tandem's own): `<tool_call>{"name": N, "arguments": {...}}</tool_call>`
+- mistral: `[TOOL_CALLS][{"name": N, "arguments": {...}}, ...]`, or (newer tokenizers)
+  `[TOOL_CALLS]N[ARGS]{...}` per call; it runs to the end of the output
+- deepseek_v3: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>N\\n```json\\n{...}
+  \\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`; V3.1 puts N before the separator and the bare
+  JSON after it
+- glm45: `<tool_call>N\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>...</tool_call>` (V is
+  JSON unless the parameter's schema says string)
+- kimi_k2: `<|tool_calls_section_begin|><|tool_call_begin|>functions.N:0
+  <|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>`
+- harmony (gpt-oss): commentary messages addressed `to=functions.N` (gateway/reasoning.py)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+TOOL_PARSERS = ("hermes", "mistral", "deepseek_v3", "glm45", "kimi_k2", "harmony")
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str = ""               # a JSON object's text; grows while the call streams
+
+    def as_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
+class Output:
+    """What a choice's output has produced so far: only what is final (never taken back)."""
+    reasoning: str = ""
+    content: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def held_suffix(text: str, markers: Iterable[str]) -> int:
+    """Length of the longest end of `text` that is the start of a marker (it may still become one)."""
+    best = 0
+    for m in markers:
+        for k in range(min(len(m) - 1, len(text)), best, -1):
+            if text.endswith(m[:k]):
+                best = k
+                break
+    return best
+
+
+def _args(value: Any) -> str | None:
+    """A call's arguments as JSON text (a model may give the object or its text)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
+
+
+Parsed = list[tuple[str, str, str | None]]        # (name, arguments JSON, id or None)
+Schemas = dict[str, dict[str, Any]]               # tool name -> its parameters schema
+
+
+def parse_hermes(block: str, schemas: Schemas) -> Parsed | None:
+    try:
+        obj = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = _args(obj.get("arguments", obj.get("parameters", {})))
+    return None if args is None else [(obj["name"], args, None)]
+
+
+def parse_mistral(block: str, schemas: Schemas) -> Parsed | None:
+    block = block.strip()
+    if block.startswith("["):
+        try:
+            items = json.loads(block)
+        except ValueError:
+            return None
+        if not isinstance(items, list):
+            return None
+        out: Parsed = []
+        for it in items:
+            if not isinstance(it, dict) or not isinstance(it.get("name"), str):
+                return None
+            if (args := _args(it.get("arguments", {}))) is None:
+                return None
+            out.append((it["name"], args, None))
+        return out
+    out = []
+    for part in block.split("[TOOL_CALLS]"):
+        name, sep, rest = part.partition("[ARGS]")
+        if not sep or (args := _args(rest.strip())) is None or not name.strip():
+            return None
+        out.append((name.strip(), args, None))
+    return out
+
+
+DS_CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>", re.DOTALL)
+DS_V3_BODY = re.compile(r"\s*(\S+?)\s*```(?:json)?\s*(.*?)\s*```\s*$", re.DOTALL)
+
+
+def parse_deepseek(block: str, schemas: Schemas) -> Parsed | None:
+    out: Parsed = []
+    for head, body in DS_CALL.findall(block):
+        if head.strip() == "function":                    # V3: the name and a fenced JSON block
+            m = DS_V3_BODY.match(body)
+            if m is None:
+                return None
+            name, raw = m.group(1), m.group(2)
+        else:                                             # V3.1: the name, then bare JSON
+            name, raw = head.strip(), body
+        if (args := _args(raw)) is None:
+            return None
+        out.append((name, args, None))
+    return out or None
+
+
+GLM_PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def parse_glm45(block: str, schemas: Schemas) -> Parsed | None:
+    cut = block.find("<arg_key>")
+    name = (block if cut < 0 else block[:cut]).strip()
+    if not name or "\n" in name:
+        return None
+    props = (schemas.get(name) or {}).get("properties") or {}
+    args: dict[str, Any] = {}
+    for key, raw in GLM_PAIR.findall(block):
+        key = key.strip()
+        if (props.get(key) or {}).get("type") == "string":
+            args[key] = raw
+            continue
+        try:
+            args[key] = json.loads(raw)
+        except ValueError:
+            args[key] = raw
+    return [(name, json.dumps(args, ensure_ascii=False), None)]
+
+
+KIMI_CALL = re.compile(r"<\|tool_call_begin\|>\s*(.+?)\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>",
+                       re.DOTALL)
+
+
+def parse_kimi(block: str, schemas: Schemas) -> Parsed | None:
+    out: Parsed = []
+    for ident, raw in KIMI_CALL.findall(block):
+        name = ident.rsplit(":", 1)[0]
+        name = name.split(".", 1)[1] if name.startswith("functions.") else name
+        if (args := _args(raw)) is None or not name:
+            return None
+        out.append((name, args, ident))
+    return out or None
+
+
+@dataclass(frozen=True)
+class Syntax:
+    start: str
+    end: str | None                   # None: the calls run to the end of the output
+    parse: Callable[[str, Schemas], Parsed | None]
+
+
+SYNTAXES = {
+    "hermes": Syntax("<tool_call>", "</tool_call>", parse_hermes),
+    "mistral": Syntax("[TOOL_CALLS]", None, parse_mistral),
+    "deepseek_v3": Syntax("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", parse_deepseek),
+    "glm45": Syntax("<tool_call>", "</tool_call>", parse_glm45),
+    "kimi_k2": Syntax("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", parse_kimi),
+}
+
+
+class ContentSink:
+    """Content text into `out.content`, whitespace held until more text follows (so text around
+    tool calls that is only whitespace is dropped in the end, streamed or not)."""
+
+    def __init__(self, out: Output) -> None:
+        self.out, self.ws = out, ""
+
+    def feed(self, text: str) -> None:
+        if not text.strip():
+            self.ws += text
+            return
+        self.out.content += self.ws + text
+        self.ws = ""
+
+    def finish(self) -> None:
+        if not self.out.calls:
+            self.out.content += self.ws
+        self.ws = ""
+
+
+class BlockCalls:
+    """Tool calls in the model's own syntax (tool_choice "auto"): content outside the call
+    blocks, each block parsed when it closes.  A block that does not parse stays content."""
+
+    def __init__(self, out: Output, syntax: Syntax, schemas: Schemas) -> None:
+        self.out, self.syntax, self.schemas = out, syntax, schemas
+        self.content = ContentSink(out)
+        self.buf, self.inside = "", False
+
+    def feed(self, text: str) -> None:
+        self.buf += text
+        while self.buf:
+            marker = self.syntax.end if self.inside else self.syntax.start
+            if marker is None:                            # inside a block that runs to the end
+                return
+            i = self.buf.find(marker)
+            if i >= 0:
+                self._done(self.buf[:i], marker)
+                self.buf = self.buf[i + len(marker):]
+                continue
+            if not self.inside:
+                keep = held_suffix(self.buf, [marker])
+                self.content.feed(self.buf[:len(self.buf) - keep])
+                self.buf = self.buf[len(self.buf) - keep:]
+            return
+
+    def _done(self, text: str, marker: str) -> None:
+        if not self.inside:
+            self.content.feed(text)
+            self.inside = True
+            return
+        self._block(text, closed=True)
+        self.inside = False
+
+    def _block(self, text: str, closed: bool) -> None:
+        calls = self.syntax.parse(text.strip(), self.schemas)
+        if calls is None:
+            end = (self.syntax.end or "") if closed else ""
+            self.content.feed(self.syntax.start + text + end)
+            return
+        self.out.calls += [ToolCall(ident or call_id(), name, args) for name, args, ident in calls]
+
+    def finish(self) -> None:
+        if self.inside:
+            self._block(self.buf, closed=False)
+        else:
+            self.content.feed(self.buf)
+        self.buf, self.inside = "", False
+        self.content.finish()
+
+
+class NamedCall:
+    """tool_choice naming a function: the whole content is its arguments (the grammar made it
+    that function's parameters object), streamed as it comes."""
+
+    def __init__(self, out: Output, name: str) -> None:
+        self.out, self.name = out, name
+
+    def feed(self, text: str) -> None:
+        if not text:
+            return
+        if not self.out.calls:
+            self.out.calls.append(ToolCall(call_id(), self.name))
+        self.out.calls[0].arguments += text
+
+    def finish(self) -> None:
+        pass
+
+
+class RequiredCalls:
+    """tool_choice "required": the content is a JSON array of {"name", "parameters"} (the
+    grammar's shape); each element becomes a call when it is complete.  What does not parse
+    (an output cut short) stays content."""
+
+    def __init__(self, out: Output) -> None:
+        self.out, self.buf, self.pos = out, "", 0
+        self.decoder = json.JSONDecoder()
+
+    def feed(self, text: str) -> None:
+        self.buf += text
+        while True:
+            i = self.pos
+            while i < len(self.buf) and (self.buf[i].isspace() or self.buf[i] in "[,"):
+                i += 1
+            if i >= len(self.buf) or self.buf[i] == "]":
+                return
+            try:
+                item, end = self.decoder.raw_decode(self.buf, i)
+            except ValueError:
+                return
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                return
+            args = _args(item.get("parameters", item.get("arguments", {})))
+            if args is None:
+                return
+            self.out.calls.append(ToolCall(call_id(), item["name"], args))
+            self.pos = end
+
+    def finish(self) -> None:
+        rest = self.buf[self.pos:].strip().lstrip(",").strip()
+        if rest and rest != "]":
+            self.out.content += rest
+        self.buf, self.pos = "", 0
