@@ -22,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 from engine.config import SHIPPED_MODEL, ModelConfig
 from engine.tokenizer import Tokenizer
 from gateway.admission import AdmissionQueue, Rejected
-from gateway.chat import OutputSettings
+from gateway.chat import output_settings
 from gateway.completions import IGNORED_HEADER, CompletionHandler
 from gateway.config import GatewayConfig, KeyTable
 from gateway.fairness import ClusterKv
@@ -32,7 +32,7 @@ from gateway.openai_format import error_body
 from gateway.prompts import PromptEncoder
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routing import Worker, WorkerPool
-from gateway.structured import DEFAULT_COMPILE_TIMEOUT_S, StructuredOutputs
+from gateway.structured import StructuredOutputs
 from worker.types import ErrorCode, Role
 
 log = logging.getLogger("tandem.gateway")
@@ -62,9 +62,8 @@ class Gateway:
                                     self.metrics.tenant_rejected)
         self.metrics.watch(self.queue)
         # how the model's output is read (reasoning, tool calls), and structured outputs' compiler
-        self.output_settings = OutputSettings()
-        self.structured = StructuredOutputs(self.tokenizer, self.model_config,
-                                            getattr(config, "grammar_compile_timeout_s", DEFAULT_COMPILE_TIMEOUT_S),
+        self.output_settings = output_settings(config, self.tokenizer)
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config, config.grammar_compile_timeout_s,
                                             self.metrics.grammar_compile.observe)
         self.completions = CompletionHandler(self)
         self.keys = KeyTable(config.api_keys)

@@ -20,7 +20,7 @@ from engine.constraint import Constraint
 from engine.params import SamplingParams
 from gateway.admission import Rejected
 from gateway.cache_view import PrefixKeys
-from gateway.chat import render_chat
+from gateway.chat import choice_reader, render_chat
 from gateway.choice import ForwardError, Prompt
 from gateway.fairness import reserved_tokens, share_key
 from gateway.forward import cancelling
@@ -159,7 +159,11 @@ class CompletionHandler:
                     params = sampling_params(body, max_tokens, seed, constraint)
                 except ValueError as e:
                     raise Rejected(400, "invalid_request", str(e)) from None
-                jobs.append(Job(ChoiceState(len(jobs), len(ids), prompt_group=group), ids, params, prompt))
+                # one fresh reader per choice: its reasoning, content and tool calls (gateway/chat.py)
+                reader = choice_reader(gw.output_settings, body) if isinstance(body, ChatCompletionRequest) \
+                    else None
+                jobs.append(Job(ChoiceState(len(jobs), len(ids), prompt_group=group, reader=reader), ids, params,
+                                prompt))
         return jobs
 
     def _prompt(self, body: Body, tenant: str, ids: list[int], page_sizes: frozenset[int]) -> Prompt:

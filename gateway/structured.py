@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     Body = ChatCompletionRequest | CompletionRequest
 
 log = logging.getLogger("tandem.gateway")
-DEFAULT_COMPILE_TIMEOUT_S = 5.0
 TOOL_CHOICES = ("none", "auto", "required")
 # vLLM's structured_outputs: the keys that each ask for a constraint, and the options Tandem
 # cannot honour when set (llguidance's JSON whitespace and properties follow the schema)
