@@ -12,6 +12,8 @@ A request's life here:
                  prefill's first token                                     -> Tokens event
     after_run    the core's token path appended a token                    -> Tokens; Finish at a stop
                  (a stop check past its budget: the core freed the pages)  -> Error INVALID_REQUEST
+                 (a token its grammar refuses, e.g. a first token from a
+                 prefill peer that ignored it: pages freed, never streamed) -> Error INTERNAL
     any failure  (abort, failed or expired transfer, failed step, a drain's end): receiver.release,
                  then the pages are freed (a transfer that never committed publishes nothing)
                                                                            -> Error event
@@ -240,7 +242,11 @@ class DecodeEngine:
         assert req.stopper is not None
         if event.finish_reason == "error":
             assert req.stopper.error is not None
-            self._ended(dreq, WorkerError(ErrorCode.INVALID_REQUEST, req.stopper.error))
+            # the grammar refused a token (the first one came from the prefill peer): a fault on
+            # the serving side, never the client's; a stop check past its budget: the client's
+            refused = req.guide is not None and req.guide.error is not None
+            code = ErrorCode.INTERNAL if refused else ErrorCode.INVALID_REQUEST
+            self._ended(dreq, WorkerError(code, req.stopper.error))
             return
         msg = wpb.Tokens(token_ids=[event.token], text=req.stopper.delta())
         if event.logprobs is not None:
