@@ -1,7 +1,7 @@
 """Engine decode speed against transformers, and the cost of the stop checks per token, in one
 run on the shipped checkpoint.
 
-    python -m bench.engine [--json] [--tokens 128] [--repeats 3] [--stop-only] [--prefill-only]
+    python -m bench.engine [--json] [--tokens 128] [--repeats 3] [--stop-only] [--prefill-only] [--mask-only]
     python -m bench.engine --device cuda [--json]    # the engine and transformers on the GPU
 
 Every speed figure decodes `--tokens` tokens (EOS ignored) from short prompts, greedy, fp32:
@@ -9,6 +9,8 @@ Every speed figure decodes `--tokens` tokens (EOS ignored) from short prompts, g
   engine_single_tok_s   `engine.LLM`, one stream
   engine_batch16_tok_s  `engine.LLM`, 16 concurrent requests, aggregate tokens/s
 Each is the best of `--repeats` timed runs after one warm-up run.
+The same with a json_schema constraint, and the grammar mask's cost per token at batch 1 and 16
+(alone with `--mask-only`): see `bench.mask_cost` (schema_*_tok_s, mask_us_per_token_b1/_b16).
 
 stop_check (alone with `--stop-only`): one request's stop checks and streamed delta per token,
 at 10, 100, 1,000 and 2,000 output tokens, for a fixed token stream with 3 stop strings and 2
@@ -39,6 +41,7 @@ from typing import Protocol
 import regex
 import torch
 
+from bench.mask_cost import mask_cost
 from bench.report import emit
 from engine import LLM, SamplingParams
 from engine.config import SHIPPED_MODEL
@@ -263,6 +266,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="where the engine and transformers run (cpu, cuda)")
     ap.add_argument("--stop-only", action="store_true", help="measure the stop checks only")
     ap.add_argument("--prefill-only", action="store_true", help="run the prefill sweep only")
+    ap.add_argument("--mask-only", action="store_true", help="plain and json_schema-constrained decode only")
     ap.add_argument("--prefill-runs", type=int, default=11, help="timed runs per prompt length (at least 5)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -274,6 +278,10 @@ def main() -> None:
         emit({"model": str(SHIPPED_MODEL.name), "threads": args.threads, **prefill_sweep(llm, args.prefill_runs)},
              args.json)
         return
+    if args.mask_only:
+        emit({"model": str(SHIPPED_MODEL.name), "tokens": args.tokens, "threads": args.threads, "device": args.device,
+              **mask_cost(llm, PROMPTS, args.tokens, args.repeats)}, args.json)
+        return
     hf = hf_rate(PROMPTS[0], args.tokens, args.repeats, args.device)
     single = engine_rate(llm, PROMPTS[:1], args.tokens, args.repeats)
     batch16 = engine_rate(llm, PROMPTS[:16], args.tokens, args.repeats)
@@ -282,6 +290,7 @@ def main() -> None:
         "attention_backend": llm.attention_backend, "hf_single_tok_s": hf, "engine_single_tok_s": single,
         "engine_batch16_tok_s": batch16, "ratio_single": single / hf, "ratio_batch16": batch16 / hf,
         "stop_check": stop_check(llm, args.repeats), **prefill_sweep(llm, args.prefill_runs),
+        **mask_cost(llm, PROMPTS, args.tokens, args.repeats),
     }
     emit(result, args.json)
 
