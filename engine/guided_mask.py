@@ -2,12 +2,13 @@
 
     guides (one per sampled row)  ── llguidance fills ──▶  bits   int32 [R, W]   (host; pinned on CUDA)
                                                           │  copy (non_blocking from pinned memory)
-    logits [B, V] fp32 ──clone──▶ masked[rows] = -inf where bit (token % 32) of word (token // 32) is 0
+    logits [B, V] fp32 ──(clone)──▶ masked[rows] = -inf where bit (token % 32) of word (token // 32) is 0
 
 R: the rows whose guide masks (`Guide.masks`), W = ceil(V / 32).  One row is filled on the
 calling thread; several through an `llguidance.LLExecutor` (its threads, GIL released).  The
-unpacking is torch ops on the logits' device.  The raw logits stay as they were: the sampler
-takes its logprobs from them (`engine.sampling.sample(raw=...)`).
+unpacking is torch ops on the logits' device.  When a row wants logprobs the raw logits stay as
+they were (the mask goes into a copy): the sampler takes its logprobs from them
+(`engine.sampling.sample(raw=...)`).
 
 `MaskWork` counts the rows masked and the time spent filling (llguidance) and applying (copy
 and unpack; on CUDA the time to launch them, the sampler's read of the tokens waits for them).
@@ -59,10 +60,11 @@ class TokenMasker:
         self._executor: llguidance.LLExecutor | None = None
         self.work = MaskWork()
 
-    def apply(self, logits: torch.Tensor, guides: Sequence[Guide | None]) -> torch.Tensor | None:
-        """`logits`: [B, V] raw, one row per entry of `guides`.  Returns a copy whose guided rows
-        allow only what their grammar allows (-inf elsewhere), or None when no row is guided
-        (then `logits` is the one to sample from)."""
+    def apply(self, logits: torch.Tensor, guides: Sequence[Guide | None], copy: bool = True) -> torch.Tensor | None:
+        """`logits`: [B, V] raw, one row per entry of `guides`.  Returns logits whose guided rows
+        allow only what their grammar allows (-inf elsewhere): a copy, or `logits` itself masked
+        in place when `copy` is False (nobody reads the raw ones: no logprobs wanted).  None when
+        no row is guided (then `logits` is the one to sample from)."""
         rows = [(i, g) for i, g in enumerate(guides) if g is not None and g.masks]
         if not rows:
             return None
@@ -74,7 +76,7 @@ class TokenMasker:
         words = bits.to(self.device, non_blocking=self._pinned)
         allowed = ((words[:, :, None] >> self._bits) & 1).bool()           # [R, W, 32]
         allowed = allowed.reshape(len(rows), self.words * 32)[:, :self.vocab_size]
-        masked = logits.clone()
+        masked = logits.clone() if copy else logits
         if len(rows) == logits.shape[0]:
             masked.masked_fill_(~allowed, float("-inf"))
         else:

@@ -49,10 +49,11 @@ class ModelRunner:
         logits = self.model.logits(hidden[rows] if len(rows) < len(reqs) else hidden)
         sampled = [reqs[i] for i in rows]
         self._mask_early_stops(logits, sampled)
-        masked = self.masker.apply(logits, [r.guide for r in sampled])
         params, generators = [r.params for r in sampled], [r.generator for r in sampled]
-        if masked is None:
-            picked = sample(logits, params, generators)
+        want_logprobs = any(p.logprobs is not None for p in params)
+        masked = self.masker.apply(logits, [r.guide for r in sampled], copy=want_logprobs)
+        if masked is None or not want_logprobs:
+            picked = sample(logits if masked is None else masked, params, generators)
         else:                                   # logprobs stay the model's (before the grammar)
             picked = sample(masked, params, generators, raw=logits)
         for j, i in enumerate(rows):

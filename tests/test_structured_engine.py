@@ -232,3 +232,6 @@ def test_masker_applies_bits_to_guided_rows_only(shipped_llm: LLM):
     more = [shipped_llm.core.guide(Constraint.choice(["yes", "no"])) for _ in range(3)]
     batch = masker.apply(logits, more)                              # several rows: the executor
     assert batch is not None and all(set(torch.isfinite(r).nonzero().flatten().tolist()) == allowed for r in batch)
+    raw = logits.clone()
+    inplace = masker.apply(logits, [None, guide, None], copy=False)    # no logprobs wanted: no copy
+    assert inplace is logits and torch.equal(inplace, masked) and not torch.equal(raw, logits)
