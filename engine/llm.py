@@ -96,6 +96,10 @@ class LLM:
         """Generate for every prompt (text or token ids) with continuous batching.  Requests
         share cached prompt prefixes only with requests of the same `cache_salt`.
 
+        `SamplingParams.constraint` (structured outputs): every token of that request follows
+        its grammar (after its `after` marker); a constraint the grammar engine cannot compile
+        is a RequestError (INVALID_REQUEST, naming the problem) and nothing is added.
+
         Returns one output per prompt, in order.  Raises ValueError, adding nothing, when
         any prompt or parameter is invalid; raises RequestError (INVALID_REQUEST) once every
         request has ended when a request's stop_regex ran past its per-token budget (the
