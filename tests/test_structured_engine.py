@@ -235,3 +235,29 @@ def test_masker_applies_bits_to_guided_rows_only(shipped_llm: LLM):
     raw = logits.clone()
     inplace = masker.apply(logits, [None, guide, None], copy=False)    # no logprobs wanted: no copy
     assert inplace is logits and torch.equal(inplace, masked) and not torch.equal(raw, logits)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_mask_and_outputs(shipped_llm: LLM):
+    """On the device: the pinned, non-blocking mask equals the CPU one bit for bit (in place and
+    copied, one row and several), and constrained outputs of an engine on the device validate."""
+    vocab = shipped_llm.model_config.vocab_size
+    guides = [shipped_llm.core.guide(Constraint("regex", r"[a-f]{2,5}")) for _ in range(4)]
+    cpu, cuda = TokenMasker(vocab, "cpu"), TokenMasker(vocab, "cuda")
+    logits = torch.randn(5, vocab)
+    for rows in ([None, guides[0], None, None, None], [guides[0], None, *guides[1:]]):
+        want = cpu.apply(logits, rows)
+        assert want is not None
+        for copy in (True, False):
+            on_device = logits.to("cuda")
+            got = cuda.apply(on_device, rows, copy=copy)
+            assert got is not None and torch.equal(got.cpu(), want) and (got is on_device) != copy
+    llm = LLM(device="cuda")
+    schema = {**SCHEMAS["person"], **COMPACT}
+    for mode in MODES:
+        outs = llm.generate(PROMPTS, _params(Constraint.json_schema(schema), 64, mode, logprobs=2))
+        _all_stopped(outs)
+        for o in outs:
+            jsonschema.validate(json.loads(o.text), SCHEMAS["person"])
+    assert llm.core.mask_work.rows > 0
