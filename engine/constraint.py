@@ -35,6 +35,10 @@ MAX_CHOICES = 256                  # guided_choice alternatives
 MAX_CHOICE_CHARS = 1024            # one alternative
 MAX_AFTER_CHARS = 64               # the reasoning end marker
 DEFAULT_CACHE_SIZE = 256           # compiled grammars kept per compiler
+# JSON is generated compact (no whitespace between tokens, as OpenAI's structured outputs):
+# with llguidance's default (whitespace allowed anywhere) a model may emit whitespace forever
+# and never finish; a schema's own "x-guidance" options still win over these.
+JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False}
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,8 @@ class Constraint:
 
     @staticmethod
     def json_schema(schema: dict[str, Any] | bool, after: str = "") -> Constraint:
-        return Constraint("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")), after)
+        # the schema's key order is kept: the output's properties come in that order
+        return Constraint("json_schema", json.dumps(schema, separators=(",", ":")), after)
 
     @staticmethod
     def choice(choices: list[str], after: str = "") -> Constraint:
@@ -88,9 +93,9 @@ def grammar_text(c: Constraint) -> str:
     """llguidance's grammar text for `c` (not yet checked: `GrammarCompiler.compile` does).
     Raises ValueError when the spec cannot even be read (a GBNF grammar that does not convert)."""
     if c.kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
     if c.kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(c.spec)
+        return llguidance.LLMatcher.grammar_from_json_schema(c.spec, defaults=JSON_DEFAULTS)
     if c.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(c.spec)
     if c.kind == "choice":
