@@ -144,7 +144,8 @@ def test_the_grammar_state_crosses_the_transfer(shipped_llm, decode, prefill, co
 
 def test_the_after_gate_crosses_the_transfer(shipped_llm, decode, prefill, colocated, prompts):
     """A constraint that starts after a marker the model writes itself: at its first token
-    (the marker comes from prefill) and a few tokens in (the gate opens on the decode side)."""
+    (the marker comes from prefill) and a few tokens in (the gate opens on the decode side);
+    a migration just before, at and just after the marker replays the gate too."""
     tok = shipped_llm.tokenizer
     plain = shipped_llm.generate(prompts[:1], replace(GREEDY, constraint=None, max_tokens=8))[0].token_ids
     marks = [i for i, t in enumerate(plain) if tok.encode(tok.decode([t])) == [t] and t not in plain[:i]]
@@ -156,6 +157,12 @@ def test_the_after_gate_crosses_the_transfer(shipped_llm, decode, prefill, coloc
         assert w.token_ids[:i + 1] == plain[:i + 1]                     # free up to the marker
         assert_valid(cases[0].constraint, tok.decode(w.token_ids[i + 1:]), w.finish_reason)
         assert w.text.endswith(tok.decode(w.token_ids[i + 1:]))
+    i, w, params = at[-1], wants[-1], cases[-1]
+    chs = (channel(decode.address), channel(prefill.address))
+    for k in (i, i + 1, i + 2):
+        resumed = run(*chs, f"after-{k}", prompts[0], params, generated=w.token_ids[:k])
+        assert resumed.error is None and resumed.token_ids == w.token_ids[k:], (k, resumed)
+    wait_idle(decode, prefill)
 
 
 def test_a_decode_worker_refuses_a_first_token_its_grammar_rejects(shipped_llm, decode, prefill, prompts,
