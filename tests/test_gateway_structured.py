@@ -8,6 +8,7 @@ the shipped model end to end: tests/test_gateway_structured_e2e.py."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from engine.constraint import MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS
 from gateway.completions import IGNORED_HEADER
 from gateway.protocol import MAX_IGNORED_NAMED
-from tests.gateway_helpers import API_KEY, FakeWorker, connection, start_gateway, wait_ready
+from tests.gateway_helpers import API_KEY, FakeWorker, connection, get, start_gateway, wait_ready
 
 MSG = [{"role": "user", "content": "Give me a JSON object"}]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -258,13 +259,46 @@ def test_a_schema_is_compiled_once(cluster):
 
 
 def test_a_compilation_past_its_budget_is_refused(cluster):
+    """A compilation that has not ended when its budget runs out (held here until the answer
+    came) is refused; the compilation goes on in its thread and lands in the cache."""
     gw, decode = cluster
     structured = gw.app.state.gateway.structured
-    budget, structured.timeout_s = structured.timeout_s, 1e-9
+    compiler, release = structured.compiler, threading.Event()
+
+    def held(c):
+        release.wait(30)
+        return type(compiler).check(compiler, c)
+
+    budget, structured.timeout_s, compiler.check = structured.timeout_s, 0.05, held
     try:
         before = len(decode.generated)
         status, got, _ = call(gw, chat(guided_json={"type": "object", "properties": {"slow": {"type": "null"}}}))
         assert status == 400 and got["error"]["code"] == "grammar_timeout", got
-        assert "longer than" in got["error"]["message"] and len(decode.generated) == before
+        assert "longer than 0.05 s" in got["error"]["message"] and len(decode.generated) == before
     finally:
+        release.set()
         structured.timeout_s = budget
+        del compiler.check
+
+
+def test_the_constraint_starts_after_the_reasoning_when_the_model_reasons(cluster):
+    gw, decode = cluster
+    from gateway.chat import OutputSettings
+    state = gw.app.state.gateway
+    settings, state.output_settings = state.output_settings, OutputSettings("think", "</think>")
+    try:
+        c = sent_constraint(gw, decode, chat(guided_choice=["a", "b"]))
+        assert c.kind == "choice" and c.after == "</think>"
+        c = sent_constraint(gw, decode, {"model": "tiny-moe", "prompt": "x", "max_tokens": 2, "regex": "a+"},
+                            "/v1/completions")
+        assert c.after == ""              # a text completion has no reasoning section to wait for
+    finally:
+        state.output_settings = settings
+
+
+def test_compilations_are_measured(cluster):
+    gw, decode = cluster
+    sent_constraint(gw, decode, chat(guided_regex="[xyz]{3}"))
+    status, text = get(gw.url, "/metrics", key=None)
+    assert status == 200 and "tandem_grammar_compile_seconds_count" in text
+    assert "tandem_requests_with_ignored_fields_total" in text
