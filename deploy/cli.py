@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 
-from deploy.settings import PLACEMENT_STRATEGIES, ROUTING_MODES, ServeSettings
+from deploy.settings import PLACEMENT_STRATEGIES, REASONING_CHOICES, ROUTING_MODES, TOOL_CALL_CHOICES, ServeSettings
 
 COMMANDS_GROUP = "tandem.commands"
 API_KEYS_ENV = "TANDEM_API_KEYS"     # KEY[:TENANT],KEY[:TENANT],... (not shown by `ps`, unlike --api-key)
@@ -215,6 +215,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--max-migrations", type=int, default=3,
                     help="how many times one response may move to another decode worker (its worker died or "
                     "drained) before it ends with an error")
+    sv.add_argument("--reasoning-parser", default="auto", choices=REASONING_CHOICES,
+                    help="how the gateway splits reasoning from the answer (reasoning_content); auto: from the "
+                    "chat template's markers, none: off")
+    sv.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_CHOICES,
+                    help="the model's tool-call syntax, read into tool_calls; auto: from the chat template's "
+                    "markers, none: tool_choice auto is refused")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sv.set_defaults(func=_serve)
 
@@ -245,7 +251,8 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
         ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, default_max_tokens=args.default_max_tokens,
         tenant_max_kv_tokens=args.tenant_max_kv_tokens, stream_idle_timeout_s=args.stream_idle_timeout,
         admin_keys=admin_keys(os.environ.get(ADMIN_KEYS_ENV)), prefix_cache=args.prefix_cache,
-        routing=args.routing, drain_timeout_s=args.drain_grace_s, max_migrations=args.max_migrations)
+        routing=args.routing, drain_timeout_s=args.drain_grace_s, max_migrations=args.max_migrations,
+        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
 
 
 def admin_keys(env: str | None) -> tuple[str, ...]:

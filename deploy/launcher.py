@@ -162,7 +162,8 @@ class Deployment:
                     ssl_certfile=s.ssl_certfile, ssl_keyfile=s.ssl_keyfile,
                     default_max_tokens=s.default_max_tokens, tenant_max_kv_tokens=s.tenant_max_kv_tokens,
                     admin_keys=s.admin_keys, stream_idle_timeout_s=s.stream_idle_timeout_s, routing=s.routing,
-                    max_migrations=s.max_migrations)
+                    max_migrations=s.max_migrations, reasoning_parser=s.reasoning_parser,
+                    tool_call_parser=s.tool_call_parser)
 
     def _wait_healthy(self, url: str, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import SHIPPED_MODEL
-from gateway.config import ROUTING_MODES
+from gateway.config import REASONING_CHOICES, ROUTING_MODES, TOOL_CALL_CHOICES
 from worker.types import Role
 
 # Ray's placement group strategies (ray.util.placement_group): PACK and SPREAD are best effort,
@@ -61,6 +61,8 @@ class ServeSettings:
     stream_idle_timeout_s: float = 30.0     # a response its client does not read this long is reset
     prefix_cache: bool = True               # False (--no-prefix-cache): every worker computes and moves whole prompts
     routing: str = "prefix"                 # how the gateway picks workers (gateway/routing.py): ROUTING_MODES
+    reasoning_parser: str = "auto"          # how the gateway reads the output (gateway/chat.py): REASONING_CHOICES
+    tool_call_parser: str = "auto"          # ... and TOOL_CALL_CHOICES
 
     def __post_init__(self) -> None:
         if not (Path(self.model) / "config.json").is_file():
@@ -103,6 +105,10 @@ class ServeSettings:
             raise ValueError(f"--stream-idle-timeout must be > 0, got {self.stream_idle_timeout_s}")
         if self.routing not in ROUTING_MODES:
             raise ValueError(f"--routing {self.routing}: choose one of {', '.join(ROUTING_MODES)}")
+        for flag, value, known in (("--reasoning-parser", self.reasoning_parser, REASONING_CHOICES),
+                                   ("--tool-call-parser", self.tool_call_parser, TOOL_CALL_CHOICES)):
+            if value not in known:
+                raise ValueError(f"{flag} {value}: choose one of {', '.join(known)}")
         if self.tls not in TLS_MODES:
             raise ValueError(f"--tls {self.tls}: choose one of {', '.join(TLS_MODES)}")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):

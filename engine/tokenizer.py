@@ -83,7 +83,7 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: list[dict], /, add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, **kwargs: Any) -> str:
         """Render `messages` with the checkpoint's template, as transformers does: each message a
         dict with a string `role` and a string `content` (None for an assistant's message that

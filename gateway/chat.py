@@ -160,8 +160,14 @@ def offered_tools(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
+TEMPLATE_OWN = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"})
+
+
 def template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
+    """The request's extra chat template variables; raises ValueError for one the gateway sets."""
     kwargs = dict(body.chat_template_kwargs or {})
+    if clash := sorted(TEMPLATE_OWN & set(kwargs)):
+        raise ValueError(f"chat_template_kwargs cannot set {', '.join(clash)}")
     if body.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", body.reasoning_effort)
     return kwargs
@@ -176,7 +182,10 @@ def reasoning_mode(settings: OutputSettings, body: ChatCompletionRequest) -> str
         return "off"
     if settings.reasoning != "think" or settings.tokenizer is None:
         return "start"
-    kwargs = template_kwargs(body)
+    try:
+        kwargs = template_kwargs(body)
+    except ValueError:      # refused where the prompt is rendered (render_chat)
+        return "start"
     key = json.dumps(kwargs, sort_keys=True, default=str)
     if key not in settings._opens:
         try:
@@ -217,7 +226,8 @@ class ChoiceReader:
             return text
         if len(ids) == 1:
             return text + self.markers[ids[0]]
-        parts, run = [], []
+        parts: list[str] = []
+        run: list[int] = []
         for t in ids:
             if t in self.markers:
                 parts += [self.tok.decode(run), self.markers[t]]
@@ -234,7 +244,7 @@ class ChoiceReader:
     def take(self) -> dict[str, Any]:
         """The delta since the last take: reasoning_content, content, tool_calls (OpenAI's
         stream shape: a call's first delta has its index, id, type and name)."""
-        out, delta = self.out, {}
+        out, delta = self.out, dict[str, Any]()
         if len(out.reasoning) > self._sent_reasoning:
             delta["reasoning_content"] = out.reasoning[self._sent_reasoning:]
             self._sent_reasoning = len(out.reasoning)

@@ -16,6 +16,8 @@ from kv_transfer.tls import TlsIdentity
 
 ROUTING_MODES = ("prefix", "load")
 PARSER_FLAGS = ("auto", "none")      # besides the parsers' names
+REASONING_CHOICES = PARSER_FLAGS + REASONING_PARSERS
+TOOL_CALL_CHOICES = PARSER_FLAGS + TOOL_PARSERS
 
 
 @dataclass(frozen=True)
@@ -108,9 +110,9 @@ class GatewayConfig:
             raise ValueError("an empty admin key would let anyone in: refused")
         if self.routing not in ROUTING_MODES:
             raise ValueError(f"routing={self.routing!r}: choose one of {', '.join(ROUTING_MODES)}")
-        for name, known in (("reasoning_parser", REASONING_PARSERS), ("tool_call_parser", TOOL_PARSERS)):
-            if getattr(self, name) not in PARSER_FLAGS + known:
-                raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(PARSER_FLAGS + known)}")
+        for name, known in (("reasoning_parser", REASONING_CHOICES), ("tool_call_parser", TOOL_CALL_CHOICES)):
+            if getattr(self, name) not in known:
+                raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(known)}")
 
 
 def load_api_keys(path: str | Path) -> dict[str, str]:

@@ -14,7 +14,7 @@ from typing import Any
 import uvicorn
 
 from gateway.app import create_app
-from gateway.config import ROUTING_MODES, GatewayConfig, api_keys
+from gateway.config import REASONING_CHOICES, ROUTING_MODES, TOOL_CALL_CHOICES, GatewayConfig, api_keys
 from kv_transfer.tls import TlsIdentity
 
 
@@ -96,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-migrations", type=int, default=3,
                     help="how many times a stream whose decode worker fails after a token may continue on "
                     "another worker (0: never)")
+    ap.add_argument("--reasoning-parser", default="auto", choices=REASONING_CHOICES,
+                    help="how reasoning is split from the answer (reasoning_content); auto: from the chat template")
+    ap.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_CHOICES,
+                    help="the model's tool-call syntax, read into tool_calls; auto: from the chat template")
     args = ap.parse_args(argv)
     keys = api_keys(args.api_keys_file, args.api_key)
     # the workers' secret, hex (as deploy/worker.py reads it): every worker call is authenticated
@@ -107,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                            tls=TlsIdentity.load(args.tls_dir) if args.tls_dir else None,
                            ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
                            admin_keys=tuple(args.admin_key), stream_idle_timeout_s=args.stream_idle_timeout,
-                           routing=args.routing, max_migrations=args.max_migrations)
+                           routing=args.routing, max_migrations=args.max_migrations,
+                           reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info", **uvicorn_limits(config))
     return 0
 

@@ -189,18 +189,18 @@ SYNTAXES = {
 
 
 class ContentSink:
-    """Content text into `out.content`, whitespace held until more text follows (so text around
-    tool calls that is only whitespace is dropped in the end, streamed or not)."""
+    """Content text into `out.content`, trailing whitespace held until more text follows: at the
+    end it is dropped when the output made tool calls (whitespace around them is not content),
+    kept otherwise; the same however the text was cut into pieces."""
 
     def __init__(self, out: Output) -> None:
         self.out, self.ws = out, ""
 
     def feed(self, text: str) -> None:
-        if not text.strip():
-            self.ws += text
-            return
-        self.out.content += self.ws + text
-        self.ws = ""
+        text = self.ws + text
+        kept = text.rstrip()
+        self.out.content += kept
+        self.ws = text[len(kept):]
 
     def finish(self) -> None:
         if not self.out.calls:

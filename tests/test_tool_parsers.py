@@ -22,8 +22,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
          {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
 
 
-def body(tool_choice: Any = None, tools: list | None = TOOLS, **kw: Any) -> ChatCompletionRequest:
-    return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools,
+def body(tool_choice: Any = None, tools: list | None = TOOLS, messages: list | None = None,
+         **kw: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model="m", messages=messages or [{"role": "user", "content": "hi"}], tools=tools,
                                  tool_choice=tool_choice, **kw)
 
 
@@ -81,7 +82,7 @@ def test_hermes_calls_and_content() -> None:
     out = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
            '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": "{}"}\n</tool_call>')
     msg = whole(reader("hermes"), out)
-    assert msg["content"] == "Let me check.\n"
+    assert msg["content"] == "Let me check."                 # whitespace around calls is not content
     assert calls(msg) == [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]
     assert all(c["id"].startswith("call_") for c in msg["tool_calls"])
     assert reader("hermes").finish_reason("stop") == "stop"       # no calls, no change
