@@ -29,12 +29,11 @@ from engine.guided_mask import MaskWork
 
 def records_schema(tokens: int) -> dict:
     """An array of at least tokens // 4 + 1 small records (each takes more than 4 tokens):
-    the output cannot complete within `tokens` tokens.  Compact JSON (no free whitespace)."""
+    the output cannot complete within `tokens` tokens."""
     record = {"type": "object", "additionalProperties": False, "required": ["id", "name", "ok"],
               "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
                              "name": {"type": "string", "maxLength": 16}, "ok": {"type": "boolean"}}}
-    return {"type": "array", "items": record, "minItems": tokens // 4 + 1,
-            "x-guidance": {"whitespace_flexible": False}}
+    return {"type": "array", "items": record, "minItems": tokens // 4 + 1}
 
 
 def _work(llm: LLM) -> MaskWork:

@@ -24,31 +24,30 @@ from proto import worker_pb2_grpc as wpb_grpc
 from tests.workers import Result, channel, module_worker, run, start_decode, start_prefill, wait_idle
 from worker.convert import params_to_proto, prefill_request
 
-# Compact JSON (no free whitespace): with llguidance's flexible whitespace the shipped model
-# fills its output with blanks and never closes the object.
-COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                       "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-     "required": ["name", "age"], "additionalProperties": False, **COMPACT},
+     "required": ["name", "age"], "additionalProperties": False},
     {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
                                                "minItems": 1, "maxItems": 3}, "ok": {"type": "boolean"}},
-     "required": ["tags", "ok"], "additionalProperties": False, **COMPACT},
+     "required": ["tags", "ok"], "additionalProperties": False},
     {"type": "object", "properties": {
         "point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -10, "maximum": 10},
                                                    "y": {"type": "integer", "minimum": 0, "maximum": 9}},
                   "required": ["x", "y"], "additionalProperties": False},
         "label": {"type": "string", "maxLength": 8}, "kind": {"enum": ["a", "b", 3]}},
-     "required": ["point", "label", "kind"], "additionalProperties": False, **COMPACT},
+     "required": ["point", "label", "kind"], "additionalProperties": False},
     {"type": "array", "minItems": 1, "maxItems": 2, "items": {
         "type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99},
                                          "word": {"type": "string", "maxLength": 6}},
-        "required": ["id", "word"], "additionalProperties": False}, **COMPACT},
+        "required": ["id", "word"], "additionalProperties": False}},
 ]
 CHOICES = ["alpha beta", "gamma delta", "transfer", "migration"]
 PATTERN = r"[a-f]{2,5}-[0-9]{1,3}"
+LARK = 'start: "(" expr ")"\nexpr: NUM | NUM OP expr\nNUM: /[0-9]{1,3}/\nOP: "+" | "-" | "*"'
+LARK_RE = r"\(([0-9]{1,3}[-+*])*[0-9]{1,3}\)"         # what LARK derives
 CONSTRAINTS = [*(Constraint("json_schema", json.dumps(s)) for s in SCHEMAS),
-               Constraint.choice(CHOICES), Constraint("regex", PATTERN)]
+               Constraint.choice(CHOICES), Constraint("regex", PATTERN), Constraint("grammar", LARK)]
 GREEDY = SamplingParams(max_tokens=64, temperature=0, logprobs=2, seed=7)
 SEEDED = SamplingParams(max_tokens=64, temperature=0.8, top_p=0.95, logprobs=2, seed=1234)
 MODES = {"greedy": GREEDY, "seeded": SEEDED}
@@ -79,7 +78,7 @@ def assert_valid(c: Constraint, text: str, finish: str) -> None:
     elif c.kind == "choice":
         assert text in json.loads(c.spec), text
     else:
-        assert regex.fullmatch(c.spec, text), (c.spec, text)
+        assert regex.fullmatch(LARK_RE if c.kind == "grammar" else c.spec, text), (c.spec, text)
 
 
 def assert_same(got: Result, want, label: str) -> None:
