@@ -160,6 +160,7 @@ def offered_tools(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
+MAX_PROBES = 256              # distinct chat_template_kwargs whose generation prompt is remembered
 TEMPLATE_OWN = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"})
 
 
@@ -188,6 +189,8 @@ def reasoning_mode(settings: OutputSettings, body: ChatCompletionRequest) -> str
         return "start"
     key = json.dumps(kwargs, sort_keys=True, default=str)
     if key not in settings._opens:
+        if len(settings._opens) >= MAX_PROBES:      # clients choose the kwargs: keep it bounded
+            settings._opens.clear()
         try:
             tail = settings.tokenizer.apply_chat_template([{"role": "user", "content": "?"}], True, **kwargs)
         except Exception:   # a template that refuses the probe: read the output as it comes
