@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.gateway")
 TOOL_CHOICES = ("none", "auto", "required")
+MAX_TOOLS = 128                     # tools one request may offer (OpenAI's limit)
 # vLLM's structured_outputs: the keys that each ask for a constraint, and the options Tandem
 # cannot honour when set (llguidance's JSON whitespace and properties follow the schema)
 SO_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
@@ -88,9 +89,14 @@ def check_tools(body: ChatCompletionRequest, settings: OutputSettings) -> None:
         if tc.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise InvalidField("tool_choice", 'a named tool_choice is {"type": "function", "function": '
                                '{"name": ...}}', "invalid_request")
-    dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
-    if dup is not None:
-        raise InvalidField("tools", f"two tools are named {dup[:64]!r}", "invalid_request")
+    if len(names) > MAX_TOOLS:
+        raise InvalidField("tools", f"the request offers {len(names)} tools; at most {MAX_TOOLS} are allowed",
+                           "invalid_request")
+    seen: set[str] = set()
+    for n in names:
+        if n in seen:
+            raise InvalidField("tools", f"two tools are named {n[:64]!r}", "invalid_request")
+        seen.add(n)
     mode = tool_mode(body)
     if mode in ("required", "named") and not names:
         raise InvalidField("tool_choice", f"tool_choice={_show_choice(tc)} needs tools", "invalid_request")

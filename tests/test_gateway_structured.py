@@ -160,6 +160,8 @@ for _ in range(MAX_SCHEMA_DEPTH):
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "invalid_request", "sometimes"),
     ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "invalid_request", "named tool_choice"),
     ({"tools": TOOLS + TOOLS[:1], "tool_choice": "required"}, "invalid_request", "get_weather"),
+    ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "invalid_request",
+     "at most 128"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "invalid_request",
      "both"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
