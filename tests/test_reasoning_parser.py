@@ -132,3 +132,32 @@ def test_any_chunking_streams_the_same_message(case: tuple[str, str | None, str]
     assert msg == streamed
     strip = lambda m: {**m, "tool_calls": [c["function"] for c in m.get("tool_calls", ())]}  # noqa: E731
     assert strip(msg) == strip(want)
+
+
+def test_special_marker_tokens_are_found_in_the_vocabulary(tmp_path: Path) -> None:
+    """Markers that are special tokens (the worker's text leaves them out) are put back from the
+    ids; markers that decode as text need nothing."""
+    from tokenizers import AddedToken
+    root = tmp_path / "special"
+    root.mkdir()
+    backend = TOK.backend.__class__.from_str(TOK.backend.to_str())
+    backend.add_special_tokens([AddedToken(m, special=True) for m in HARMONY_SPECIALS])
+    backend.add_tokens(["<think>", "</think>"])                          # added, not special
+    backend.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps({**SHIPPED, "chat_template": "<|channel|>{{ 1 }}"}))
+    tok = Tokenizer(root)
+    s = output_settings(config(), tok)
+    assert dict(s.markers) == {tok.token_to_id(m): m for m in HARMONY_SPECIALS}
+    ids = tok.encode(HARMONY)
+    r = choice_reader(s, body())
+    assert r is not None
+    for i in ids:                                                      # as a worker streams them
+        r.feed(tok.decode([i]), [i])
+    r.finish()
+    assert calls(r.message()) == [("get_weather", {"city": "Oslo"})]
+    assert r.message()["reasoning_content"] == "User wants weather."
+    s = output_settings(config(reasoning_parser="think", tool_call_parser="none"), tok)
+    assert s.markers == ()                                             # <think> decodes as text
+
+
+HARMONY_SPECIALS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>")
