@@ -29,6 +29,7 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 HARMONY_MESSAGE = "<|message|>"
 HARMONY_ENDS = ("<|end|>", "<|call|>", "<|return|>", "<|start|>")
 HARMONY_FINAL = "<|channel|>final<|message|>"     # what ends reasoning (a constraint's `after`)
+MAX_HEADER_CHARS = 1024      # a longer "header" is not Harmony: the model wrote text, read as content
 HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>",
                    "<|return|>")
 CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
@@ -94,6 +95,9 @@ class HarmonySplitter:
         while self.buf:
             if self.kind == "header":
                 i = self.buf.find(HARMONY_MESSAGE)
+                if i < 0 and len(self.buf) > MAX_HEADER_CHARS:
+                    self.kind = "content"
+                    continue
                 if i < 0:
                     return
                 self._open(self.buf[:i])

@@ -216,6 +216,7 @@ class BlockCalls:
         self.out, self.syntax, self.schemas = out, syntax, schemas
         self.content = ContentSink(out)
         self.buf, self.inside = "", False
+        self.searched = 0                                 # buf[:searched] holds no whole marker
 
     def feed(self, text: str) -> None:
         self.buf += text
@@ -223,15 +224,16 @@ class BlockCalls:
             marker = self.syntax.end if self.inside else self.syntax.start
             if marker is None:                            # inside a block that runs to the end
                 return
-            i = self.buf.find(marker)
+            i = self.buf.find(marker, max(0, self.searched - len(marker) + 1))
+            self.searched = len(self.buf)                 # a long block is scanned once, not per token
             if i >= 0:
                 self._done(self.buf[:i], marker)
-                self.buf = self.buf[i + len(marker):]
+                self.buf, self.searched = self.buf[i + len(marker):], 0
                 continue
             if not self.inside:
                 keep = held_suffix(self.buf, [marker])
                 self.content.feed(self.buf[:len(self.buf) - keep])
-                self.buf = self.buf[len(self.buf) - keep:]
+                self.buf, self.searched = self.buf[len(self.buf) - keep:], 0
             return
 
     def _done(self, text: str, marker: str) -> None:
@@ -255,7 +257,7 @@ class BlockCalls:
             self._block(self.buf, closed=False)
         else:
             self.content.feed(self.buf)
-        self.buf, self.inside = "", False
+        self.buf, self.inside, self.searched = "", False, 0
         self.content.finish()
 
 
@@ -288,7 +290,7 @@ class RequiredCalls:
 
     def feed(self, text: str) -> None:
         self.buf += text
-        while True:
+        while "}" in text:                                # only a "}" can complete an element
             i = self.pos
             while i < len(self.buf) and (self.buf[i].isspace() or self.buf[i] in "[,"):
                 i += 1
@@ -304,7 +306,7 @@ class RequiredCalls:
             if args is None:
                 return
             self.out.calls.append(ToolCall(call_id(), item["name"], args))
-            self.pos = end
+            self.buf, self.pos = self.buf[end:], 0
 
     def finish(self) -> None:
         rest = self.buf[self.pos:].strip().lstrip(",").strip()
