@@ -304,3 +304,9 @@ def test_compilations_are_measured(cluster):
     status, text = get(gw.url, "/metrics", key=None)
     assert status == 200 and "tandem_grammar_compile_seconds_count" in text
     assert "tandem_requests_with_ignored_fields_total" in text
+
+
+def test_unknown_fields_named_like_the_models_methods_change_nothing(cluster):
+    gw, decode = cluster
+    status, got, header = call(gw, chat(unsupported=1, ignored_fields=2, model_extra=3, __dict__=4))
+    assert status == 200 and header == "unsupported, ignored_fields, model_extra, __dict__", got
