@@ -49,10 +49,6 @@ SO_UNHONOURED = {"disable_any_whitespace": False, "disable_additional_properties
 SO_NO_EFFECT = ("disable_fallback",)        # Tandem never falls back to unconstrained output
 JSON_SCHEMA_FIELDS = ("name", "schema", "strict", "description")
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
-# a tool call's JSON is read by the gateway, not by a person: compact (as OpenAI's), which also
-# keeps a small model from padding it with whitespace until max_tokens (llguidance's default
-# allows any whitespace between tokens); a tool schema's own x-guidance still decides
-COMPACT_JSON = {"whitespace_flexible": False}
 
 
 class InvalidField(Rejected):
@@ -115,14 +111,14 @@ def tool_schema(body: ChatCompletionRequest) -> dict[str, Any]:
     params = {t.function.name: t.function.parameters or NO_PARAMETERS for t in body.tools or ()}
     name = named_tool(body)
     if name is not None:
-        return {"x-guidance": COMPACT_JSON, **params[name]}
+        return params[name]
     defs: dict[str, dict[str, Any]] = {}
     items = []
     for n, schema in params.items():
         schema = _hoist_defs(n, schema, defs)
         items.append({"type": "object", "properties": {"name": {"enum": [n]}, "parameters": schema},
                       "required": ["name", "parameters"], "additionalProperties": False})
-    out: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1, "x-guidance": COMPACT_JSON}
+    out: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
     if not body.parallel_tool_calls:
         out["maxItems"] = 1
     for key, table in defs.items():

@@ -87,7 +87,7 @@ def sent_constraint(gw, decode: FakeWorker, body: dict, path: str = "/v1/chat/co
     ({"regex": "x+"}, "regex", "x+"),
     ({"ebnf": 'root ::= "a" | "b"'}, "grammar", 'root ::= "a" | "b"'),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-     "json_schema", {**WEATHER, "x-guidance": {"whitespace_flexible": False}}),
+     "json_schema", WEATHER),
 ])
 def test_each_field_reaches_the_worker_as_one_constraint(cluster, extra, kind, spec):
     gw, decode = cluster
@@ -115,7 +115,6 @@ def test_tool_choice_required_is_a_list_of_calls(cluster, parallel):
     c = sent_constraint(gw, decode, chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel))
     schema = json.loads(c.spec)
     assert schema["type"] == "array" and schema["minItems"] == 1 and ("maxItems" in schema) != parallel
-    assert schema["x-guidance"] == {"whitespace_flexible": False}      # compact JSON: the gateway reads it
     branches = schema["items"]["anyOf"]
     assert [b["properties"]["name"] for b in branches] == [{"enum": ["get_weather"]}, {"enum": ["get_time"]}]
     assert branches[0]["properties"]["parameters"] == WEATHER

@@ -20,7 +20,6 @@ from tests.gateway_helpers import API_KEY, start_gateway, wait_ready
 from tests.workers import config, wait_idle
 
 MSG = [{"role": "user", "content": "Describe a user as JSON."}]
-COMPACT = {"x-guidance": {"whitespace_flexible": False}}     # the shipped model pads JSON with whitespace
 SCHEMAS = {
     "flat": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -37,11 +36,11 @@ SCHEMAS = {
 MAX_TOKENS = 96
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["city", "days"], "additionalProperties": False, **COMPACT}
+           "required": ["city", "days"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time", "parameters": {
              "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
-             "additionalProperties": False, **COMPACT}}}]
+             "additionalProperties": False}}}]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +69,7 @@ def finished(choice) -> str:
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 11, "n": 3}])
 def test_json_schema_outputs_validate(client, name, sampling):
-    schema = {**SCHEMAS[name], **COMPACT}
+    schema = SCHEMAS[name]
     r = client.chat.completions.create(model="tiny-moe", messages=MSG, max_tokens=MAX_TOKENS, **sampling,
                                        response_format={"type": "json_schema",
                                                         "json_schema": {"name": name, "schema": schema}})
@@ -102,7 +101,7 @@ def test_regex_and_choice(client):
 def test_a_constrained_stream_adds_up_to_the_same_text(client):
     kw = dict(model="tiny-moe", messages=MSG, max_tokens=MAX_TOKENS, temperature=0,
               response_format={"type": "json_schema",
-                               "json_schema": {"name": "f", "schema": {**SCHEMAS["flat"], **COMPACT}}})
+                               "json_schema": {"name": "f", "schema": SCHEMAS["flat"]}})
     whole = finished(client.chat.completions.create(**kw).choices[0])
     chunks = list(client.chat.completions.create(**kw, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
@@ -110,7 +109,6 @@ def test_a_constrained_stream_adds_up_to_the_same_text(client):
 
 
 class Pet(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(json_schema_extra=COMPACT)
     name: str = pydantic.Field(max_length=8)
     legs: int = pydantic.Field(ge=0, le=8)
     kind: str = pydantic.Field(json_schema_extra={"enum": ["cat", "dog"]})
@@ -175,7 +173,7 @@ def test_a_disaggregated_pair_gives_the_same_constrained_outputs(client):
     colocated worker, greedy and seeded."""
     from tests.gateway_helpers import gateway_cluster
     asks = [dict(response_format={"type": "json_schema", "json_schema": {
-                 "name": "n", "schema": {**SCHEMAS["nested"], **COMPACT}}}, temperature=0),
+                 "name": "n", "schema": SCHEMAS["nested"]}}, temperature=0),
             dict(extra_body={"guided_choice": ["sunny", "rainy", "cloudy"]}, temperature=1.0, seed=4, n=2),
             dict(tools=TOOLS, tool_choice="required", temperature=1.0, seed=2)]
     with gateway_cluster(config(), config()) as (gw, _, _):
