@@ -187,26 +187,32 @@ def test_a_decode_worker_refuses_a_first_token_its_grammar_rejects(shipped_llm, 
     wait_idle(decode, prefill)
 
 
-BAD = [(Constraint("regex", "a(b"), "regex"), (Constraint("json_schema", '{"type": "nonsense"}'), "nonsense"),
-       (Constraint("grammar", "start: foo"), "foo")]
+DEEP = '{"type": "array", "items": ' * 40 + '{"type": "integer"}' + "}" * 40
+BAD = [("regex", "a(b", "regex"), ("json_schema", '{"type": "nonsense"}', "nonsense"),
+       ("grammar", "start: foo", "foo"), ("json_schema", DEEP, "levels"), ("choice", "[]", "non-empty"),
+       ("xml", "<a/>", "kind")]
 
 
-@pytest.mark.parametrize("bad, words", BAD, ids=[c.kind for c, _ in BAD])
+@pytest.mark.parametrize("kind, spec, words", BAD, ids=["regex", "schema", "grammar", "deep", "no-choice", "kind"])
 def test_a_constraint_that_cannot_compile_is_refused_before_any_page(decode, prefill, colocated, prompts,
-                                                                     bad, words):
-    params = replace(GREEDY, constraint=bad)
+                                                                     kind, spec, words):
+    """As a worker receives it (the wire carries any kind and spec): refused by name before
+    any page is reserved or anything queued, on the decode, colocated and prefill workers."""
+    params = params_to_proto(GREEDY)
+    params.constraint.CopyFrom(wpb.Constraint(kind=kind, spec=spec))
     for handle in (decode, colocated):
         free = handle.core.pool.num_free
         replies = list(wpb_grpc.DecodeServiceStub(channel(handle.address)).Generate(wpb.GenerateRequest(
             request_id=f"bad-{handle.role.value}", tenant="acme", prompt_token_ids=prompts[0],
-            params=params_to_proto(params), timeout_s=60), timeout=60))
+            params=params, timeout_s=60), timeout=60))
         assert [m.WhichOneof("kind") for m in replies] == ["error"], replies
         assert replies[0].error.code == "INVALID_REQUEST" and words in replies[0].error.message, replies[0]
         assert handle.core.pool.num_free == free and not handle.core.scheduler.has_work()
     assert decode.roles[0].receiver.open_transfers == 0
-    reply = wpb_grpc.PrefillServiceStub(channel(prefill.address)).Prefill(prefill_request(
-        "bad-prefill", "acme", prompts[0], params, wpb.Reservation(
-            transfer_id=b"t" * 16, transfer_endpoint=decode.transfer_endpoint, seed=7)), timeout=60)
+    request = prefill_request("bad-prefill", "acme", prompts[0], GREEDY, wpb.Reservation(
+        transfer_id=b"t" * 16, transfer_endpoint=decode.transfer_endpoint, seed=7))
+    request.params.constraint.CopyFrom(params.constraint)
+    reply = wpb_grpc.PrefillServiceStub(channel(prefill.address)).Prefill(request, timeout=60)
     assert not reply.ok and reply.error.code == "INVALID_REQUEST" and words in reply.error.message, reply
     wait_idle(decode, prefill, colocated)
 
