@@ -141,17 +141,13 @@ class EngineCore:
         Raises RequestError, creating nothing."""
         self.check(ids, params, reserve_output=not handoff)
         check_generated(generated, params, self.model_config.vocab_size, handoff)
-        guide = self.guide(params.constraint)
+        guide = self.guide(params.constraint, replay=generated if handoff else ())  # else: the stopper's
         g = len(generated)
         if generator is None:
             seed = params.seed if params.seed is not None else \
                 int(torch.randint(0, 2**62, (), generator=self._seed_rng))
             generator = request_generator(seed, 0 if params.greedy else g)
-        if handoff:
-            stopper = None
-            _replay(guide, generated)
-        else:
-            stopper = self.resume_checker(params, len(ids), generated, guide)
+        stopper = None if handoff else self.resume_checker(params, len(ids), generated, guide)
         ended = stopper is not None and stopper.finish_reason is not None
         req = Request(request_id=request_id or f"req-{next(self._ids)}", prompt_token_ids=[*ids, *generated],
                       params=params if ended else resumed_params(params, g), generator=generator,
@@ -192,17 +188,19 @@ class EngineCore:
                                                  sorted(self.eos_ids))
             return self._grammars
 
-    def guide(self, constraint: Constraint | None) -> Guide | None:
-        """A fresh grammar state for `constraint` (None without one).  Raises RequestError
-        (INVALID_REQUEST) with the grammar engine's message when it cannot be compiled."""
+    def guide(self, constraint: Constraint | None, replay: Sequence[int] = ()) -> Guide | None:
+        """A fresh grammar state for `constraint` (None without one), fed the tokens `replay`.
+        Raises RequestError (INVALID_REQUEST) with the grammar engine's message when it cannot
+        be compiled or refuses one of those tokens."""
         if constraint is None:
             return None
+        gate = self.tokenizer.encode(constraint.after) if constraint.after else []
         try:
-            matcher = self.grammars.compile(constraint)
+            guide = Guide(self.grammars.compile(constraint), constraint.kind, gate)
+            guide.replay(replay)
         except ValueError as e:
             raise RequestError(Problem.INVALID_REQUEST, str(e)) from None
-        gate = self.tokenizer.encode(constraint.after) if constraint.after else []
-        return Guide(matcher, constraint.kind, gate)
+        return guide
 
     @property
     def mask_work(self) -> MaskWork:
@@ -295,16 +293,6 @@ class EngineCore:
     def expert_stats(self) -> dict[int, dict]:
         """Per paged MoE layer: hits, misses, hit_rate, bytes_paged, waves, steps, prefetch counters."""
         return {i: e.counters.as_dict() for i, e in self.paged_experts().items()}
-
-
-def _replay(guide: Guide | None, generated: Sequence[int]) -> None:
-    """Feed a hand-off request's grammar the tokens it generated before.  Raises RequestError."""
-    if guide is None:
-        return
-    try:
-        guide.replay(generated)
-    except ValueError as e:
-        raise RequestError(Problem.INVALID_REQUEST, str(e)) from None
 
 
 def resumed_params(params: SamplingParams, generated: int) -> SamplingParams:
