@@ -22,9 +22,12 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # Caps on what one request may ask for (every per-request cost is bounded, I10).  vLLM and
@@ -38,7 +41,7 @@ DEFAULT_CACHE_SIZE = 256           # compiled grammars kept per compiler
 # JSON is generated compact (no whitespace between tokens, as OpenAI's structured outputs):
 # with llguidance's default (whitespace allowed anywhere) a model may emit whitespace forever
 # and never finish; a schema's own "x-guidance" options still win over these.
-JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False}
+JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 @dataclass(frozen=True)
