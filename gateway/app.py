@@ -23,9 +23,10 @@ from engine.config import SHIPPED_MODEL, ModelConfig
 from engine.tokenizer import Tokenizer
 from gateway.admission import AdmissionQueue, Rejected
 from gateway.chat import output_settings
-from gateway.completions import IGNORED_HEADER, CompletionHandler
+from gateway.completions import CompletionHandler
 from gateway.config import GatewayConfig, KeyTable
 from gateway.fairness import ClusterKv
+from gateway.fields import IGNORED_HEADER
 from gateway.limits import ABORT, BodyLimit, SendDeadline, connection_abort, quiet_idle_closes
 from gateway.metrics import Metrics
 from gateway.openai_format import error_body

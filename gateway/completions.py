@@ -23,11 +23,12 @@ from gateway.cache_view import PrefixKeys
 from gateway.chat import choice_reader, render_chat
 from gateway.choice import ForwardError, Prompt
 from gateway.fairness import reserved_tokens, share_key
+from gateway.fields import IGNORED_HEADER, IgnoredFields
 from gateway.forward import cancelling
 from gateway.migration import forward
 from gateway.openai_format import ChoiceState, Formatter, error_body, prompt_tokens, public_message
 from gateway.prompts import PromptTooLong
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, header_value, sampling_params
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
 from gateway.streaming import DoneEvent, ErrorEvent, Event, EventStream, Generation, TokensEvent, sse
 from gateway.structured import InvalidField, check_tools
 from gateway.structured import ignored_fields as structured_ignored
@@ -38,8 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.gateway")
 DEFAULT_COMPLETION_TOKENS = 16      # OpenAI's default for /v1/completions
-IGNORED_HEADER = "X-Tandem-Ignored-Fields"
-MAX_WARNED_FIELDS = 1024            # distinct ignored field names logged at warning level
 Body = ChatCompletionRequest | CompletionRequest
 
 
@@ -55,7 +54,7 @@ class Job:
 class CompletionHandler:
     def __init__(self, gw: Gateway):
         self.gw = gw                  # the Gateway: config, tokenizer, pool, queue, metrics
-        self._warned: set[str] = set()    # ignored field names already logged at warning level
+        self.ignored_log = IgnoredFields()
 
     # ---- request -> jobs ------------------------------------------------------------
     def check(self, body: Body) -> None:
@@ -74,20 +73,12 @@ class CompletionHandler:
             check_tools(body, gw.output_settings)
 
     def ignored(self, body: Body) -> str:
-        """The request's fields that are ignored (protocol.ignored_fields, structured.ignored_fields),
-        logged (a warning the first time a name is seen) and counted; as the header value ("" : none)."""
+        """The request's ignored fields (gateway/fields.py), logged and counted, as the header's
+        value ("" : none)."""
         names = list(dict.fromkeys(body.ignored_fields() + structured_ignored(body)))
-        if not names:
-            return ""
-        self.gw.metrics.ignored_fields.inc()
-        new = [n for n in names if n not in self._warned]
-        if new and len(self._warned) < MAX_WARNED_FIELDS:
-            self._warned.update(new)
-            log.warning("request fields ignored (defined neither by OpenAI nor by the extensions Tandem "
-                        "accepts): %s", header_value(names))
-        else:
-            log.debug("request fields ignored: %s", header_value(names))
-        return header_value(names)
+        if names:
+            self.gw.metrics.ignored_fields.inc()
+        return self.ignored_log.report(names)
 
     def _check_counts(self, body: Body) -> None:
         """How many messages or prompts the request carries, before any is templated or

@@ -14,8 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from engine.constraint import MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS
-from gateway.completions import IGNORED_HEADER
-from gateway.protocol import MAX_IGNORED_NAMED
+from gateway.fields import IGNORED_HEADER, MAX_IGNORED_NAMED
 from tests.gateway_helpers import API_KEY, FakeWorker, connection, get, start_gateway, wait_ready
 
 MSG = [{"role": "user", "content": "Give me a JSON object"}]
