@@ -213,7 +213,8 @@ def _response_format(rf: dict[str, Any]) -> list[tuple[str, str, Any]]:
 
 
 def ignored_fields(body: Body) -> list[str]:
-    """Keys of response_format and structured_outputs no one Tandem follows defines."""
+    """Keys of response_format, structured_outputs and a named tool_choice that no one Tandem
+    follows defines."""
     out: list[str] = []
     rf, so = body.response_format, body.structured_outputs
     if rf is not None:
@@ -224,6 +225,11 @@ def ignored_fields(body: Body) -> list[str]:
     if so is not None:
         out += [f"structured_outputs.{k}" for k in so if k not in SO_KINDS and k not in SO_UNHONOURED
                 and k not in SO_NO_EFFECT]
+    tc = getattr(body, "tool_choice", None)
+    if isinstance(tc, dict):
+        out += [f"tool_choice.{k}" for k in tc if k not in ("type", "function")]
+        if isinstance(tc.get("function"), dict):
+            out += [f"tool_choice.function.{k}" for k in tc["function"] if k != "name"]
     return out
 
 
