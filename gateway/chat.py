@@ -31,6 +31,7 @@ from gateway.tools import (
     NamedCall,
     Output,
     RequiredCalls,
+    ToolCall,
 )
 
 if TYPE_CHECKING:
@@ -211,9 +212,11 @@ class ChoiceReader:
     ids), `finish` once at the end; `take` returns what became final since the last take (a
     stream delta), `message` the whole (the response's message)."""
 
-    def __init__(self, first: Stage, out: Output, tok: Tokenizer, markers: dict[int, str], reasoning: bool):
+    def __init__(self, first: Stage, out: Output, tok: Tokenizer, markers: dict[int, str], reasoning: bool,
+                 max_calls: int | None = None):
         self.first, self.out, self.tok, self.markers = first, out, tok, markers
         self.reasoning = reasoning
+        self.max_calls = max_calls        # parallel_tool_calls=false: the first call only
         self.finished = False
         self._sent_reasoning = self._sent_content = 0
         self._sent_args: list[int] = []
@@ -255,7 +258,7 @@ class ChoiceReader:
             delta["content"] = out.content[self._sent_content:]
             self._sent_content = len(out.content)
         calls = []
-        for i, call in enumerate(out.calls):
+        for i, call in enumerate(self.calls):
             if i == len(self._sent_args):
                 calls.append({"index": i, "id": call.id, "type": "function",
                               "function": {"name": call.name, "arguments": call.arguments}})
@@ -271,13 +274,19 @@ class ChoiceReader:
         msg: dict[str, Any] = {"role": "assistant", "content": self.out.content or None}
         if self.reasoning:
             msg["reasoning_content"] = self.out.reasoning or None
-        if self.out.calls:
-            msg["tool_calls"] = [c.as_openai() for c in self.out.calls]
+        if self.calls:
+            msg["tool_calls"] = [c.as_openai() for c in self.calls]
         return msg
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        """The calls the client gets: with parallel_tool_calls=false only the first one the
+        model made (tool_choice auto; "required" enforces it in the grammar)."""
+        return self.out.calls[:self.max_calls] if self.max_calls is not None else self.out.calls
 
     def finish_reason(self, reason: str | None) -> str | None:
         """"tool_calls" for a choice that stopped having made calls."""
-        return "tool_calls" if reason == "stop" and self.out.calls else reason
+        return "tool_calls" if reason == "stop" and self.calls else reason
 
 
 def choice_reader(settings: OutputSettings, body: ChatCompletionRequest) -> ChoiceReader | None:
@@ -297,7 +306,8 @@ def choice_reader(settings: OutputSettings, body: ChatCompletionRequest) -> Choi
         return None
     else:
         first = tail
-    return ChoiceReader(first, out, tok, dict(settings.markers), reasoning=harmony or mode != "off")
+    return ChoiceReader(first, out, tok, dict(settings.markers), reasoning=harmony or mode != "off",
+                        max_calls=None if body.parallel_tool_calls else 1)
 
 
 def _tool_mode(body: ChatCompletionRequest) -> str | None:

@@ -88,6 +88,16 @@ def test_hermes_calls_and_content() -> None:
     assert reader("hermes").finish_reason("stop") == "stop"       # no calls, no change
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call_in_auto_mode() -> None:
+    out = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
+           '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    assert calls(whole(reader("hermes"), out)) == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    r = reader("hermes", parallel_tool_calls=False)
+    msg = whole(r, out)
+    assert calls(msg) == [("get_weather", {"city": "Oslo"})] and msg["content"] is None
+    assert r.finish_reason("stop") == "tool_calls"
+
+
 def test_only_calls_give_no_content_and_finish_reason_tool_calls() -> None:
     r = reader("hermes")
     msg = whole(r, '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n')
