@@ -7,7 +7,8 @@ the check goes on):
   device               versions, the device, driver and free memory
   cuda_tests           `pytest -m cuda tests/test_cuda_paths.py` (compiled kernels, paged experts
                        over CUDA copy streams, workers over gRPC and shared memory with the pool
-                       on the device, transfer faults against a CUDA pool); all skip without CUDA
+                       on the device, transfer faults against a CUDA pool), and the grammar mask
+                       on the device (tests/test_structured_engine.py); all skip without CUDA
   families             `pytest -m cuda tests/test_cuda_families.py`: every model family's tiny
                        checkpoint on the device (Triton attention and fused MoE) against the CPU's
                        torch path, paged experts bit-identical to resident, bf16, the compiled
@@ -119,7 +120,8 @@ def run_module_step(name: str, device: str, quick: bool, limit_s: float, env: di
 
 def run_step(step: Step, device: str, quick: bool, limit_s: float, env: dict[str, str], tmp: str) -> dict[str, Any]:
     if step.name == "cuda_tests":
-        return pytest_step(["-m", "cuda", "tests/test_cuda_paths.py"], limit_s, env, tmp, ROOT, "cuda_tests")
+        return pytest_step(["-m", "cuda", "tests/test_cuda_paths.py", "tests/test_structured_engine.py"], limit_s,
+                           env, tmp, ROOT, "cuda_tests")
     if step.name == "families":
         result = pytest_step(["-m", "cuda", "tests/test_cuda_families.py"], limit_s, env, tmp, ROOT, "families")
         result["figures"]["families"] = result["figures"].pop("properties", {})
