@@ -20,7 +20,7 @@ from engine.constraint import Constraint
 from engine.params import SamplingParams
 from gateway.admission import Rejected
 from gateway.cache_view import PrefixKeys
-from gateway.chat import choice_reader, render_chat
+from gateway.chat import render_chat
 from gateway.choice import ForwardError, Prompt
 from gateway.fairness import reserved_tokens, share_key
 from gateway.fields import IGNORED_HEADER, IgnoredFields
@@ -29,6 +29,7 @@ from gateway.migration import forward
 from gateway.openai_format import ChoiceState, Formatter, error_body, prompt_tokens, public_message
 from gateway.prompts import PromptTooLong
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
+from gateway.reader import choice_reader
 from gateway.streaming import DoneEvent, ErrorEvent, Event, EventStream, Generation, TokensEvent, sse
 from gateway.structured import InvalidField, check_tools
 from gateway.structured import ignored_fields as structured_ignored
@@ -150,7 +151,7 @@ class CompletionHandler:
                     params = sampling_params(body, max_tokens, seed, constraint)
                 except ValueError as e:
                     raise Rejected(400, "invalid_request", str(e)) from None
-                # one fresh reader per choice: its reasoning, content and tool calls (gateway/chat.py)
+                # one fresh reader per choice: its reasoning, content and tool calls (gateway/reader.py)
                 reader = choice_reader(gw.output_settings, body) if isinstance(body, ChatCompletionRequest) \
                     else None
                 jobs.append(Job(ChoiceState(len(jobs), len(ids), prompt_group=group, reader=reader), ids, params,

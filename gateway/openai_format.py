@@ -13,7 +13,7 @@ from proto import worker_pb2 as wpb
 from worker.types import ErrorCode
 
 if TYPE_CHECKING:
-    from gateway.chat import ChoiceReader
+    from gateway.reader import ChoiceReader
 
 # What a client is told of a request that failed past the gateway, by code: never a worker's
 # address, a gRPC status or another request's id (those stay in the gateway's log, under the
@@ -49,7 +49,7 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[wpb.TokenLogprobs] = field(default_factory=list)
     finish: wpb.Finish | None = None
-    # a chat choice whose output is read for reasoning and tool calls (gateway/chat.py); None:
+    # a chat choice whose output is read for reasoning and tool calls (gateway/reader.py); None:
     # its text is the message's content
     reader: ChoiceReader | None = None
 

@@ -15,8 +15,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine.config import SHIPPED_MODEL
-from gateway.chat import OutputSettings, choice_reader, render_chat
+from gateway.chat import OutputSettings, render_chat
 from gateway.openai_format import ChoiceState, Formatter
+from gateway.reader import choice_reader
 from gateway.streaming import DoneEvent, Event, TokensEvent, sse
 from proto import worker_pb2 as wpb
 from tests.gateway_helpers import API_KEY, gateway_cluster

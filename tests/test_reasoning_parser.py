@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from engine.config import SHIPPED_MODEL
 from engine.tokenizer import Tokenizer
-from gateway.chat import OutputSettings, choice_reader, output_settings, reasoning_end
+from gateway.chat import OutputSettings, output_settings, reasoning_end
 from gateway.config import GatewayConfig
+from gateway.reader import choice_reader
 from tests.test_tool_parsers import TOK, body, calls, reader, run
 from tests.workers import SECRET
 

@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 from engine.config import SHIPPED_MODEL
 from engine.tokenizer import Tokenizer
-from gateway.chat import ChoiceReader, OutputSettings, choice_reader
+from gateway.chat import OutputSettings
 from gateway.protocol import ChatCompletionRequest
+from gateway.reader import ChoiceReader, choice_reader
 
 TOK = Tokenizer(SHIPPED_MODEL)
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
