@@ -34,6 +34,14 @@ class Rejected(Exception):
         self.status, self.reason, self.message = status, reason, message
 
 
+class InvalidField(Rejected):
+    """A 400 that names the request field at fault (`param` of the error body)."""
+
+    def __init__(self, param: str, message: str, reason: str = "out_of_range") -> None:
+        super().__init__(400, reason, message)
+        self.param = param
+
+
 class KvLimits(Protocol):
     """The KV limits the queue admits against, read at each admission (they follow the workers)."""
 

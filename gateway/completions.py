@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.constraint import Constraint
 from engine.params import SamplingParams
-from gateway.admission import Rejected
+from gateway.admission import InvalidField, Rejected
 from gateway.cache_view import PrefixKeys
 from gateway.chat import render_chat
 from gateway.choice import ForwardError, Prompt
@@ -31,8 +31,8 @@ from gateway.prompts import PromptTooLong
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
 from gateway.reader import choice_reader
 from gateway.streaming import DoneEvent, ErrorEvent, Event, EventStream, Generation, TokensEvent, sse
-from gateway.structured import InvalidField, check_tools
 from gateway.structured import ignored_fields as structured_ignored
+from gateway.tool_choice import check_tools
 from worker.types import ErrorCode
 
 if TYPE_CHECKING:

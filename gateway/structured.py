@@ -11,9 +11,7 @@ The fields, each a way to ask for one constraint (engine/constraint.py kinds):
     json_schema / regex / ebnf                                       (SGLang's)
     tool_choice          "required" or {"type": "function", "function": {"name": N}}
 
-A named function's output is its arguments object (N's `parameters` schema); "required" makes
-the output a JSON array of calls `[{"name": N, "parameters": {...}}, ...]` (one item at most
-when parallel_tool_calls is false).  The constraint starts after the reasoning section when the
+The schema a tool_choice puts on the output is gateway/tool_choice.py's.  The constraint starts after the reasoning section when the
 served model reasons (`after`: gateway/chat.py `reasoning_end`)."""
 
 from __future__ import annotations
@@ -29,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 from engine.config import ModelConfig
 from engine.constraint import MAX_SPEC_CHARS, Constraint, GrammarCompiler
 from engine.tokenizer import Tokenizer
-from gateway.admission import Rejected
+from gateway.admission import InvalidField, Rejected
 from gateway.chat import OutputSettings, reasoning_end
+from gateway.tool_choice import tool_mode, tool_schema
 
 if TYPE_CHECKING:
     from gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -38,8 +37,6 @@ if TYPE_CHECKING:
     Body = ChatCompletionRequest | CompletionRequest
 
 log = logging.getLogger("tandem.gateway")
-TOOL_CHOICES = ("none", "auto", "required")
-MAX_TOOLS = 128                     # tools one request may offer (OpenAI's limit)
 # vLLM's structured_outputs: the keys that each ask for a constraint, and the options Tandem
 # cannot honour when set (llguidance's JSON whitespace and properties follow the schema)
 SO_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
@@ -48,124 +45,6 @@ SO_UNHONOURED = {"disable_any_whitespace": False, "disable_additional_properties
                  "whitespace_pattern": None, "structural_tag": None}
 SO_NO_EFFECT = ("disable_fallback",)        # Tandem never falls back to unconstrained output
 JSON_SCHEMA_FIELDS = ("name", "schema", "strict", "description")
-NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
-
-
-class InvalidField(Rejected):
-    """A 400 that names the request field at fault (`param` of the error body)."""
-
-    def __init__(self, param: str, message: str, reason: str = "out_of_range") -> None:
-        super().__init__(400, reason, message)
-        self.param = param
-
-
-# ---- tool_choice ----------------------------------------------------------------------------
-def tool_mode(body: Body) -> str:
-    """"none", "auto", "required" or "named" (OpenAI's default: auto with tools, none without)."""
-    tc = getattr(body, "tool_choice", None)
-    if tc is None:
-        return "auto" if getattr(body, "tools", None) else "none"
-    return tc if isinstance(tc, str) else "named"
-
-
-def named_tool(body: Body) -> str | None:
-    """The function a named tool_choice asks for (None: not named)."""
-    tc = getattr(body, "tool_choice", None)
-    return tc["function"]["name"] if isinstance(tc, dict) else None
-
-
-def check_tools(body: ChatCompletionRequest, settings: OutputSettings) -> None:
-    """tools and tool_choice make sense together.  Raises InvalidField (400) naming the problem."""
-    tc, names = body.tool_choice, [t.function.name for t in body.tools or ()]
-    if isinstance(tc, str) and tc not in TOOL_CHOICES:
-        raise InvalidField("tool_choice", f"tool_choice {tc[:40]!r} is not one of {', '.join(TOOL_CHOICES)} "
-                           f'or {{"type": "function", "function": {{"name": ...}}}}', "invalid_request")
-    if isinstance(tc, dict):
-        fn = tc.get("function")
-        if tc.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise InvalidField("tool_choice", 'a named tool_choice is {"type": "function", "function": '
-                               '{"name": ...}}', "invalid_request")
-    if len(names) > MAX_TOOLS:
-        raise InvalidField("tools", f"the request offers {len(names)} tools; at most {MAX_TOOLS} are allowed",
-                           "invalid_request")
-    seen: set[str] = set()
-    for n in names:
-        if n in seen:
-            raise InvalidField("tools", f"two tools are named {n[:64]!r}", "invalid_request")
-        seen.add(n)
-    mode = tool_mode(body)
-    if mode in ("required", "named") and not names:
-        raise InvalidField("tool_choice", f"tool_choice={_show_choice(tc)} needs tools", "invalid_request")
-    if mode == "named" and named_tool(body) not in names:
-        raise InvalidField("tool_choice", f"tool_choice names the function {named_tool(body)!r:.64}, which is "
-                           f"not among the tools ({', '.join(names)[:200]})", "invalid_request")
-    if mode == "auto" and names and settings.tool_parser is None:
-        raise InvalidField("tool_choice", "this model has no tool-call parser, so tool calls in its own syntax "
-                           "cannot be read (tool_choice auto): send tool_choice required or a named function, "
-                           "or start the gateway with --tool-call-parser", "unsupported")
-
-
-def tool_schema(body: ChatCompletionRequest) -> dict[str, Any]:
-    """The JSON schema a required or named tool_choice puts on the output (module docstring).
-    Raises InvalidField when the tools' schemas cannot be combined into one."""
-    params = {t.function.name: t.function.parameters or NO_PARAMETERS for t in body.tools or ()}
-    name = named_tool(body)
-    if name is not None:
-        return params[name]
-    defs: dict[str, dict[str, Any]] = {}
-    items = []
-    for n, schema in params.items():
-        schema = _hoist_defs(n, schema, defs)
-        items.append({"type": "object", "properties": {"name": {"enum": [n]}, "parameters": schema},
-                      "required": ["name", "parameters"], "additionalProperties": False})
-    out: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
-    if not body.parallel_tool_calls:
-        out["maxItems"] = 1
-    for key, table in defs.items():
-        out[key] = table
-    return out
-
-
-def _hoist_defs(name: str, schema: dict[str, Any], defs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """`schema` without its $defs/definitions, which move to `defs` (the array's root, where its
-    `#/$defs/...` references point once it is nested).  Refuses a reference to anything else of
-    the tool's own root, and two tools defining one name differently."""
-    for ref in _refs(schema):
-        if ref.startswith("#") and not ref.startswith(("#/$defs/", "#/definitions/")):
-            raise InvalidField("tools", f"tool {name!r}: the reference {ref[:80]!r} points into the tool's own "
-                               f"schema, which tool_choice=required nests in a list of calls; use $defs",
-                               "invalid_constraint")
-    schema = dict(schema)
-    for key in ("$defs", "definitions"):
-        table = schema.pop(key, None)
-        if not isinstance(table, dict):
-            continue
-        root = defs.setdefault(key, {})
-        for k, v in table.items():
-            if k in root and root[k] != v:
-                raise InvalidField("tools", f"tools define {key}/{k[:64]} differently; tool_choice=required "
-                                   f"puts them in one schema", "invalid_constraint")
-            root[k] = v
-    return schema
-
-
-def _refs(value: Any) -> list[str]:
-    """Every "$ref" string in a schema (iteratively)."""
-    out, stack = [], [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, dict):
-            ref = v.get("$ref")
-            if isinstance(ref, str):
-                out.append(ref)
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-    return out
-
-
-def _show_choice(tc: Any) -> str:
-    return repr(tc) if isinstance(tc, str) else "a named function"
 
 
 # ---- the request's constraint ----------------------------------------------------------------
