@@ -11,8 +11,9 @@ The fields, each a way to ask for one constraint (engine/constraint.py kinds):
     json_schema / regex / ebnf                                       (SGLang's)
     tool_choice          "required" or {"type": "function", "function": {"name": N}}
 
-The schema a tool_choice puts on the output is gateway/tool_choice.py's.  The constraint starts after the reasoning section when the
-served model reasons (`after`: gateway/chat.py `reasoning_end`)."""
+The schema a tool_choice puts on the output is gateway/tool_choice.py's.  The constraint
+starts after the reasoning section when the served model reasons (`after`: gateway/chat.py
+`reasoning_end`)."""
 
 from __future__ import annotations
 
