@@ -22,9 +22,8 @@ The syntaxes (facts from the families' chat templates and vLLM's parsers):
 from __future__ import annotations
 
 import json
-import re
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,27 +114,52 @@ def parse_mistral(block: str, schemas: Schemas) -> Parsed | None:
     return out
 
 
-DS_CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>", re.DOTALL)
-DS_V3_BODY = re.compile(r"\s*(\S+?)\s*```(?:json)?\s*(.*?)\s*```\s*$", re.DOTALL)
+DS_BEGIN, DS_SEP, DS_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+
+
+def spans(text: str, begin: str, end: str) -> Iterator[tuple[str, int]]:
+    """Each text between `begin` and the next `end`, in order, with where that `end` is (found
+    with str.find: linear in the text, whatever it holds; a regex with lazy groups and
+    whitespace runs backtracks without bound on hostile output)."""
+    i = 0
+    while (start := text.find(begin, i)) >= 0:
+        stop = text.find(end, start + len(begin))
+        if stop < 0:
+            return
+        yield text[start + len(begin):stop], stop
+        i = stop + len(end)
+
+
+def _fenced(body: str) -> tuple[str, str] | None:
+    """DeepSeek-V3's call body: a name, then its arguments in a ``` (or ```json) fence and
+    nothing but whitespace after it."""
+    head, fence, rest = body.partition("```")
+    name = head.strip()
+    if not fence or not name or any(c.isspace() for c in name):
+        return None
+    inner, close, tail = rest.removeprefix("json").rpartition("```")
+    if not close or tail.strip():
+        return None
+    return name, inner.strip()
 
 
 def parse_deepseek(block: str, schemas: Schemas) -> Parsed | None:
     out: Parsed = []
-    for head, body in DS_CALL.findall(block):
+    for call, _ in spans(block, DS_BEGIN, DS_END):
+        head, sep, body = call.partition(DS_SEP)
+        if not sep:
+            return None
         if head.strip() == "function":                    # V3: the name and a fenced JSON block
-            m = DS_V3_BODY.match(body)
-            if m is None:
+            fenced = _fenced(body)
+            if fenced is None:
                 return None
-            name, raw = m.group(1), m.group(2)
+            name, raw = fenced
         else:                                             # V3.1: the name, then bare JSON
             name, raw = head.strip(), body
         if (args := _args(raw)) is None:
             return None
         out.append((name, args, None))
     return out or None
-
-
-GLM_PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
 def parse_glm45(block: str, schemas: Schemas) -> Parsed | None:
@@ -145,7 +169,7 @@ def parse_glm45(block: str, schemas: Schemas) -> Parsed | None:
         return None
     props = (schemas.get(name) or {}).get("properties") or {}
     args: dict[str, Any] = {}
-    for key, raw in GLM_PAIR.findall(block):
+    for key, raw in _glm_pairs(block):
         key = key.strip()
         if (props.get(key) or {}).get("type") == "string":
             args[key] = raw
@@ -157,13 +181,29 @@ def parse_glm45(block: str, schemas: Schemas) -> Parsed | None:
     return [(name, json.dumps(args, ensure_ascii=False), None)]
 
 
-KIMI_CALL = re.compile(r"<\|tool_call_begin\|>\s*(.+?)\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>",
-                       re.DOTALL)
+def _glm_pairs(block: str) -> Iterator[tuple[str, str]]:
+    """Each <arg_key>k</arg_key> directly followed (whitespace aside) by <arg_value>v</arg_value>."""
+    for key, stop in spans(block, "<arg_key>", "</arg_key>"):
+        j = stop + len("</arg_key>")
+        while j < len(block) and block[j].isspace():
+            j += 1
+        if block.startswith("<arg_value>", j):
+            j += len("<arg_value>")
+            end = block.find("</arg_value>", j)
+            if end >= 0:
+                yield key, block[j:end]
+
+
+KIMI_BEGIN, KIMI_ARGS, KIMI_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 
 
 def parse_kimi(block: str, schemas: Schemas) -> Parsed | None:
     out: Parsed = []
-    for ident, raw in KIMI_CALL.findall(block):
+    for call, _ in spans(block, KIMI_BEGIN, KIMI_END):
+        ident, sep, raw = call.partition(KIMI_ARGS)
+        ident = ident.strip()
+        if not sep or not ident:
+            return None
         name = ident.rsplit(":", 1)[0]
         name = name.split(".", 1)[1] if name.startswith("functions.") else name
         if (args := _args(raw)) is None or not name:

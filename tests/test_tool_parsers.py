@@ -138,6 +138,25 @@ def test_glm45_values_follow_the_schema() -> None:
     assert msg["content"] == "I will look." and calls(msg) == [("get_weather", {"city": "123", "days": 3})]
 
 
+def test_long_whitespace_runs_parse_in_linear_time() -> None:
+    """Call bodies padded with long whitespace runs (a model can be steered into them) parse like
+    unpadded ones; the parsers split on their markers (a lazy-group regex took 74 s on 5,000
+    spaces of the DeepSeek body)."""
+    pad = " " * 50_000
+    v3 = (f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>{pad}get_weather{pad}```json{pad}"
+          f'{{"city": "Rome"}}{pad}```{pad}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    assert calls(whole(reader("deepseek_v3"), v3)) == [("get_weather", {"city": "Rome"})]
+    broken = (f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>{pad}x{pad}```{pad}``"
+              "<｜tool▁call▁end｜>")
+    assert calls(whole(reader("deepseek_v3"), broken)) == []
+    kimi = (f"<|tool_calls_section_begin|><|tool_call_begin|>{pad}functions.get_time:0{pad}"
+            f"<|tool_call_argument_begin|>{{}}<|tool_call_end|><|tool_calls_section_end|>")
+    assert calls(whole(reader("kimi_k2"), kimi)) == [("get_time", {})]
+    glm = "<tool_call>get_weather" + "<arg_key>city" * 2000 + f"</arg_key>{pad}<arg_value>Rome</arg_value></tool_call>"
+    key = "city" + "<arg_key>city" * 1999                     # from the first <arg_key> to the first close
+    assert calls(whole(reader("glm45"), glm)) == [("get_weather", {key: "Rome"})]
+
+
 def test_kimi_k2_keeps_its_call_ids() -> None:
     out = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
            '{"city": "Kyoto"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1'
