@@ -30,10 +30,11 @@ from engine.constraint import MAX_SPEC_CHARS, Constraint, GrammarCompiler
 from engine.tokenizer import Tokenizer
 from gateway.admission import InvalidField, Rejected
 from gateway.chat import OutputSettings, reasoning_end
+from gateway.protocol import ChatCompletionRequest
 from gateway.tool_choice import tool_mode, tool_schema
 
 if TYPE_CHECKING:
-    from gateway.protocol import ChatCompletionRequest, CompletionRequest
+    from gateway.protocol import CompletionRequest
 
     Body = ChatCompletionRequest | CompletionRequest
 
@@ -128,7 +129,7 @@ def request_constraint(body: Body, settings: OutputSettings) -> tuple[str, Const
         raise InvalidField(field, f"{field} cannot be enforced while the model may call tools in its own "
                            f"syntax (tool_choice auto): send tool_choice none, required or a named function",
                            "unsupported")
-    after = reasoning_end(settings, body) if hasattr(body, "messages") else ""   # type: ignore[arg-type]
+    after = reasoning_end(settings, body) if isinstance(body, ChatCompletionRequest) else ""
     try:
         return field, _constraint(kind, spec, after)
     except ValueError as e:

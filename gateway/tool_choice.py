@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.admission import InvalidField
 from gateway.chat import OutputSettings
+from gateway.protocol import ChatCompletionRequest
 
 if TYPE_CHECKING:
-    from gateway.protocol import ChatCompletionRequest, CompletionRequest
+    from gateway.protocol import CompletionRequest
 
     Body = ChatCompletionRequest | CompletionRequest
 
@@ -26,16 +27,20 @@ NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": Fal
 
 
 def tool_mode(body: Body) -> str:
-    """"none", "auto", "required" or "named" (OpenAI's default: auto with tools, none without)."""
-    tc = getattr(body, "tool_choice", None)
+    """"none", "auto", "required" or "named" (OpenAI's default: auto with tools, none without).
+    Tools are a chat request's: a text completion's `tools`/`tool_choice` are unknown fields
+    (ignored, and named in X-Tandem-Ignored-Fields), so its mode is "none"."""
+    if not isinstance(body, ChatCompletionRequest):
+        return "none"
+    tc = body.tool_choice
     if tc is None:
-        return "auto" if getattr(body, "tools", None) else "none"
+        return "auto" if body.tools else "none"
     return tc if isinstance(tc, str) else "named"
 
 
 def named_tool(body: Body) -> str | None:
     """The function a named tool_choice asks for (None: not named)."""
-    tc = getattr(body, "tool_choice", None)
+    tc = body.tool_choice if isinstance(body, ChatCompletionRequest) else None
     return tc["function"]["name"] if isinstance(tc, dict) else None
 
 

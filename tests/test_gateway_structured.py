@@ -231,6 +231,22 @@ def test_unknown_nested_fields_of_messages_and_tools(cluster):
                                   "tool_choice.function.why"]
 
 
+def test_tools_sent_to_text_completions_are_ignored_and_named(cluster):
+    """tools and tool_choice are chat fields: on /v1/completions they constrain nothing, change
+    nothing (not even with a response_format, which a chat's tool_choice auto would refuse) and
+    are named in the header."""
+    gw, decode = cluster
+    text = {"model": "tiny-moe", "prompt": "x", "max_tokens": 4, "tools": TOOLS}
+    for tc in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        status, got, header = call(gw, {**text, "tool_choice": tc}, "/v1/completions")
+        assert status == 200, got
+        assert header == "tools, tool_choice"
+        assert not decode.generated[-1].params.HasField("constraint")
+    c = sent_constraint(gw, decode, {**text, "tool_choice": "auto", "response_format": {"type": "json_object"}},
+                        "/v1/completions")
+    assert c is not None and c.kind == "json_object"
+
+
 def test_a_refusal_names_the_ignored_fields_too(cluster):
     gw, _ = cluster
     status, got, header = call(gw, chat(model="gpt-4", shiny=True))
