@@ -132,6 +132,10 @@ class StopChecker:
             reason = self._over_mean() or reason
         if reason in (None, "length") and self.guide is not None and self.guide.stopped:
             reason = "stop"                          # the grammar is complete: only EOS could follow
+        if reason == "stop" and self.guide is not None and not self.guide.active:
+            self.error = (f"the output ended before its reasoning did (no {self.guide.kind} constraint marker "
+                          f"was generated), so its constraint never applied")
+            reason = "error"
         self.finish_reason = reason
         return reason
 

@@ -183,11 +183,22 @@ def reasoning_mode(settings: OutputSettings, body: ChatCompletionRequest) -> str
         except Exception:   # a template that refuses the probe: read the output as it comes
             tail = ""
         tail = tail.rstrip()
-        settings._opens[key] = "off" if tail.endswith(THINK_CLOSE) else \
-            "inside" if tail.endswith(THINK_OPEN) else "start"
-    return settings._opens[key]
+        mode = "off" if tail.endswith(THINK_CLOSE) else "inside" if tail.endswith(THINK_OPEN) else "start"
+        settings._opens[key] = mode     # another thread may clear the cache: return our own
+        return mode
+    return settings._opens.get(key, "start")
 
 
 def reasoning_end(settings: OutputSettings, body: ChatCompletionRequest) -> str:
-    """The marker after which this request's constraint applies ("" : from the first token)."""
-    return settings.reasoning_end if reasoning_mode(settings, body) != "off" else ""
+    """The marker after which this request's constraint applies ("" : from the first token).
+
+    With `think` the grammar waits only when the prompt has opened the reasoning ("inside"):
+    where the output may or may not open it ("start"), a model that answers without thinking
+    would never write the marker and its output would go unconstrained, so the grammar applies
+    from the first token (a constrained request gets no reasoning section there).  Harmony's
+    marker is the final channel's header, which every answer of the model writes.  A request
+    that ends before its marker ends with an error (engine/stop.py), never unconstrained."""
+    mode = reasoning_mode(settings, body)
+    if mode == "off" or (settings.reasoning == "think" and mode != "inside"):
+        return ""
+    return settings.reasoning_end

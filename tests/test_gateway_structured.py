@@ -300,13 +300,18 @@ def test_the_constraint_starts_after_the_reasoning_when_the_model_reasons(cluste
     gw, decode = cluster
     from gateway.chat import OutputSettings
     state = gw.app.state.gateway
-    settings, state.output_settings = state.output_settings, OutputSettings("think", "</think>")
+    final = "<|channel|>final<|message|>"
+    settings, state.output_settings = state.output_settings, OutputSettings("harmony", final)
     try:
         c = sent_constraint(gw, decode, chat(guided_choice=["a", "b"]))
-        assert c.kind == "choice" and c.after == "</think>"
+        assert c.kind == "choice" and c.after == final
         c = sent_constraint(gw, decode, {"model": "tiny-moe", "prompt": "x", "max_tokens": 2, "regex": "a+"},
                             "/v1/completions")
         assert c.after == ""              # a text completion has no reasoning section to wait for
+        # <think> where the output may or may not open it (the prompt does not): a model that answers
+        # without thinking would never write </think>, so the grammar applies from the first token
+        state.output_settings = OutputSettings("think", "</think>")
+        assert sent_constraint(gw, decode, chat(guided_choice=["a", "b"])).after == ""
     finally:
         state.output_settings = settings
 

@@ -71,6 +71,8 @@ def test_prompt_that_opens_the_section_and_the_per_request_switch(tmp_path: Path
     off = body(tools=None, chat_template_kwargs={"enable_thinking": False})
     assert choice_reader(s, off) is None and reasoning_end(s, off) == ""
     assert reasoning_end(s, body(tools=None)) == "</think>"
+    start = output_settings(config(reasoning_parser="think"), TOK)      # the prompt does not open <think>
+    assert start.reasoning_end == "</think>" and reasoning_end(start, body(tools=None)) == ""
 
 
 def test_auto_picks_from_the_template_and_flags_override(tmp_path: Path) -> None:

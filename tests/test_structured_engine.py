@@ -145,6 +145,23 @@ def test_guide_gate_waits_for_the_whole_marker():
     assert guide.accept(9) and m.consumed == [9]
 
 
+def test_an_output_that_ends_before_its_gate_opens_is_an_error(shipped_llm: LLM):
+    """A request whose reasoning never ended (the marker was not generated) ends with an error,
+    never as an unconstrained "stop"; a stop after the marker is as before."""
+    from engine.stop import StopChecker
+    eos = min(shipped_llm.eos_ids)
+    params = _params(Constraint("regex", "a+", after="x"), 16)
+    for tokens, reason in (([7, eos], "error"), ([5, 6, eos], "stop")):
+        guide = Guide(shipped_llm.core.grammars.compile(Constraint("regex", "(a|b|c)*")), "regex", gate=[5, 6])
+        stopper = StopChecker(params, shipped_llm.tokenizer, shipped_llm.eos_ids, 512, guide=guide)
+        got = [stopper.append(t, 10 + i) for i, t in enumerate(tokens)]
+        assert got[-1] == reason and got[:-1] == [None] * (len(tokens) - 1)
+    assert stopper.error is None
+    guide = Guide(shipped_llm.core.grammars.compile(Constraint("regex", "(a|b|c)*")), "regex", gate=[5, 6])
+    stopper = StopChecker(params, shipped_llm.tokenizer, shipped_llm.eos_ids, 512, guide=guide)
+    assert stopper.append(eos, 10) == "error" and "never applied" in (stopper.error or "")
+
+
 @pytest.mark.parametrize("kind,spec,words", [
     ("json_schema", json.dumps({"type": "wobble"}), "JSON schema"),
     ("regex", "a(b", "regex"),
