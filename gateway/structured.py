@@ -40,12 +40,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.gateway")
 # vLLM's structured_outputs: the keys that each ask for a constraint, and the options Tandem
-# cannot honour when set (llguidance's JSON whitespace and properties follow the schema)
+# cannot honour when set (the properties follow the schema; no whitespace pattern or tags)
 SO_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
             "json_object": "json_object"}
-SO_UNHONOURED = {"disable_any_whitespace": False, "disable_additional_properties": False,
-                 "whitespace_pattern": None, "structural_tag": None}
-SO_NO_EFFECT = ("disable_fallback",)        # Tandem never falls back to unconstrained output
+SO_UNHONOURED = {"disable_additional_properties": False, "whitespace_pattern": None, "structural_tag": None}
+# accepted, changing nothing: Tandem never falls back to unconstrained output, and its JSON has
+# no whitespace between tokens, which disable_any_whitespace=true asks for and false permits
+SO_NO_EFFECT = ("disable_fallback", "disable_any_whitespace")
 JSON_SCHEMA_FIELDS = ("name", "schema", "strict", "description")
 
 
