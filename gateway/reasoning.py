@@ -49,8 +49,13 @@ class ThinkSplitter:
         self.out, self.then = out, then
         self.state = "reasoning" if inside else "start"
         self.buf = ""
+        self.blank = True                 # buf holds only whitespace so far (state "start")
 
     def feed(self, text: str) -> None:
+        if self.state == "start" and self.blank and (not text or text.isspace()):
+            self.buf += text              # a run of whitespace before anything: no rescan of it
+            return
+        self.blank = False
         self.buf += text
         if self.state == "start":
             head = self.buf.lstrip()

@@ -234,18 +234,20 @@ class ContentSink:
     kept otherwise; the same however the text was cut into pieces."""
 
     def __init__(self, out: Output) -> None:
-        self.out, self.ws = out, ""
+        self.out, self.ws = out, list[str]()      # the held whitespace, in pieces
 
     def feed(self, text: str) -> None:
-        text = self.ws + text
         kept = text.rstrip()
-        self.out.content += kept
-        self.ws = text[len(kept):]
+        if not kept:
+            self.ws.append(text)                  # a whitespace run is not copied per piece
+            return
+        self.out.content += "".join(self.ws) + kept
+        self.ws = [text[len(kept):]]
 
     def finish(self) -> None:
         if not self.out.calls:
-            self.out.content += self.ws
-        self.ws = ""
+            self.out.content += "".join(self.ws)
+        self.ws = []
 
 
 class BlockCalls:
@@ -322,34 +324,56 @@ class NamedCall:
 class RequiredCalls:
     """tool_choice "required": the content is a JSON array of {"name", "parameters"} (the
     grammar's shape); each element becomes a call when it is complete.  What does not parse
-    (an output cut short) stays content."""
+    (an output cut short) stays content.  Each character is scanned once (braces counted
+    outside strings); an element is decoded once, when its braces close."""
 
     def __init__(self, out: Output) -> None:
-        self.out, self.buf, self.pos = out, "", 0
+        self.out, self.buf = out, ""
+        self.done = 0                     # buf[:done] became calls
+        self.depth, self.in_string, self.escaped, self.failed = 0, False, False, False
         self.decoder = json.JSONDecoder()
 
     def feed(self, text: str) -> None:
+        start = len(self.buf)
         self.buf += text
-        while "}" in text:                                # only a "}" can complete an element
-            i = self.pos
-            while i < len(self.buf) and (self.buf[i].isspace() or self.buf[i] in "[,"):
-                i += 1
-            if i >= len(self.buf) or self.buf[i] == "]":
+        for k in range(start, len(self.buf)):
+            if self.failed:
                 return
-            try:
-                item, end = self.decoder.raw_decode(self.buf, i)
-            except ValueError:
-                return
-            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-                return
-            args = _args(item.get("parameters", item.get("arguments", {})))
-            if args is None:
-                return
-            self.out.calls.append(ToolCall(call_id(), item["name"], args))
-            self.buf, self.pos = self.buf[end:], 0
+            c = self.buf[k]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c == "{":
+                self.depth += 1
+            elif c == "}":
+                self.depth -= 1
+                if self.depth == 0:
+                    self._element(k + 1)
+
+    def _element(self, end: int) -> None:
+        i = self.done
+        while i < end and (self.buf[i].isspace() or self.buf[i] in "[,"):
+            i += 1
+        try:
+            item, stop = self.decoder.raw_decode(self.buf, i)
+        except ValueError:
+            item, stop = None, end
+        args = _args(item.get("parameters", item.get("arguments", {}))) if isinstance(item, dict) \
+            and isinstance(item.get("name"), str) else None
+        if args is None or stop != end:
+            self.failed = True            # not a call: the rest stays content
+            return
+        self.out.calls.append(ToolCall(call_id(), item["name"], args))
+        self.done = end
 
     def finish(self) -> None:
-        rest = self.buf[self.pos:].strip().lstrip(",").strip()
+        rest = self.buf[self.done:].strip().lstrip(",").strip()
         if rest and rest != "]":
             self.out.content += rest
-        self.buf, self.pos = "", 0
+        self.buf, self.done = "", 0
