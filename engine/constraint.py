@@ -129,12 +129,20 @@ class GrammarCompiler:
     def compile(self, c: Constraint) -> llguidance.LLMatcher:
         """A fresh matcher at the start of `c`'s grammar (a copy of the cached compilation).
         Raises ValueError with the grammar engine's message when it cannot compile."""
+        return self._pristine(c).deep_copy()
+
+    def check(self, c: Constraint) -> None:
+        """Compile `c` into the cache (no copy); raises ValueError as `compile`."""
+        self._pristine(c)
+
+    def _pristine(self, c: Constraint) -> llguidance.LLMatcher:
+        """The cached compilation of `c` (compiled now when it is not cached); never consumed."""
         key = (c.kind, c.spec)
         with self._lock:
             pristine = self._cache.get(key)
             if pristine is not None:
                 self._cache.move_to_end(key)
-                return pristine.deep_copy()
+                return pristine
         matcher = llguidance.LLMatcher(self.tokenizer, grammar_text(c), log_level=0, limits=self.limits)
         if matcher.is_error():
             raise ValueError(f"the {_what(c.kind)} cannot be used: {matcher.get_error()}")
@@ -143,11 +151,7 @@ class GrammarCompiler:
             self._cache[key] = matcher
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-            return matcher.deep_copy()
-
-    def check(self, c: Constraint) -> None:
-        """Compile `c` (into the cache); raises ValueError as `compile`."""
-        self.compile(c)
+            return matcher
 
 
 def _what(kind: str) -> str:

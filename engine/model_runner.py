@@ -52,10 +52,9 @@ class ModelRunner:
         params, generators = [r.params for r in sampled], [r.generator for r in sampled]
         want_logprobs = any(p.logprobs is not None for p in params)
         masked = self.masker.apply(logits, [r.guide for r in sampled], copy=want_logprobs)
-        if masked is None or not want_logprobs:
-            picked = sample(logits if masked is None else masked, params, generators)
-        else:                                   # logprobs stay the model's (before the grammar)
-            picked = sample(masked, params, generators, raw=logits)
+        # logprobs stay the model's (before the grammar): `logits` is raw unless masked in place,
+        # which happens only when no row wants logprobs
+        picked = sample(logits if masked is None else masked, params, generators, raw=logits)
         for j, i in enumerate(rows):
             out.tokens[i] = picked.tokens[j]
             out.logprobs[i] = picked.logprobs[j]

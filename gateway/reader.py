@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from engine.tokenizer import Tokenizer
 from gateway.chat import OutputSettings, offered_tools, reasoning_mode
 from gateway.reasoning import HarmonySplitter, Stage, ThinkSplitter
+from gateway.tool_choice import named_tool, tool_mode
 from gateway.tools import SYNTAXES, BlockCalls, ContentSink, NamedCall, Output, RequiredCalls, ToolCall
 
 if TYPE_CHECKING:
@@ -120,19 +121,15 @@ def choice_reader(settings: OutputSettings, body: ChatCompletionRequest) -> Choi
                         max_calls=None if body.parallel_tool_calls else 1)
 
 
-def _tool_mode(body: ChatCompletionRequest) -> str | None:
-    if not offered_tools(body):
-        return None
-    if isinstance(body.tool_choice, dict):
-        return "named"
-    return "required" if body.tool_choice == "required" else "auto"
+def _tool_mode(body: ChatCompletionRequest) -> str:
+    """The request's tool_choice mode ("none" when no tool is offered to the model)."""
+    return tool_mode(body) if offered_tools(body) else "none"
 
 
 def _tool_stage(settings: OutputSettings, body: ChatCompletionRequest, out: Output) -> Stage:
     mode = _tool_mode(body)
     if mode == "named":
-        assert isinstance(body.tool_choice, dict)
-        return NamedCall(out, str((body.tool_choice.get("function") or {}).get("name", "")))
+        return NamedCall(out, named_tool(body) or "")
     if mode == "required":
         return RequiredCalls(out)
     if mode == "auto" and settings.tool_parser in SYNTAXES:

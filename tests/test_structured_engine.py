@@ -24,7 +24,6 @@ from engine.request import RequestOutput, Status
 from engine.validate import RequestError
 
 PROMPTS = ["Write a person as JSON:", "def add(a, b):", "Hello", "1, 2, 3,"]
-COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 SCHEMAS = {
     "person": {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
                "properties": {"name": {"type": "string", "maxLength": 8},
@@ -58,7 +57,7 @@ def _all_stopped(outs: list[RequestOutput]) -> None:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", SCHEMAS)
 def test_json_schema_completions_validate(shipped_llm: LLM, name: str, mode: str):
-    schema = {**SCHEMAS[name], **COMPACT}
+    schema = SCHEMAS[name]
     outs = shipped_llm.generate(PROMPTS, _params(Constraint.json_schema(schema), 64, mode))
     _all_stopped(outs)
     for o in outs:
@@ -181,7 +180,7 @@ def test_bad_constraint_refused_before_anything(shipped_llm: LLM, kind: str, spe
 @pytest.mark.parametrize("mode", MODES)
 def test_resume_replays_the_grammar(shipped_llm: LLM, mode: str):
     """A request resumed with the tokens it generated (a migration) continues exactly."""
-    params = _params(Constraint.json_schema({**SCHEMAS["person"], **COMPACT}), 48, mode)
+    params = _params(Constraint.json_schema(SCHEMAS["person"]), 48, mode)
     full = shipped_llm.generate("Hello", params)[0]
     assert full.finish_reason == "stop"
     prompt = shipped_llm.tokenizer.encode("Hello")
@@ -273,7 +272,7 @@ def test_cuda_mask_and_outputs(shipped_llm: LLM):
             got = cuda.apply(on_device, rows, copy=copy)
             assert got is not None and torch.equal(got.cpu(), want) and (got is on_device) != copy
     llm = LLM(device="cuda")
-    schema = {**SCHEMAS["person"], **COMPACT}
+    schema = SCHEMAS["person"]
     for mode in MODES:
         outs = llm.generate(PROMPTS, _params(Constraint.json_schema(schema), 64, mode, logprobs=2))
         _all_stopped(outs)
