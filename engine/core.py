@@ -103,10 +103,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_prefill_tokens, interleave)
         limit = mc.max_position_embeddings
         self.max_model_len = min(config.max_model_len, limit) if config.max_model_len else limit
-        eos = set(mc.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_ids = frozenset(eos)
+        self.eos_ids = self.tokenizer.end_ids(mc.eos_token_ids)
         self.runner = ModelRunner(self.model, self.pool, device, mc.vocab_size, self.eos_ids)
         self._grammars: GrammarCompiler | None = None      # built at the first constraint
         self._grammars_lock = threading.Lock()

@@ -14,6 +14,7 @@ It renders as transformers renders it: a sandbox with trim_blocks/lstrip_blocks,
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
@@ -82,6 +83,14 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def end_ids(self, model_eos: Iterable[int]) -> frozenset[int]:
+        """The tokens that end a request: the model config's EOS ids and the tokenizer's own
+        (the engine's stop checks and the grammars' EOS, on workers and gateway alike)."""
+        ids = set(model_eos)
+        if self.eos_token_id is not None:
+            ids.add(self.eos_token_id)
+        return frozenset(ids)
 
     def apply_chat_template(self, messages: list[dict], /, add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, **kwargs: Any) -> str:

@@ -168,9 +168,7 @@ class StructuredOutputs:
                  observe: Callable[[float], None] = lambda seconds: None, threads: int = 2):
         self.timeout_s, self.observe = timeout_s, observe
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="gateway-grammar")
-        eos = set(model_config.eos_token_ids)
-        if tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)        # the engine's EOS set (engine/core.py)
+        eos = tokenizer.end_ids(model_config.eos_token_ids)     # the engine's (engine/core.py)
         self.compiler: GrammarCompiler | None = None
         self.unavailable = ""
         try:

@@ -330,3 +330,17 @@ def test_unknown_fields_named_like_the_models_methods_change_nothing(cluster):
     gw, decode = cluster
     status, got, header = call(gw, chat(unsupported=1, ignored_fields=2, model_extra=3, __dict__=4))
     assert status == 200 and header == "unsupported, ignored_fields, model_extra, __dict__", got
+
+
+def test_every_listed_vendor_extension_is_a_field_the_gateway_reads():
+    """VENDOR_EXTENSIONS (what the docs list as honoured) names only fields the request models
+    define, so none of them is an ignored extra."""
+    from gateway.fields import VENDOR_EXTENSIONS
+    from gateway.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
+    fields = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
+    for key in VENDOR_EXTENSIONS:
+        top, _, sub = key.split(" ")[0].partition(".")
+        assert top in fields, key
+        if sub:
+            assert top == "stream_options" and sub in StreamOptions.model_fields, key
+
