@@ -38,14 +38,14 @@ class TorchPlan:
 
     table: torch.Tensor     # [B, pages] int64
     seq_lens: torch.Tensor  # [B]
-    length: int             # max(seq_lens)
+    length: int | None      # max(seq_lens); None in a static plan (keys masked, never cut)
     keys_len: int           # pages * page_size: the gathered key positions
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B, 1, 1, L]
 
     def keys(self, window: int | None) -> tuple[int, torch.Tensor | None]:
         """(first key position to keep, mask or None).  A single request needs no mask:
-        its keys are cut to [first, length) instead."""
-        if self.table.shape[0] == 1:
+        its keys are cut to [first, length) instead (unless the plan is static)."""
+        if self.length is not None and self.table.shape[0] == 1:
             return (0 if window is None else max(0, self.length - window)), None
         if window not in self.masks:
             self.masks[window] = decode_mask(self.seq_lens, self.keys_len, window)[:, None, None]
@@ -58,16 +58,24 @@ AttentionPlan = TorchPlan | TritonPlan  # what `plan` returns and `decode` reads
 
 class TorchAttention:
     """The CPU path (and reference): gather each request's pages, one fused SDPA call
-    (with sinks: the scores in fp32 with the sink column)."""
+    (with sinks: the scores in fp32 with the sink column).
+
+    `static`: a decode plan reads no Python number from the batch (every page of the page
+    table is gathered and the keys past each request's length are masked), so that a compiled
+    step's graph does not depend on the lengths of the requests in it."""
 
     name = "torch"
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, static: bool = False) -> None:
         self.page_size = page_size
+        self.static = static
         self._prefill_for: ForwardBatch | None = None  # the batch _prefill_masks were built for
         self._prefill_masks: dict[int | None, torch.Tensor] = {}
 
     def plan(self, batch: ForwardBatch) -> AttentionPlan:
+        if self.static:
+            table = batch.page_table.long()
+            return TorchPlan(table, batch.seq_lens, None, table.shape[1] * self.page_size)
         length = batch.max_seq_len
         table = batch.page_table[:, :-(-length // self.page_size)].long()  # [B, pages]
         return TorchPlan(table, batch.seq_lens, length, table.shape[1] * self.page_size)
@@ -82,7 +90,7 @@ class TorchAttention:
         b, pages = p.table.shape
         kv = kv_layer[:, p.table].view(c, b, pages * s, h, d)  # [C, B, L, H, Dk]
         first, visible = p.keys(window)
-        if visible is None:
+        if visible is None and p.length is not None:
             kv = kv[:, :, first:p.length]
         kv = kv.transpose(2, 3)  # [C, B, H, L, Dk]
         k, v = split_kv(kv, v_dim)

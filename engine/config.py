@@ -6,6 +6,7 @@ torch is imported where a dtype is made, in `parse_dtype` and EngineConfig's def
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -164,6 +165,15 @@ class ModelConfig:
         return cls.from_dict(raw)
 
 
+COMPILE_ENV = "TANDEM_COMPILE"   # "0" makes eager the default (the test suite sets it)
+
+
+def compile_default() -> bool:
+    """Whether decode steps compile unless a config says otherwise: yes, unless the environment
+    sets TANDEM_COMPILE=0."""
+    return os.environ.get(COMPILE_ENV, "1") != "0"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs a model: device, dtype, KV pool and batch limits."""
@@ -180,6 +190,9 @@ class EngineConfig:
     paged_experts_prefetch: bool | None = None       # None: on with CUDA, off elsewhere
     enable_prefix_cache: bool = True                 # share full KV pages between requests
     kv_audit: bool = False                           # hash cached pages (check_integrity(contents=True))
+    # decode steps run as compiled graphs, one per batch bucket (engine/compiled); off: eager
+    compile: bool = field(default_factory=compile_default)
+    compile_buckets: tuple[int, ...] | None = None   # None: 1, 2, 4, ... up to max_num_seqs
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):

@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 
 from engine.attention import select_attention
+from engine.compiled.startup import compile_decode
 from engine.config import EngineConfig, ModelConfig
 from engine.constraint import Constraint, GrammarCompiler
 from engine.experts import PagedExperts, check_independence, paged_factory, validate_num_resident
@@ -105,6 +106,8 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len, limit) if config.max_model_len else limit
         self.eos_ids = self.tokenizer.end_ids(mc.eos_token_ids)
         self.runner = ModelRunner(self.model, self.pool, device, mc.vocab_size, self.eos_ids)
+        if config.compile:
+            self.runner.compiled = compile_decode(self.model, self.pool, config)
         self._grammars: GrammarCompiler | None = None      # built at the first constraint
         self._grammars_lock = threading.Lock()
         self._seed_rng = torch.Generator().manual_seed(config.seed)

@@ -30,8 +30,9 @@ class ForwardBatch:
 
 
 def build_batch(token_ids: list[list[int]], start_positions: list[int], page_tables: list[list[int]],
-                page_size: int, device: torch.device | str) -> ForwardBatch:
-    """Build the tensors for requests that each add `token_ids[b]` at `start_positions[b]`."""
+                page_size: int, device: torch.device | str, pad_page: int = 0, min_pages: int = 1) -> ForwardBatch:
+    """Build the tensors for requests that each add `token_ids[b]` at `start_positions[b]`.
+    The page table is padded with `pad_page` to the longest request's pages, at least `min_pages`."""
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
@@ -44,8 +45,8 @@ def build_batch(token_ids: list[list[int]], start_positions: list[int], page_tab
             pos.append(p)
             slots.append(table[p // page_size] * page_size + p % page_size)
         q_rows.append(list(range(first, len(ids))))
-    max_pages = max(len(t) for t in page_tables)
-    tables = [t + [0] * (max_pages - len(t)) for t in page_tables]
+    max_pages = max(min_pages, max(len(t) for t in page_tables))
+    tables = [t + [pad_page] * (max_pages - len(t)) for t in page_tables]
     seq_lens = [s + len(t) for s, t in zip(start_positions, token_ids)]
     is_decode = all(len(t) == 1 for t in token_ids)
     # one host-to-device transfer for all three

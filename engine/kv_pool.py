@@ -4,7 +4,9 @@ else reads page tables.
 
 Storage of all layers, every KV component together:
 
-    kv: [num_layers, components, num_pages, page_size, kv_heads, head_dim]
+    kv: [num_layers, components, num_pages + 1, page_size, kv_heads, head_dim]
+
+(the last page is the scratch page: no request ever owns it; padding rows write there.)
 
 `components` is 2 for attention that caches K and V (kv[l, 0] = K, kv[l, 1] = V) and 1 for
 multi-head latent attention (one row per token: the compressed latent and the decoupled RoPE
@@ -63,8 +65,11 @@ class PagePool:
         self.page_size = page_size
         self.prefix_cache = prefix_cache
         self.audit = audit
-        self.kv = torch.zeros(num_layers, kv_components, num_pages, page_size, num_kv_heads, head_dim,
+        # one page more than the pool manages: the scratch page, never allocated, transferred or
+        # cached, where the padding rows of a compiled decode step write and read (engine/compiled)
+        self.kv = torch.zeros(num_layers, kv_components, num_pages + 1, page_size, num_kv_heads, head_dim,
                               dtype=dtype, device=device)
+        self.scratch_page = num_pages
         self._free: deque[int] = deque(range(num_pages))
         self._owner: list[str | None] = [None] * num_pages
         self._generation: list[int] = [0] * num_pages

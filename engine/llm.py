@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from engine.config import SHIPPED_MODEL, EngineConfig, ModelConfig, parse_dtype
+from engine.config import SHIPPED_MODEL, EngineConfig, ModelConfig, compile_default, parse_dtype
 from engine.core import EngineCore
 from engine.experts import PagedExperts
 from engine.kv_pool import PagePool
@@ -39,17 +39,23 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 64,
                  max_prefill_tokens: int = 2048, seed: int = 0, attention: str | None = None,
                  paged_experts_num_resident: int | None = None, paged_experts_prefetch: bool | None = None,
-                 enable_prefix_cache: bool = True, kv_audit: bool = False):
+                 enable_prefix_cache: bool = True, kv_audit: bool = False, compile: bool | None = None,
+                 compile_buckets: Sequence[int] | None = None):
         """`enable_prefix_cache`: requests share the KV pages of a common prompt prefix (the
         outputs do not change); `kv_audit`: hash every cached page when it is published, so
-        `pool.check_integrity(contents=True)` can prove none was written afterwards (tests)."""
+        `pool.check_integrity(contents=True)` can prove none was written afterwards (tests);
+        `compile`: decode steps run as compiled graphs, one per batch bucket, compiled now
+        (default: on, unless TANDEM_COMPILE=0); `compile_buckets`: those batch sizes (default 1,
+        2, 4, ... up to max_num_seqs)."""
         config = EngineConfig(model=str(Path(model) if model is not None else SHIPPED_MODEL),
                               dtype=parse_dtype(dtype), device=device, page_size=page_size,
                               kv_cache_tokens=kv_cache_tokens, max_model_len=max_model_len,
                               max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens, seed=seed,
                               paged_experts_num_resident=paged_experts_num_resident,
                               paged_experts_prefetch=paged_experts_prefetch,
-                              enable_prefix_cache=enable_prefix_cache, kv_audit=kv_audit)
+                              enable_prefix_cache=enable_prefix_cache, kv_audit=kv_audit,
+                              compile=compile_default() if compile is None else compile,
+                              compile_buckets=None if compile_buckets is None else tuple(compile_buckets))
         self.core = EngineCore(config, attention)
 
     # ---- the core's parts, read by tests, benchmarks and tools -----------------

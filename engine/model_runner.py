@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 
+from engine.compiled.step import CompiledDecode
 from engine.forward_batch import build_batch
 from engine.guided_mask import TokenMasker
 from engine.kv_pool import PagePool
@@ -23,6 +24,7 @@ class ModelRunner:
         self.device = device
         self.eos_ids = eos_ids
         self.masker = TokenMasker(vocab_size, device)   # the rows of requests with a grammar
+        self.compiled: CompiledDecode | None = None     # decode batches that fit a bucket run compiled
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, on_layer: Callable[[int], None] | None = None) -> SampleOutput:
@@ -34,10 +36,16 @@ class ModelRunner:
         reqs = batch.requests
         tokens = [[r.token_at(p) for p in range(r.num_computed, r.num_computed + n)]
                   for r, n in zip(reqs, batch.num_new_tokens)]
-        fb = build_batch(tokens, [r.num_computed for r in reqs],
-                         [self.pool.page_table(r.request_id) for r in reqs],
-                         self.pool.page_size, self.device)
-        hidden = self.model.forward(fb, self.pool.kv, on_layer)  # [B, H]
+        starts = [r.num_computed for r in reqs]
+        tables = [self.pool.page_table(r.request_id) for r in reqs]
+        compiled = (self.compiled is not None and on_layer is None and self.compiled.fits(len(reqs))
+                    and all(n == 1 for n in batch.num_new_tokens))
+        if compiled:
+            assert self.compiled is not None
+            all_logits = self.compiled.run(tokens, starts, tables)  # [B, V]
+        else:
+            fb = build_batch(tokens, starts, tables, self.pool.page_size, self.device)
+            hidden = self.model.forward(fb, self.pool.kv, on_layer)  # [B, H]
         samples = batch.samples()
         for r, n in zip(reqs, batch.num_new_tokens):
             self.pool.mark_tokens_written(r.request_id, r.num_computed, n)
@@ -46,7 +54,10 @@ class ModelRunner:
         out = SampleOutput([-1] * len(reqs), [None] * len(reqs))
         if not rows:
             return out
-        logits = self.model.logits(hidden[rows] if len(rows) < len(reqs) else hidden)
+        if compiled:
+            logits = all_logits[rows] if len(rows) < len(reqs) else all_logits
+        else:
+            logits = self.model.logits(hidden[rows] if len(rows) < len(reqs) else hidden)
         sampled = [reqs[i] for i in rows]
         self._mask_early_stops(logits, sampled)
         params, generators = [r.params for r in sampled], [r.generator for r in sampled]

@@ -4,6 +4,9 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the suite runs eager unless a test asks for the compiled decode step (LLM(compile=True)); the
+# processes it starts (workers, Ray actors, chaos runs) inherit this
+os.environ.setdefault("TANDEM_COMPILE", "0")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 from engine import LLM  # noqa: E402

@@ -32,11 +32,12 @@ def pool(geometry: tuple[int, int, int] = MLA, seed: int = 0, pages: int = 16,
 
 def test_the_pool_shape_follows_the_geometry():
     p = pool()
-    assert p.kv.shape == (LAYERS, 1, 16, PAGE, 1, 40) and p.geometry == MLA
+    # 16 pages and the scratch page that padding rows of a compiled decode step use
+    assert p.kv.shape == (LAYERS, 1, 17, PAGE, 1, 40) and p.geometry == MLA and p.scratch_page == 16
     assert block_shape(p, 0, 2, 3) == (2, 1, 3, 1, 40)
     assert block_nbytes(p, 0, 2, 3) == 2 * 1 * 3 * 1 * 40 * 2
     gqa = pool((2, 2, 8))
-    assert gqa.kv.shape == (LAYERS, 2, 16, PAGE, 2, 8) and gqa.geometry == (2, 2, 8)
+    assert gqa.kv.shape == (LAYERS, 2, 17, PAGE, 2, 8) and gqa.geometry == (2, 2, 8)
     with pytest.raises(ValueError, match="kv_components=3"):
         PagePool(4, PAGE, LAYERS, 1, 8, torch.float32, kv_components=3)
 

@@ -66,7 +66,7 @@ def run(block: MlaAttention, kv: torch.Tensor, chunks: list[torch.Tensor], start
     """One forward of the block for requests adding `chunks[b]` ([n_b, H]) at `starts[b]`."""
     batch = build_batch([[0] * len(c) for c in chunks], starts, tables, PAGE, "cpu")
     attention = TorchAttention(PAGE)
-    ctx = StepContext(batch, attention, attention.plan(batch) if batch.is_decode else None, torch.float32)
+    ctx = StepContext(batch, attention, attention.plan(batch) if batch.is_decode else None, torch.float32, kv[None])
     with torch.no_grad():
         return block(torch.cat(chunks), kv, ctx)
 

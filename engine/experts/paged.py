@@ -16,13 +16,13 @@ runs every wave over all T*k pairs, as all-resident experts do: see `moe_gathere
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from engine.experts.check import ExpertCheckError
 from engine.experts.slots import ExpertCounters, ExpertSlots
-from engine.kernels.fused_moe import gathered_all
+from engine.kernels.fused_moe import gathered_all, moe_gathered
 from engine.moe import StepPlan, expert_outputs
 
 
@@ -35,35 +35,56 @@ class PagedExperts:
         self.triton = triton
         self.prefetch_limit: int | None = None  # most experts one prefetch may copy
         self._prefetched: set[int] = set()
+        # Set by a compiled decode step (engine/compiled) for its call: the rows that are real
+        # requests (the rest are padding: they route nowhere and count nowhere), the plan of
+        # every step (gathered), and the gathered compute compiled for the bucket's shape.
+        self.rows: int | None = None
+        self.plan: StepPlan | None = None
+        self.kernel: Callable[..., torch.Tensor] = gathered_all
 
     @property
     def counters(self) -> ExpertCounters:
         return self.slots.counters
 
+    # A compiled step runs this between its compiled segments: the paging decision needs the
+    # routing on the host (one synchronisation per MoE layer), never inside a graph.
+    @torch.compiler.disable
     def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; ids: [T, k] expert ids.  Returns y: [T, k, H] (unweighted)."""
         t, k = ids.shape
-        plan = StepPlan.for_step(ids, self.slots.store.num_experts, self.triton)
+        live = ids if self.rows is None else ids[:self.rows]  # padding rows route nowhere
+        plan = self.plan or StepPlan.for_step(live, self.slots.store.num_experts, self.triton)
         if not self.cache:
             self.slots.forget_all()
-        needed = sorted(set(ids.reshape(-1).tolist()))
+        needed = sorted(set(live.reshape(-1).tolist()))
         waves = self.plan_waves(needed)
         if len(waves) == 1 and plan.strategy == "gathered":  # the decode fast path
             used = self._page_in(waves[0])
+            slot_ids = self._padded(self.slots.slot_table[ids], 0)  # padding rows: any slot, dropped
             for _ in self._guarded(used):
-                y = gathered_all(x, self.slots.w13, self.slots.w2, self.slots.slot_table[ids],
-                                 b13=self.slots.b13, b2=self.slots.b2, act=self.slots.store.act)
+                y = self.kernel(x, self.slots.w13, self.slots.w2, slot_ids,
+                                b13=self.slots.b13, b2=self.slots.b2, act=self.slots.store.act)
             self.slots.mark_used()
             return y.view(t, k, -1)
         out = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
         for wave in waves:
             used = self._page_in(wave)
-            slot_ids = self.slots.slot_lookup(wave)[ids]  # [T, k], -1 outside the wave
+            slot_ids = self._padded(self.slots.slot_lookup(wave)[ids], -1)  # [T, k], -1 outside the wave
             for _ in self._guarded(used):
-                expert_outputs(x, self.slots.w13, self.slots.w2, slot_ids, out, plan,
-                               b13=self.slots.b13, b2=self.slots.b2, act=self.slots.store.act)
+                if plan.strategy == "gathered":
+                    moe_gathered(x, self.slots.w13, self.slots.w2, slot_ids, out, b13=self.slots.b13,
+                                 b2=self.slots.b2, act=self.slots.store.act, kernel=self.kernel)
+                else:
+                    expert_outputs(x, self.slots.w13, self.slots.w2, slot_ids, out, plan,
+                                   b13=self.slots.b13, b2=self.slots.b2, act=self.slots.store.act)
             self.slots.mark_used()  # the next wave's page-ins must not overtake this compute
         return out.view(t, k, -1)
+
+    def _padded(self, slot_ids: torch.Tensor, fill: int) -> torch.Tensor:
+        """`slot_ids` [T, k] with the padding rows' entries set to `fill`."""
+        if self.rows is not None and self.rows < slot_ids.shape[0]:
+            slot_ids[self.rows:] = fill
+        return slot_ids
 
     def _guarded(self, used: list[int], tries: int = 3) -> Iterator[None]:
         """Run the body once; in verify mode check the slots it read afterwards (a flip before

@@ -20,6 +20,7 @@ this for bit-exact results with any number of resident slots).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -107,20 +108,23 @@ def gathered_all(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids:
 
 def moe_gathered(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: torch.Tensor,
                  out: torch.Tensor, *, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                 act: ClampedSwiGLU | None = None) -> torch.Tensor:
+                 act: ClampedSwiGLU | None = None, kernel: Callable[..., torch.Tensor] | None = None
+                 ) -> torch.Tensor:
     """Same contract as `fused_moe_ref`, for a few pairs: each selected pair is one item of
-    a batched matmul over its slot's gathered weights (no per-slot Python loop).
+    a batched matmul over its slot's gathered weights (no per-slot Python loop).  `kernel`:
+    what computes every pair (default `gathered_all`; a compiled step passes its compiled one).
 
     Every call runs the batched matmul over all T*k pairs (pairs outside the call through slot
     0, their rows discarded): a BLAS may sum differently for another batch count (seen at
     H=64, I=32: 1e-6 apart), so a wave of paged experts must see the same shapes as the
     all-resident step to stay bit-identical to it."""
+    kernel = kernel or gathered_all
     flat = slot_ids.reshape(-1)
     if bool((flat >= 0).all()):
-        return out.copy_(gathered_all(x, w13, w2, slot_ids, b13=b13, b2=b2, act=act))
+        return out.copy_(kernel(x, w13, w2, slot_ids, b13=b13, b2=b2, act=act))
     pairs = (flat >= 0).nonzero().squeeze(1)  # [P]
     if pairs.numel() > 0:
-        out[pairs] = gathered_all(x, w13, w2, slot_ids.clamp(min=0), b13=b13, b2=b2, act=act)[pairs]
+        out[pairs] = kernel(x, w13, w2, slot_ids.clamp(min=0), b13=b13, b2=b2, act=act)[pairs]
     return out
 
 

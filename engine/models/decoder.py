@@ -39,6 +39,8 @@ class StepContext:
     attention: TorchAttention
     plan: AttentionPlan | None
     dtype: torch.dtype
+    kv: torch.Tensor                 # the whole pool [L, C, P, S, H, D]
+    layer: int = 0                   # the layer running now (the forward loop sets it)
     _tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _shared: dict[str, Any] = field(default_factory=dict)
 
@@ -47,6 +49,17 @@ class StepContext:
         if key not in self._tables:
             self._tables[key] = rope.tables(self.batch.positions, self.dtype)
         return self._tables[key]
+
+    def store(self, rows: torch.Tensor) -> None:
+        """Write this pass's cache rows of the running layer, [C, T, H, D] (one per token), at
+        the batch's slots.  The write goes into the pool tensor itself, never through a view of
+        it: a compiled step then writes the rows in place instead of copying the pool back."""
+        page_size = self.kv.shape[3]
+        pages, offsets, layers = self.shared("store", lambda: (
+            (self.batch.slot_mapping // page_size)[None], (self.batch.slot_mapping % page_size)[None],
+            torch.arange(self.kv.shape[0], device=self.kv.device)[:, None, None]))
+        parts = torch.arange(rows.shape[0], device=rows.device)[:, None]
+        self.kv.index_put_((layers[self.layer], parts, pages, offsets), rows)
 
     def shared(self, key: str, make: Callable[[], Any]) -> Any:
         """What `make` returns, made once per forward pass for every layer that asks by `key`
@@ -115,20 +128,26 @@ class DecoderModel:
         self.prefetch_experts = False  # paged experts: predict the next layer's experts
 
     def forward(self, batch: ForwardBatch, kv: torch.Tensor,
-                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+                on_layer: Callable[[int], None] | None = None,
+                attention: TorchAttention | None = None, prefetch: bool = True) -> torch.Tensor:
         """Run every layer, writing this batch's KV into `kv` at `batch.slot_mapping`.
-        Call under torch.inference_mode() (the model runner does).
+        Call under torch.inference_mode() (the model runner does).  `attention`: the backend for
+        this pass (default the model's; a compiled step passes its static one); `prefetch`: False
+        turns the experts' prefetch off for this pass (a compiled step: it would cost a second
+        host synchronisation per MoE layer).
 
         kv: [L, C, P, S, heads, dim].  Returns the final hidden states of the tokens named by
         `batch.logits_indices`: [B, H].
         """
         eps = self.cfg.rms_norm_eps
+        attention = attention or self.attention
         x = self.embed[batch.input_ids]  # [T, H]
-        ctx = StepContext(batch, self.attention, self.attention.plan(batch) if batch.is_decode else None, x.dtype)
+        ctx = StepContext(batch, attention, attention.plan(batch) if batch.is_decode else None, x.dtype, kv)
         for li, layer in enumerate(self.layers):
+            ctx.layer = li
             x = x + layer.attn(rms_norm(x, layer.input_norm, eps), kv[li], ctx)
             x = x + layer.mlp(rms_norm(x, layer.post_norm, eps))
-            if self.prefetch_experts and li in self._next_moe:
+            if prefetch and self.prefetch_experts and li in self._next_moe:
                 self._prefetch(x, self._next_moe[li])
             if on_layer is not None:
                 on_layer(li)           # layer li's KV is in the pool

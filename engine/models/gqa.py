@@ -45,8 +45,7 @@ class GqaAttention:
         qk = self.rope.apply(qk, *ctx.tables(self.rope))
         q, k = qk[:, :self.hq], qk[:, self.hq:]  # [T, Hq, D], [T, Hkv, D]
         v = qkv[:, qk_heads:]  # [T, Hkv, D]
-        # kv: [2, P, S, Hkv, D]; one write for K and V at every token's slot.
-        kv_layer.view(2, -1, self.hkv, self.d)[:, ctx.batch.slot_mapping] = torch.stack((k, v))
+        ctx.store(torch.stack((k, v)))  # [2, T, Hkv, D]: one write for K and V at every token's slot
         if ctx.plan is not None:  # planned exactly when the batch is a decode
             out = ctx.attention.decode(q, kv_layer, ctx.plan, self.scale, **self._options)  # [B, Hq, D]
         else:

@@ -115,8 +115,7 @@ class MlaAttention:
         cos, sin = ctx.tables(self.rope)
         q_pe = self.rope.apply(q[:, :, d.nope:], cos, sin)                                 # [T, Hq, dr]
         k_pe = self.rope.apply(a[:, None, d.q_lora_rank + d.kv_lora_rank:], cos, sin)     # [T, 1, dr]
-        rows = kv_layer.view(-1, d.row)  # [P * S, r + dr]: C == 1, one shared head
-        rows[ctx.batch.slot_mapping] = torch.cat((latent, k_pe[:, 0]), dim=-1)
+        ctx.store(torch.cat((latent, k_pe[:, 0]), dim=-1)[None, :, None])  # [1, T, 1, r + dr]: C == 1, one head
         return q[:, :, :d.nope], q_pe
 
     def _absorb(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,52 @@
+"""Where compiled artifacts live across restarts, and the start-up progress line.
+
+Inductor's cache (its FX graph and autograd caches, the generated C++ or Triton code and the
+built libraries) goes under a directory Tandem owns: `$TANDEM_CACHE_DIR/inductor`, default
+`~/.cache/tandem/inductor` (Triton's kernel cache beside it, `.../triton`).  A directory the
+operator set through TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR is kept.  A restart with the same
+model, buckets, torch version and machine then loads the compiled graphs instead of building them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+ENV_DIR = "TANDEM_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(ENV_DIR) or Path.home() / ".cache" / "tandem")
+
+
+def use_cache_dir() -> Path:
+    """Point inductor's (and Triton's) caches at Tandem's directory unless the operator chose
+    one; returns inductor's.  Call before the first compilation."""
+    root = cache_root()
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
+    path = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class Progress:
+    """A one-line progress bar on stderr for the start-up compilation (a line per bucket when
+    stderr is not a terminal, e.g. a log file)."""
+
+    WIDTH = 24
+
+    def __init__(self, what: str = "compiling the decode step") -> None:
+        self.what, self.start = what, time.monotonic()
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, done: int, total: int, bucket: int) -> None:
+        filled = self.WIDTH * done // total
+        bar = "#" * filled + "." * (self.WIDTH - filled)
+        line = (f"{self.what}: [{bar}] {done}/{total} buckets (batch {bucket}), "
+                f"{time.monotonic() - self.start:.1f} s")
+        end = "\n" if done == total or not self.tty else ""
+        sys.stderr.write(("\r" if self.tty else "") + line + end)
+        sys.stderr.flush()

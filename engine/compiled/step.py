@@ -1,0 +1,113 @@
+"""The compiled decode step: the model's decode forward, embedding to logits, compiled with
+torch.compile (inductor; on a CPU its C++ backend) once per batch bucket.
+
+With every expert resident the step is one graph per bucket, with no graph break.  With paged
+experts the host decides, per MoE layer, which experts to page in from the routing the graph
+computed; `PagedExperts.__call__` is excluded from compilation, so the step runs as compiled
+segments (attention and router; the host's paging decision; the expert compute over slots,
+itself compiled per bucket; the combination and the next layer's attention ...), one host
+synchronisation per MoE layer.  Sampling stays outside: the step returns logits.
+
+On a CPU the page table's width (the longest request's pages) is a dynamic dimension of each
+bucket's graph, so one graph serves every length; the keys past each request's length are
+masked (`TorchAttention(static=True)`).  On CUDA see `engine.compiled.cuda_graphs`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from engine.attention import TorchAttention
+from engine.compiled.buckets import bucket_for, pad_rows
+from engine.forward_batch import ForwardBatch, build_batch
+from engine.kernels.fused_moe import gathered_all
+from engine.kv_pool import PagePool
+from engine.models.decoder import DecoderModel
+from engine.moe import StepPlan
+
+log = logging.getLogger(__name__)
+
+MIN_PAGES = 2   # page-table width at least this: dynamo would specialise a width of 1 into a graph of its own
+GATHERED = StepPlan("gathered", 0)
+
+
+class CompiledDecode:
+    """Owns the compiled decode graphs of one model and pool (CPU: inductor)."""
+
+    def __init__(self, model: DecoderModel, pool: PagePool, buckets: tuple[int, ...]) -> None:
+        self.model, self.pool, self.buckets = model, pool, buckets
+        self.attention = TorchAttention(pool.page_size, static=True)
+        self.paged = list(model.paged_experts().values())
+        self.fullgraph = not self.paged
+        _allow_recompiles(2 * len(buckets) + 8)
+        # one code object, one graph per bucket (dynamo's cache keeps them apart by shape)
+        self._graph = torch.compile(self._forward, fullgraph=self.fullgraph, dynamic=False)
+        self._kernel = torch.compile(gathered_all, fullgraph=True, dynamic=False) if self.paged else gathered_all
+        self.compiled: set[int] = set()   # buckets that ran
+        self.compile_s = 0.0                # the start-up compilation's seconds (engine.compiled.startup)
+
+    @property
+    def max_rows(self) -> int:
+        return self.buckets[-1]
+
+    def fits(self, rows: int) -> bool:
+        return rows <= self.max_rows
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 page_table: torch.Tensor, seq_lens: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        batch = ForwardBatch(input_ids, positions, slot_mapping, page_table, seq_lens,
+                             logits_indices=positions, is_decode=True)
+        hidden = self.model.forward(batch, kv, attention=self.attention, prefetch=False)
+        return self.model.logits(hidden)
+
+    def run(self, tokens: list[list[int]], starts: list[int], tables: list[list[int]],
+            real: int | None = None) -> torch.Tensor:
+        """Logits [n, V] (fp32) of a decode batch of n <= max_rows requests, each adding its one
+        token of `tokens` at `starts` over its pages `tables`; writes their K/V into the pool.
+        `real`: how many of the rows are requests (default all; the rest route no expert)."""
+        n = len(tokens)
+        size = bucket_for(n, self.buckets)
+        if size is None:
+            raise ValueError(f"a decode batch of {n} requests exceeds the largest compiled bucket {self.max_rows}")
+        t, s, tb = pad_rows(tokens, starts, tables, size, self.pool.scratch_page)
+        fb = build_batch(t, s, tb, self.pool.page_size, self.pool.kv.device, pad_page=self.pool.scratch_page,
+                         min_pages=MIN_PAGES)
+        torch._dynamo.mark_dynamic(fb.page_table, 1)
+        with self._paging(n if real is None else real):
+            logits = self._graph(fb.input_ids, fb.positions, fb.slot_mapping, fb.page_table, fb.seq_lens,
+                                 self.pool.kv)
+        self.compiled.add(size)
+        return logits[:n]
+
+    @contextmanager
+    def _paging(self, rows: int) -> Iterator[None]:
+        """During one step, the paged experts see which rows are real, use the gathered plan
+        for every call and the compiled gathered kernel."""
+        for e in self.paged:
+            e.rows, e.plan, e.kernel = rows, GATHERED, self._kernel
+        try:
+            yield
+        finally:
+            for e in self.paged:
+                e.rows, e.plan, e.kernel = None, None, gathered_all
+
+    def warm_up(self, progress: Callable[[int, int, int], None] | None = None) -> None:
+        """Compile every bucket now (a step of padding rows only: it writes the scratch page
+        and nothing else).  `progress(done, total, bucket)` after each."""
+        for i, size in enumerate(self.buckets):
+            with torch.inference_mode():
+                self.run([[0]] * size, [0] * size, [[self.pool.scratch_page]] * size, real=0)
+            if progress is not None:
+                progress(i + 1, len(self.buckets), size)
+
+
+def _allow_recompiles(n: int) -> None:
+    """Let dynamo keep at least `n` graphs of one function (one per bucket, and the paged
+    segments' resumptions), instead of falling back to eager past its default limit."""
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, name, max(getattr(cfg, name), n))
