@@ -23,8 +23,19 @@ import sys
 import time
 from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
+from typing import TYPE_CHECKING
 
-from deploy.settings import PLACEMENT_STRATEGIES, REASONING_CHOICES, ROUTING_MODES, TOOL_CALL_CHOICES, ServeSettings
+from deploy.settings import (
+    PLACEMENT_STRATEGIES,
+    REASONING_CHOICES,
+    ROUTING_MODES,
+    TOOL_CALL_CHOICES,
+    ServeSettings,
+    add_compile_flags,
+)
+
+if TYPE_CHECKING:
+    from engine import LLM
 
 COMMANDS_GROUP = "tandem.commands"
 API_KEYS_ENV = "TANDEM_API_KEYS"     # KEY[:TENANT],KEY[:TENANT],... (not shown by `ps`, unlike --api-key)
@@ -40,7 +51,8 @@ DEMO_PROMPTS = [
 def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
-              max_model_len=args.max_model_len, paged_experts_num_resident=args.paged_experts_num_resident)
+              max_model_len=args.max_model_len, paged_experts_num_resident=args.paged_experts_num_resident,
+              compile=args.compile, compile_buckets=args.compile_buckets)
     prompts = args.prompt or DEMO_PROMPTS
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     start = time.perf_counter()
@@ -51,8 +63,14 @@ def _generate(args: argparse.Namespace) -> int:
     tokens = sum(len(o.token_ids) for o in outs)
     print(f"{len(outs)} requests, {tokens} tokens in {elapsed:.2f}s ({tokens / elapsed:.0f} tokens/s), "
           f"model {llm.config.model}, attention {llm.attention_backend}, "
-          f"KV {llm.pool.capacity_tokens} tokens")
+          f"KV {llm.pool.capacity_tokens} tokens, decode {_decode_mode(llm)}")
     return 0
+
+
+def _decode_mode(llm: LLM) -> str:
+    """'compiled (buckets 1,2,4,...)' or 'eager'."""
+    step = llm.core.runner.compiled
+    return "eager" if step is None else f"compiled (buckets {','.join(map(str, step.buckets))})"
 
 
 def _preflight(args: argparse.Namespace) -> int:
@@ -92,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--paged-experts-num-resident", type=int, default=None,
                      help="keep K experts of each MoE layer on the device (default: all)")
+    add_compile_flags(gen)
     gen.add_argument("--max-tokens", type=int, default=48)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
@@ -179,6 +198,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                     help="the prefill workers' KV pool (their prefix cache), in tokens; default: as the others")
     sv.add_argument("--mem-fraction", type=float, default=None, help="KV pool as a share of free memory")
     sv.add_argument("--paged-experts-num-resident", type=int, default=None)
+    add_compile_flags(sv)
     sv.add_argument("--verify-experts", action="store_true",
                     help="check each resident expert slot against the host copy before use (costs a read)")
     sv.add_argument("--gpus-per-worker", type=float, default=0.0)
@@ -244,7 +264,7 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
         api_keys=keys, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         kv_cache_tokens=args.kv_cache_tokens, prefill_kv_cache_tokens=args.prefill_kv_cache_tokens,
         mem_fraction=args.mem_fraction, paged_experts_num_resident=args.paged_experts_num_resident,
-        gpus_per_worker=args.gpus_per_worker,
+        compile=args.compile, compile_buckets=args.compile_buckets, gpus_per_worker=args.gpus_per_worker,
         placement_strategy=args.placement_strategy, log_level=args.log_level, transfer=args.transfer,
         worker_resources=parse_resources(args.worker_resources), gateway_replicas=args.gateway_replicas,
         worker_cores=args.worker_cores, verify_experts=args.verify_experts, tls=args.tls,

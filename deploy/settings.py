@@ -3,12 +3,14 @@ anything starts (a bad flag, a conflict or a missing model fails here, with a me
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.config import SHIPPED_MODEL
+from engine.config import SHIPPED_MODEL, compile_default
 from gateway.config import REASONING_CHOICES, ROUTING_MODES, TOOL_CALL_CHOICES
+from worker.config import MAX_NUM_SEQS, check_compile_buckets, parse_compile_buckets
 from worker.types import Role
 
 # Ray's placement group strategies (ray.util.placement_group): PACK and SPREAD are best effort,
@@ -40,6 +42,10 @@ class ServeSettings:
     prefill_kv_cache_tokens: int | None = None   # prefill workers' pool (their prefix cache); None: as the rest
     mem_fraction: float | None = None
     paged_experts_num_resident: int | None = None
+    # decode workers' steps run compiled (False: --no-compile); read from TANDEM_COMPILE here, in
+    # the driver, and handed to every worker, so a worker's own environment does not decide it
+    compile: bool = field(default_factory=compile_default)
+    compile_buckets: tuple[int, ...] | None = None   # --compile-buckets; None: 1, 2, 4, ... up to max_num_seqs
     gpus_per_worker: float = 0.0
     placement_strategy: str = "PACK"
     log_level: str = "info"
@@ -116,6 +122,11 @@ class ServeSettings:
         for flag, path in (("--ssl-certfile", self.ssl_certfile), ("--ssl-keyfile", self.ssl_keyfile)):
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{flag} {path}: no such file")
+        if self.compile_buckets is not None:
+            try:
+                check_compile_buckets(self.compile_buckets)
+            except ValueError as e:
+                raise ValueError(f"--compile-buckets: {e}") from None
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ValueError(f"--log-level {self.log_level}: choose debug, info, warning or error")
 
@@ -131,11 +142,13 @@ class ServeSettings:
 
     def worker_config(self, role: Role | None = None) -> dict:
         """What a worker of `role` gets (WorkerConfig fields; the secret travels separately):
-        the same for every role but a prefill worker's KV pool with --prefill-kv-cache-tokens."""
-        cfg: dict[str, str | int | float | bool | None] = dict(
+        the same for every role but a prefill worker's KV pool with --prefill-kv-cache-tokens,
+        and a prefill worker never compiles the decode step (it runs no decode batch)."""
+        cfg: dict[str, str | int | float | bool | tuple[int, ...] | None] = dict(
             model=self.model, dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
             paged_experts_num_resident=self.paged_experts_num_resident, transfer=self.transfer,
-            verify_experts=self.verify_experts, prefix_cache=self.prefix_cache)
+            verify_experts=self.verify_experts, prefix_cache=self.prefix_cache,
+            compile=self.compile and role != Role.PREFILL, compile_buckets=self.compile_buckets)
         if self.kv_cache_tokens is not None:
             cfg["kv_cache_tokens"] = self.kv_cache_tokens
         if self.mem_fraction is not None:
@@ -172,6 +185,26 @@ def check_ray_auth(address: str | None, ray_auth_mode: str | None, allow_insecur
         return f"tandem: warning: {why}; going on because of --allow-insecure-ray"
     raise ValueError(f"{why}. Start every node with RAY_AUTH_MODE=token and the token (RAY_AUTH_TOKEN or "
                      f"RAY_AUTH_TOKEN_PATH), run tandem serve with the same, or pass --allow-insecure-ray")
+
+
+def add_compile_flags(parser: argparse.ArgumentParser, max_num_seqs: int = MAX_NUM_SEQS) -> None:
+    """--no-compile and --compile-buckets (dest `compile`, `compile_buckets`); a bad bucket list
+    is an argparse error naming the entry and the limit `max_num_seqs`."""
+    parser.add_argument("--no-compile", dest="compile", action="store_false", default=compile_default(),
+                        help="decode steps run eager: no start-up compilation (debugging). Default: compiled, "
+                        "unless TANDEM_COMPILE=0 is set")
+    parser.add_argument("--compile-buckets", default=None, metavar="SIZES",
+                        type=lambda text: _buckets_arg(text, max_num_seqs),
+                        help=f"the decode batch sizes compiled at start-up, e.g. 1,2,4,8 (each 1..{max_num_seqs}; "
+                        f"default 1,2,4,...,{max_num_seqs}); a batch is padded to the next size, a batch above the "
+                        "largest runs eager")
+
+
+def _buckets_arg(text: str, max_num_seqs: int) -> tuple[int, ...]:
+    try:
+        return parse_compile_buckets(text, max_num_seqs)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_resources(text: str | None) -> dict[str, dict[str, float]]:

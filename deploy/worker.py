@@ -26,6 +26,7 @@ import sys
 import threading
 from collections.abc import Callable
 
+from deploy.settings import add_compile_flags
 from kv_transfer.tls import TlsIdentity
 from worker.config import WorkerConfig
 from worker.drain import DrainResult
@@ -46,6 +47,7 @@ def parser(prog: str = "python -m deploy.worker") -> argparse.ArgumentParser:
     ap.add_argument("--kv-cache-tokens", type=int, default=16384)
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--paged-experts-num-resident", type=int, default=None)
+    add_compile_flags(ap)
     ap.add_argument("--transfer", default="grpc", choices=["grpc", "shm"])
     ap.add_argument("--transfer-port", type=int, default=0, help="the decode worker's KV transfer port (0: free)")
     ap.add_argument("--advertise-host", default=None, help="the address others reach this worker at")
@@ -69,7 +71,10 @@ def config_from(args: argparse.Namespace) -> WorkerConfig:
     tls = TlsIdentity.load(args.tls_dir) if args.tls_dir else None
     return WorkerConfig(model=args.model, dtype=args.dtype, device=args.device,
                         kv_cache_tokens=args.kv_cache_tokens, max_model_len=args.max_model_len,
-                        paged_experts_num_resident=args.paged_experts_num_resident, host=args.host,
+                        paged_experts_num_resident=args.paged_experts_num_resident,
+                        # a prefill worker runs no decode batch: nothing to compile there
+                        compile=args.compile and args.role != Role.PREFILL.value,
+                        compile_buckets=args.compile_buckets, host=args.host,
                         port=args.port, transfer=args.transfer, transfer_port=args.transfer_port,
                         advertise_host=args.advertise_host, decode_peers=tuple(args.decode_peer),
                         prefix_cache=args.prefix_cache, secret=secret, tls=tls)

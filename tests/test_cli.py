@@ -82,3 +82,71 @@ def test_serve_maps_the_drain_and_migration_flags():
     assert (s.drain_timeout_s, s.max_migrations) == (7.5, 0)
     d = serve_settings(build_parser().parse_args(["serve"]))
     assert (d.drain_timeout_s, d.max_migrations) == (30.0, 3)
+
+
+# ---- the compiled decode step's flags (nothing here compiles: engines start with --no-compile) ----
+
+@pytest.mark.parametrize("argv", [["serve"], ["generate"], ["worker"]])
+@pytest.mark.parametrize("text, message", [
+    ("1,2,128", "compile bucket 128 exceeds max_num_seqs=64"),
+    ("1,x,4", "'x' is not a positive batch size"),
+    ("0,2", "'0' is not a positive batch size"),
+    ("", "'' is not a positive batch size"),
+])
+def test_a_bad_bucket_list_is_refused_naming_the_entry_and_the_limit(capsys, argv, text, message):
+    from deploy import worker
+    run = worker.main if argv == ["worker"] else main
+    args = ["--role", "decode"] if argv == ["worker"] else argv
+    with pytest.raises(SystemExit) as e:
+        run([*args, "--compile-buckets", text])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --compile-buckets" in err and message in err
+
+
+def test_compile_flags_reach_every_worker_of_serve(monkeypatch):
+    """The default (compiled unless TANDEM_COMPILE=0) is decided in the driver and handed to the
+    workers; a prefill worker never compiles (it runs no decode batch)."""
+    from deploy.cli import build_parser, serve_settings
+    from worker.config import WorkerConfig
+    from worker.types import Role
+    monkeypatch.delenv("TANDEM_COMPILE", raising=False)
+    s = serve_settings(build_parser().parse_args(["serve", "--compile-buckets", "4,1,2,2"]))
+    assert s.compile and s.compile_buckets == (1, 2, 4)
+    for role, compiled in ((Role.DECODE, True), (Role.COLOCATED, True), (Role.PREFILL, False)):
+        ec = WorkerConfig(**s.worker_config(role), secret=b"s" * 32).engine_config()
+        assert (ec.compile, ec.compile_buckets) == (compiled, (1, 2, 4))
+    off = serve_settings(build_parser().parse_args(["serve", "--no-compile"]))
+    assert not off.compile and not any(off.worker_config(r)["compile"] for r in Role)
+    monkeypatch.setenv("TANDEM_COMPILE", "0")
+    assert not serve_settings(build_parser().parse_args(["serve"])).compile
+
+
+def test_compile_flags_reach_a_plain_worker_process_engine_config(monkeypatch):
+    from deploy.worker import config_from, parser
+    monkeypatch.setenv("TANDEM_CLUSTER_SECRET", "ab" * 32)
+    monkeypatch.delenv("TANDEM_COMPILE", raising=False)
+    on = config_from(parser().parse_args(["--role", "decode", "--compile-buckets", "1,8"])).engine_config()
+    assert on.compile and on.compile_buckets == (1, 8)
+    off = config_from(parser().parse_args(["--role", "colocated", "--no-compile"])).engine_config()
+    assert not off.compile and off.compile_buckets is None
+    prefill = config_from(parser().parse_args(["--role", "prefill", "--decode-peer", "grpc://127.0.0.1:1"]))
+    assert not prefill.engine_config().compile
+
+
+def test_bucket_settings_are_checked_before_anything_loads():
+    """A config built without the flags (Ray hands a dict to WorkerConfig) is checked too."""
+    from deploy.settings import ServeSettings
+    from worker.config import WorkerConfig
+    with pytest.raises(ValueError, match="--compile-buckets: compile bucket 65 exceeds max_num_seqs=64"):
+        ServeSettings(compile_buckets=(1, 65))
+    with pytest.raises(ValueError, match="compile bucket 16 exceeds max_num_seqs=8"):
+        WorkerConfig(max_num_seqs=8, compile_buckets=(1, 16), secret=b"s" * 32)
+    with pytest.raises(ValueError, match="at least one is needed"):
+        WorkerConfig(compile_buckets=(), secret=b"s" * 32)
+    assert WorkerConfig(max_num_seqs=8, compile_buckets=(8, 1), secret=b"s" * 32).compile_buckets == (8, 1)
+
+
+def test_generate_with_no_compile_runs_eager_even_when_compiling_is_the_default(monkeypatch, capsys):
+    monkeypatch.delenv("TANDEM_COMPILE", raising=False)
+    assert main(["generate", "--no-compile", "--max-tokens", "2", "--prompt", "Repeat after me: ok"]) == 0
+    assert "decode eager" in capsys.readouterr().out

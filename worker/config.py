@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.config import SHIPPED_MODEL, EngineConfig, parse_dtype
+from engine.compiled.buckets import decode_buckets, parse_buckets
+from engine.config import SHIPPED_MODEL, EngineConfig, compile_default, parse_dtype
 from engine.stop import STOP_BUDGET_S, STOP_WINDOW_CHARS, StopLimits
 from kv_transfer.frame import check_secret
 from kv_transfer.tls import TlsIdentity
@@ -12,6 +14,7 @@ from kv_transfer.transport.base import TransportConfig
 
 MAX_REQUEST_TIMEOUT_S = 600.0   # the longest a Generate may ask its reservation to wait (the gateway's default)
 STEP_DEADLINE_S = 30.0          # a loop iteration longer than this: Health says not ready
+MAX_NUM_SEQS = 64               # requests one decode batch holds (the largest compile bucket)
 
 
 @dataclass(frozen=True)
@@ -22,9 +25,12 @@ class WorkerConfig:
     kv_cache_tokens: int = 16384
     page_size: int = 16
     max_model_len: int | None = None
-    max_num_seqs: int = 64
+    max_num_seqs: int = MAX_NUM_SEQS
     max_prefill_tokens: int = 2048
     paged_experts_num_resident: int | None = None
+    # decode steps run as compiled graphs, one per batch bucket (engine/compiled); False: --no-compile
+    compile: bool = field(default_factory=compile_default)
+    compile_buckets: tuple[int, ...] | None = None   # --compile-buckets; None: 1, 2, 4, ... up to max_num_seqs
     seed: int = 0
     host: str = "127.0.0.1"               # where the services listen
     advertise_host: str | None = None     # the address others reach them at (default: host)
@@ -60,6 +66,8 @@ class WorkerConfig:
         if self.layer_group < 1:
             raise ValueError(f"layer_group={self.layer_group} must be >= 1")
         check_secret(self.secret)         # every worker of a cluster gets the same one at start-up
+        if self.compile_buckets is not None:   # before the model loads
+            check_compile_buckets(self.compile_buckets, self.max_num_seqs)
 
     @property
     def public_host(self) -> str:
@@ -83,4 +91,20 @@ class WorkerConfig:
                             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
                             max_prefill_tokens=self.max_prefill_tokens, seed=self.seed,
                             paged_experts_num_resident=self.paged_experts_num_resident,
-                            enable_prefix_cache=self.prefix_cache, kv_audit=self.kv_audit)
+                            enable_prefix_cache=self.prefix_cache, kv_audit=self.kv_audit,
+                            compile=self.compile, compile_buckets=self.compile_buckets)
+
+
+def check_compile_buckets(sizes: Sequence[int], max_num_seqs: int = MAX_NUM_SEQS) -> tuple[int, ...]:
+    """The compile buckets `sizes` sorted and deduplicated.  Raises ValueError naming a size
+    outside 1..max_num_seqs (a decode batch never holds more requests than that)."""
+    if over := [b for b in sizes if b > max_num_seqs]:
+        raise ValueError(f"compile bucket {over[0]} exceeds max_num_seqs={max_num_seqs}: a decode batch holds "
+                         f"at most {max_num_seqs} requests (choose sizes from 1 to {max_num_seqs})")
+    return decode_buckets(max_num_seqs, sizes)
+
+
+def parse_compile_buckets(text: str, max_num_seqs: int = MAX_NUM_SEQS) -> tuple[int, ...]:
+    """--compile-buckets "1,2,4,8" -> (1, 2, 4, 8).  Raises ValueError naming the bad entry:
+    not a positive number, or above `max_num_seqs`."""
+    return check_compile_buckets(parse_buckets(text), max_num_seqs)
