@@ -70,6 +70,10 @@ class Deployment:
         self._tls_for(pg)
         self._start_workers(pg, roles, bundles)
         self.say(f"tandem: loading {s.model} on {len(roles)} worker(s): {', '.join(self.workers)}")
+        if s.compile and any(r != Role.PREFILL for r in roles):
+            self.say("tandem: the decode workers compile their decode step first (the first start on a node is "
+                     "slow, later ones read the cache in $TANDEM_CACHE_DIR, default ~/.cache/tandem; progress in "
+                     "each worker's log; --no-compile skips it)")
         for wid, actor in self.workers.items():
             address: str = ray.get(actor.address.remote(), timeout=timeout_s)
             self.say(f"tandem: {wid} ready at {address}")
