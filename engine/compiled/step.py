@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ from engine.compiled.buckets import bucket_for, pad_rows
 from engine.forward_batch import ForwardBatch, build_batch
 from engine.kernels.fused_moe import gathered_all
 from engine.kv_pool import PagePool
-from engine.models.decoder import DecoderModel
+from engine.models.decoder import DecoderModel, MoeBlock
 from engine.moe import StepPlan
 
 log = logging.getLogger(__name__)
@@ -41,12 +42,20 @@ class CompiledDecode:
     def __init__(self, model: DecoderModel, pool: PagePool, buckets: tuple[int, ...]) -> None:
         self.model, self.pool, self.buckets = model, pool, buckets
         self.attention = TorchAttention(pool.page_size, static=True)
-        self.paged = list(model.paged_experts().values())
+        paged = model.paged_experts()
+        self.paged = list(paged.values())
         self.fullgraph = not self.paged
-        _allow_recompiles(2 * len(buckets) + 8)
-        # one code object, one graph per bucket (dynamo's cache keeps them apart by shape)
-        self._graph = torch.compile(self._forward, fullgraph=self.fullgraph, dynamic=False)
-        self._kernel = torch.compile(gathered_all, fullgraph=True, dynamic=False) if self.paged else gathered_all
+        # with paged experts: parts of layers [first, stop), each but the last ending at a paged
+        # MoE layer's router (DecoderModel.decode_part)
+        ends = sorted(paged)
+        self.parts = list(zip([0] + [e + 1 for e in ends], [e + 1 for e in ends] + [len(model.layers)]))
+        _allow_recompiles(len(buckets) * len(self.parts) + 8)
+        # one code object, one graph per bucket (and part): dynamo's cache keeps them apart by
+        # shape (and part number)
+        self._graph: Callable[..., Any] = torch.compile(self._forward if self.fullgraph else self._part,
+                                                        fullgraph=True, dynamic=False)
+        self._kernel: Callable[..., torch.Tensor] = (torch.compile(gathered_all, fullgraph=True, dynamic=False)
+                                                     if self.paged else gathered_all)
         self.compiled: set[int] = set()   # buckets that ran
         self.compile_s = 0.0                # the start-up compilation's seconds (engine.compiled.startup)
 
@@ -64,6 +73,30 @@ class CompiledDecode:
         hidden = self.model.forward(batch, kv, attention=self.attention, prefetch=False)
         return self.model.logits(hidden)
 
+    def _part(self, part: int, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+              page_table: torch.Tensor, seq_lens: torch.Tensor, kv: torch.Tensor,
+              carry: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, ...]:
+        batch = ForwardBatch(input_ids, positions, slot_mapping, page_table, seq_lens,
+                             logits_indices=positions, is_decode=True)
+        first, stop = self.parts[part]
+        return self.model.decode_part(batch, kv, self.attention, first, stop, carry,
+                                      route_last=part < len(self.parts) - 1)
+
+    def _segments(self, fb: ForwardBatch) -> torch.Tensor:
+        """The paged step: each part's graph, then the host's paging decision and the compiled
+        expert compute of the layer it ended at (`PagedExperts.__call__`, one synchronisation)."""
+        carry: tuple[torch.Tensor, ...] | None = None
+        args = (fb.input_ids, fb.positions, fb.slot_mapping, fb.page_table, fb.seq_lens, self.pool.kv)
+        for part, (_, stop) in enumerate(self.parts):
+            out = self._graph(part, *args, carry)
+            if part == len(self.parts) - 1:
+                return out[0]
+            x, h, weights, ids = out
+            block = self.model.layers[stop - 1].mlp
+            assert isinstance(block, MoeBlock)  # a part ends at a paged MoE layer
+            carry = (x, h, weights, block.experts(h, ids))
+        raise AssertionError("a compiled step has at least one part")
+
     def run(self, tokens: list[list[int]], starts: list[int], tables: list[list[int]],
             real: int | None = None) -> torch.Tensor:
         """Logits [n, V] (fp32) of a decode batch of n <= max_rows requests, each adding its one
@@ -78,8 +111,11 @@ class CompiledDecode:
                          min_pages=MIN_PAGES)
         torch._dynamo.mark_dynamic(fb.page_table, 1)
         with self._paging(n if real is None else real):
-            logits = self._graph(fb.input_ids, fb.positions, fb.slot_mapping, fb.page_table, fb.seq_lens,
-                                 self.pool.kv)
+            if self.fullgraph:
+                logits = self._graph(fb.input_ids, fb.positions, fb.slot_mapping, fb.page_table, fb.seq_lens,
+                                     self.pool.kv)
+            else:
+                logits = self._segments(fb)
         self.compiled.add(size)
         return logits[:n]
 
@@ -106,8 +142,9 @@ class CompiledDecode:
 
 
 def _allow_recompiles(n: int) -> None:
-    """Let dynamo keep at least `n` graphs of one function (one per bucket, and the paged
-    segments' resumptions), instead of falling back to eager past its default limit."""
+    """Let dynamo keep `n` more graphs of one function (one per bucket and part) than before:
+    every engine of the process compiles the same code objects, and past its limit dynamo would
+    silently run the step eager."""
     cfg = torch._dynamo.config
-    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    setattr(cfg, name, max(getattr(cfg, name), n))
+    cfg.recompile_limit += n
+    cfg.accumulated_recompile_limit += n

@@ -97,7 +97,11 @@ class MoeBlock:
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         weights, ids = self.router(h)
-        out = combine(self.experts(h, ids), weights)
+        return self.finish(h, self.experts(h, ids), weights)
+
+    def finish(self, h: torch.Tensor, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The block's output from its experts' outputs y [T, k, H] and routing weights."""
+        out = combine(y, weights)
         if self.shared is None:
             return out
         shared = self.shared(h)
@@ -153,6 +157,35 @@ class DecoderModel:
                 on_layer(li)           # layer li's KV is in the pool
         last = x if batch.is_decode else x[batch.logits_indices]  # decode: one token per request
         return rms_norm(last, self.final_norm, eps)
+
+    def decode_part(self, batch: ForwardBatch, kv: torch.Tensor, attention: TorchAttention, first: int, stop: int,
+                    carry: tuple[torch.Tensor, ...] | None, route_last: bool) -> tuple[torch.Tensor, ...]:
+        """Layers [first, stop) of a decode pass: the part of a compiled step between two paged
+        MoE layers' expert computations (engine/compiled/step.py).  `carry` (None: start from the
+        embedding) is what the previous part returned with its experts' output y appended:
+        (x, h, weights, y); layer first-1's block is finished with it first.  `route_last`: layer
+        stop-1 has paged experts, the part ends after its router and returns (x, h, weights, ids)
+        for the host's paging decision; else it returns (logits [B, V],)."""
+        eps = self.cfg.rms_norm_eps
+        ctx = StepContext(batch, attention, attention.plan(batch), self.embed.dtype, kv)
+        if carry is None:
+            x = self.embed[batch.input_ids]
+        else:
+            x, h, weights, y = carry
+            block = self.layers[first - 1].mlp
+            assert isinstance(block, MoeBlock)  # a part starts after a paged MoE layer
+            x = x + block.finish(h, y, weights)
+        for li in range(first, stop):
+            ctx.layer = li
+            layer = self.layers[li]
+            x = x + layer.attn(rms_norm(x, layer.input_norm, eps), kv[li], ctx)
+            h = rms_norm(x, layer.post_norm, eps)
+            if route_last and li == stop - 1:
+                assert isinstance(layer.mlp, MoeBlock)  # a part ends at a paged MoE layer
+                weights, ids = layer.mlp.router(h)
+                return x, h, weights, ids
+            x = x + layer.mlp(h)
+        return (self.logits(rms_norm(x, self.final_norm, eps)),)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, H] -> [B, V] in fp32."""
