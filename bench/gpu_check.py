@@ -7,8 +7,11 @@ the check goes on):
   device               versions, the device, driver and free memory
   cuda_tests           `pytest -m cuda tests/test_cuda_paths.py` (compiled kernels, paged experts
                        over CUDA copy streams, workers over gRPC and shared memory with the pool
-                       on the device, transfer faults against a CUDA pool), and the grammar mask
-                       on the device (tests/test_structured_engine.py); all skip without CUDA
+                       on the device, transfer faults against a CUDA pool), the grammar mask
+                       on the device (tests/test_structured_engine.py), and the compiled decode
+                       step as CUDA graphs (tests/test_cuda_compiled.py: tokens equal to eager,
+                       host synchronisations per step counted, paged experts bit-identical; its
+                       figures under figures["compiled"]); all skip without CUDA
   families             `pytest -m cuda tests/test_cuda_families.py`: every model family's tiny
                        checkpoint on the device (Triton attention and fused MoE) against the CPU's
                        torch path, paged experts bit-identical to resident, bf16, the compiled
@@ -17,7 +20,8 @@ the check goes on):
   kernels_interpreted  without CUDA only: the kernel tests (attention variants included) under
                        the Triton interpreter
   attention_bandwidth  Triton paged attention's achieved memory bandwidth (CUDA only)
-  engine, experts, transfer   `bench.engine`, `bench.experts`, `bench.transfer` with --device
+  engine, experts, transfer   `bench.engine`, `bench.experts`, `bench.transfer` with --device (engine,
+                       on CUDA: compiled and eager side by side, compile_s / compile_cached_s)
 
 Writes one JSON (`--out`, default in a new temporary folder):
   {"device": {...}, "steps": [{"name", "status": "ok|failed|skipped", "seconds", "reason",
@@ -61,12 +65,12 @@ class Step:
 
 STEPS = [
     Step("device", 60),
-    Step("cuda_tests", 240, quick=False),
+    Step("cuda_tests", 360, quick=False),
     Step("families", 240, where="cuda", quick=False),
     Step("kernels_interpreted", 300, where="cpu", quick=False),
     Step("attention_bandwidth", 90, where="cuda"),
     Step("experts", 120),
-    Step("engine", 90),
+    Step("engine", 240),
     Step("transfer", 90, quick=False),
 ]
 SKIP_WHY = {"cuda": "needs a CUDA device", "cpu": "on CUDA the compiled kernels run in cuda_tests and families"}
@@ -120,8 +124,10 @@ def run_module_step(name: str, device: str, quick: bool, limit_s: float, env: di
 
 def run_step(step: Step, device: str, quick: bool, limit_s: float, env: dict[str, str], tmp: str) -> dict[str, Any]:
     if step.name == "cuda_tests":
-        return pytest_step(["-m", "cuda", "tests/test_cuda_paths.py", "tests/test_structured_engine.py"], limit_s,
-                           env, tmp, ROOT, "cuda_tests")
+        result = pytest_step(["-m", "cuda", "tests/test_cuda_paths.py", "tests/test_structured_engine.py",
+                              "tests/test_cuda_compiled.py"], limit_s, env, tmp, ROOT, "cuda_tests")
+        result["figures"].update(result["figures"].pop("properties", {}))   # "compiled": {...}
+        return result
     if step.name == "families":
         result = pytest_step(["-m", "cuda", "tests/test_cuda_families.py"], limit_s, env, tmp, ROOT, "families")
         result["figures"]["families"] = result["figures"].pop("properties", {})

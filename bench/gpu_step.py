@@ -68,16 +68,39 @@ def small(device: str, quick: bool) -> bool:
     return quick or not device.startswith("cuda")
 
 
+ENGINE_BUCKETS = (1, 16)   # the compiled engine's buckets on CUDA: the two batch sizes measured
+
+
 def engine_speed(device: str, quick: bool) -> Figures:
-    """`bench.engine`'s engine figures on `device`: tokens/s of one stream and of 16 at once."""
+    """`bench.engine`'s engine figures on `device`: tokens/s of one stream and of 16 at once.
+    On CUDA the compiled step (CUDA graphs, buckets ENGINE_BUCKETS) and eager side by side,
+    alternating run by run (`bench.compile_cost`): engine_compiled_* / engine_eager_*, the
+    engine_* keys = compiled (the default); and, without --quick, compile_s / compile_cached_s
+    (start-up compilation with a cold and a warm cache, each in a child process).  Elsewhere the
+    engine this environment builds by default (TANDEM_COMPILE), alone."""
     from bench.engine import PROMPTS, engine_rate
     from engine import LLM
     tokens, repeats = (8, 1) if small(device, quick) else (64, 3)
-    llm = LLM(device=device)
-    return {"device": device, "dtype": "float32", "tokens": tokens, "repeats": repeats,
-            "attention_backend": llm.attention_backend,
-            "engine_single_tok_s": engine_rate(llm, PROMPTS[:1], tokens, repeats),
-            "engine_batch16_tok_s": engine_rate(llm, PROMPTS[:16], tokens, repeats)}
+    if not device.startswith("cuda"):
+        llm = LLM(device=device)
+        return {"device": device, "dtype": "float32", "tokens": tokens, "repeats": repeats,
+                "attention_backend": llm.attention_backend, "compiled": llm.config.compile,
+                "engine_single_tok_s": engine_rate(llm, PROMPTS[:1], tokens, repeats),
+                "engine_batch16_tok_s": engine_rate(llm, PROMPTS[:16], tokens, repeats)}
+    from bench.compile_cost import compile_cost, compiled_vs_eager
+    compiled = LLM(device=device, compile=True, compile_buckets=ENGINE_BUCKETS)
+    startup_s = compiled.core.runner.compiled.compile_s if compiled.core.runner.compiled is not None else None
+    eager = LLM(device=device, compile=False)
+    both = compiled_vs_eager(compiled, eager, PROMPTS, tokens, repeats)
+    out: Figures = {"device": device, "dtype": "float32", "tokens": tokens, "repeats": repeats,
+                    "attention_backend": compiled.attention_backend, "compiled": True,
+                    "compile_buckets": list(ENGINE_BUCKETS), "compile_in_process_s": startup_s,
+                    "engine_single_tok_s": both["engine_compiled_single_tok_s"],
+                    "engine_batch16_tok_s": both["engine_compiled_batch16_tok_s"], **both}
+    del compiled, eager
+    if not quick:
+        out.update(compile_cost(device, torch.get_num_threads(), ENGINE_BUCKETS))
+    return out
 
 
 def experts_speed(device: str, quick: bool) -> Figures:

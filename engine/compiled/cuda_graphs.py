@@ -1,1 +1,393 @@
-"""placeholder until the CUDA path lands"""
+"""The compiled decode step on CUDA: each batch bucket's step captured as CUDA graphs.
+
+Static buffers.  Each bucket b owns one device tensor `packed` [b, 5 + max_pages] int32, one
+row per request: token, position, KV slot, sequence length, whether the row is a request (1)
+or padding (0), then its page table (`max_pages` wide: the most pages one request can hold).
+`run` fills a pinned host copy of it (only the entries that changed: a request's pages past its
+length are never read) and issues one non-blocking host-to-device copy; everything after that
+is replays.  Padding rows decode token 0 at position 0 on `pool.scratch_page` (see
+`engine.compiled.buckets`).
+
+The graph.  The forward is `torch.compile`d (inductor, `fullgraph` when every expert is
+resident) and the compiled call is captured by explicit `torch.cuda.CUDAGraph` capture, after
+warm-up iterations on a side stream as PyTorch's CUDA-graph notes prescribe (compilation,
+Triton autotuning and lazy initialisation happen there, never inside a capture).  The decode
+attention is the model's Triton kernel through a custom op (`tandem::paged_decode_attention`,
+opaque to dynamo: its launcher reads data pointers, which dynamo cannot trace); it reads
+(page_table, seq_lens) from `packed`, so its shapes are static per bucket.  Every bucket's
+graphs share one memory pool (buckets never replay interleaved: one engine loop); the logits are
+cloned out of the pool before `run` returns.
+
+All experts resident: one graph per bucket, replayed with zero host synchronisations.
+
+Paged experts: the host must see each MoE layer's routing to page experts in, so a step is
+1 + 2 * (MoE layers) graphs, captured in one pass over the compiled forward (which graph-breaks
+at `PagedExperts.__call__`): A0 = embedding .. first router; then per MoE layer i the expert
+graph E_i (slot ids read from the device slot table, `slot_table[ids]`, padding rows on slot 0;
+the compiled gathered kernel) and A_{i+1} = combination .. next router (or the logits).  A
+replay runs A0, then per layer: the routing to the host (the one synchronisation of the layer),
+the paging decision and page-ins (`PagedExperts.plan_waves` / `_page_in`: the same counters, LRU
+order and copy streams as the eager path), E_i, A_{i+1}.  A step that needs more experts than
+slots (waves), or verify mode, runs that layer's experts eagerly through `PagedExperts` into
+E_i's output buffer instead; the result is the same pairs computed by the same kernel.
+Chosen over inductor's `reduce-overhead` (CUDA graph trees): the trees would copy the pool's
+KV (an input it mutates) unless its address is marked static, re-record on any guard change
+and keep their own memory pool per tree; explicit capture keeps every address in Tandem's hands
+and the host work between segments in plain Python.
+
+`count_host_syncs` counts the host synchronisations of a block of code
+(`torch.cuda.set_sync_debug_mode("warn")`), for the tests and `bench.gpu_check`.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionPlan, TorchAttention, TritonAttention, TritonPlan
+from engine.compiled.buckets import bucket_for
+from engine.compiled.step import CompiledDecode
+from engine.experts.paged import PagedExperts
+from engine.kernels.paged_attention import check_variants, split_kv
+from engine.kv_pool import PagePool
+from engine.models.decoder import DecoderModel
+
+log = logging.getLogger(__name__)
+
+IDS, POS, SLOT, LEN, REAL, PAGES = range(6)   # columns of a bucket's packed rows; PAGES: the first page
+WARMUP_ITERS = 3                               # eager iterations on a side stream before a capture
+SYNC_WARNING = "synchronizing CUDA operation"  # what torch's sync debug mode warns with
+
+
+# ---- the host side: staging a decode batch (CPU-only code, tested without CUDA) --------------
+
+def blank_rows(rows: int, max_pages: int, scratch_page: int, page_size: int) -> np.ndarray:
+    """[rows, PAGES + max_pages] int32 padding rows: token 0 at position 0 on the scratch page."""
+    out = np.full((rows, PAGES + max_pages), scratch_page, dtype=np.int32)
+    out[:, [IDS, POS, REAL]] = 0
+    out[:, SLOT] = scratch_page * page_size
+    out[:, LEN] = 1
+    return out
+
+
+def fill_rows(out: np.ndarray, tokens: list[list[int]], starts: list[int], tables: list[list[int]],
+              page_size: int, scratch_page: int, real: int | None = None) -> None:
+    """Write a decode batch of n rows into the first n rows of `out` (see `blank_rows`) and turn
+    the rest into padding rows.  A row's page columns past its own pages keep whatever they held
+    (pages are read only below the row's length, or masked).  `real`: how many of the n rows are
+    requests (default n).  Raises ValueError for more rows than `out` has, a row adding other than
+    one token, or a page table wider than `out`'s."""
+    n, (rows, width) = len(tokens), out.shape
+    max_pages = width - PAGES
+    if n > rows:
+        raise ValueError(f"a decode batch of {n} rows does not fit the bucket of {rows}")
+    for i, (toks, start, table) in enumerate(zip(tokens, starts, tables)):
+        if len(toks) != 1:
+            raise ValueError(f"row {i} adds {len(toks)} tokens; a decode step adds one per request")
+        if len(table) > max_pages:
+            raise ValueError(f"row {i} holds {len(table)} pages, more than the graphs' {max_pages}")
+        out[i, PAGES:PAGES + len(table)] = table
+        page = table[start // page_size]
+        out[i, IDS], out[i, POS], out[i, LEN] = toks[0], start, start + 1
+        out[i, SLOT] = page * page_size + start % page_size
+    out[:n, REAL] = 0
+    out[:n if real is None else min(real, n), REAL] = 1
+    if n < rows:
+        out[n:, [IDS, POS, REAL]] = 0
+        out[n:, SLOT] = scratch_page * page_size
+        out[n:, LEN] = 1
+        out[n:, PAGES] = scratch_page
+
+
+def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A bucket's rows as the forward takes them: input_ids, positions, slot_mapping (int64),
+    page_table [b, max_pages], seq_lens [b] (int32, contiguous), as `build_batch` makes them."""
+    return (packed[:, IDS].long(), packed[:, POS].long(), packed[:, SLOT].long(), packed[:, PAGES:].contiguous(),
+            packed[:, LEN].contiguous())
+
+
+# ---- counting host synchronisations ---------------------------------------------------------
+
+@dataclass
+class SyncCount:
+    messages: list[str] = field(default_factory=list)
+
+    @property
+    def count(self) -> int:
+        return len(self.messages)
+
+
+@contextmanager
+def count_host_syncs() -> Iterator[SyncCount]:
+    """Count the host synchronisations of the block: every CUDA call torch's sync debug mode
+    reports (stream/device synchronisation, a copy to the host or from pageable host memory,
+    `.item()`, `.tolist()`, ...).  Restores the previous mode afterwards."""
+    found = SyncCount()
+    before = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+    found.messages += [str(w.message) for w in caught if SYNC_WARNING in str(w.message)]
+
+
+# ---- the attention, opaque to dynamo ----------------------------------------------------------
+
+_SCHEMA = ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens, float scale, "
+           "int? window, Tensor? sinks) -> Tensor")
+_decode_op: Any = None
+
+
+def decode_op() -> Any:
+    """`tandem::paged_decode_attention`: the Triton decode kernel as a custom op (on a CPU the
+    reference, for tests), registered at the first call."""
+    global _decode_op
+    if _decode_op is None:
+        def triton_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                          seq_lens: torch.Tensor, scale: float, window: int | None,
+                          sinks: torch.Tensor | None) -> torch.Tensor:
+            from engine.kernels.triton.paged_attention import paged_decode_attention
+            return paged_decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale, window=window, sinks=sinks)
+
+        def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                      seq_lens: torch.Tensor, scale: float, window: int | None,
+                      sinks: torch.Tensor | None) -> torch.Tensor:
+            from engine.kernels.paged_attention import paged_decode_attention_ref
+            return paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale, window=window,
+                                              sinks=sinks).contiguous()
+
+        def fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+            return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))
+
+        op = torch.library.custom_op("tandem::paged_decode_attention", triton_decode, mutates_args=(),
+                                     schema=_SCHEMA)
+        op.register_kernel("cpu", reference)
+        op.register_fake(fake)
+        _decode_op = op
+    return _decode_op
+
+
+class GraphAttention(TritonAttention):
+    """The Triton decode attention through `decode_op` (prefill as TritonAttention's)."""
+
+    name = "triton-graph"
+
+    def __init__(self, page_size: int) -> None:
+        TorchAttention.__init__(self, page_size)
+        self._op = decode_op()
+
+    def decode(self, q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scale: float, *,
+               window: int | None = None, sinks: torch.Tensor | None = None,
+               v_dim: int | None = None) -> torch.Tensor:
+        table, seq_lens = cast(TritonPlan, plan)
+        check_variants(window, sinks, q.shape[1])
+        k_cache, v_cache = split_kv(kv_layer, v_dim)
+        out: torch.Tensor = self._op(q, k_cache, v_cache, table, seq_lens, scale, window, sinks)
+        return out
+
+    def plan(self, batch: Any) -> TritonPlan:
+        return batch.page_table, batch.seq_lens
+
+
+# ---- paged experts: where one graph ends and the next begins ----------------------------------
+
+class SegmentedExperts(PagedExperts):
+    """PagedExperts whose call, while a capture (or its warm-up) runs, goes to `hook` instead
+    (the instances of a model whose step is captured are given this class; otherwise the call
+    is PagedExperts')."""
+
+    hook: Callable[[PagedExperts, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    @torch.compiler.disable
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.hook is not None:
+            return self.hook(self, x, ids)
+        return PagedExperts.__call__(self, x, ids)
+
+
+@dataclass
+class Segment:
+    """One MoE layer of a captured step: its inputs and output in the graphs' pool, and the
+    graph of its expert compute."""
+    experts: PagedExperts
+    x: torch.Tensor          # [b, H]
+    ids: torch.Tensor        # [b, k]
+    y: torch.Tensor          # [b, k, H]
+    graph: torch.cuda.CUDAGraph
+
+
+@dataclass
+class Bucket:
+    size: int
+    staging: torch.Tensor    # pinned [b, PAGES + max_pages] int32
+    host: np.ndarray         # staging's memory
+    packed: torch.Tensor     # the device copy the graphs read
+    copied: torch.cuda.Event  # after the last copy out of `staging`
+    graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)   # A0 .. An
+    segments: list[Segment] = field(default_factory=list)             # one per MoE layer
+    logits: torch.Tensor | None = None
+
+
+class CudaGraphDecode(CompiledDecode):
+    """The compiled decode step of one model and CUDA pool, each bucket captured as CUDA graphs
+    (see the module doc).  `max_pages`: the page-table width, the most pages one request can
+    hold (default, and at most: every page of the pool)."""
+
+    def __init__(self, model: DecoderModel, pool: PagePool, buckets: tuple[int, ...],
+                 max_pages: int | None = None) -> None:
+        super().__init__(model, pool, buckets)
+        if pool.kv.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a pool on a CUDA device, not {pool.kv.device}")
+        if (pool.num_pages + 1) * pool.page_size >= 2**31:
+            raise ValueError(f"{pool.num_pages} pages of {pool.page_size} tokens: KV slots past int32")
+        self.max_pages = min(max_pages or pool.num_pages, pool.num_pages)
+        if isinstance(model.attention, TritonAttention):
+            self.attention = GraphAttention(pool.page_size)
+        # else: the torch attention (static: every page of the table gathered, masked) of the base
+        for e in self.paged:
+            e.__class__ = SegmentedExperts
+        # the compiled callable of this step (the base's `_graph` takes the unpacked tensors)
+        self._packed = torch.compile(self._packed_forward, fullgraph=self.fullgraph, dynamic=False)
+        self._mempool = torch.cuda.graph_pool_handle()
+        self._stream = torch.cuda.Stream(device=pool.kv.device)
+        self._buckets: dict[int, Bucket] = {}
+        self._open: torch.cuda.CUDAGraph | None = None   # the graph being captured
+        self.staging_waits = 0   # times `run` waited for the previous copy out of a staging buffer
+
+    def _packed_forward(self, packed: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return self._forward(*unpack(packed), kv)
+
+    # ---- capture ----------------------------------------------------------------------------
+
+    def _bucket(self, size: int) -> Bucket:
+        host = blank_rows(size, self.max_pages, self.pool.scratch_page, self.pool.page_size)
+        staging = torch.from_numpy(host).pin_memory()
+        bk = Bucket(size, staging, staging.numpy(), staging.to(self.pool.kv.device), torch.cuda.Event())
+        bk.copied.record()
+        return bk
+
+    def capture(self, size: int) -> Bucket:
+        """Warm bucket `size` up on a side stream (compiling it), then capture its graphs."""
+        bk = self._bucket(size)
+        side, kv = self._stream, self.pool.kv
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), self._hooked(partial(self._split, bk, False)):
+            for _ in range(WARMUP_ITERS):
+                self._packed(bk.packed, kv)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side), self._hooked(partial(self._split, bk, True)):
+            bk.graphs.append(self._begin())
+            try:
+                bk.logits = self._packed(bk.packed, kv)
+            finally:
+                self._end()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        self._buckets[size] = bk
+        return bk
+
+    def _begin(self) -> torch.cuda.CUDAGraph:
+        """Begin capturing a graph into the step's pool (on the current, side, stream)."""
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin(pool=self._mempool, capture_error_mode="thread_local")
+        self._open = g
+        return g
+
+    def _end(self) -> None:
+        """End the capture running now, if any (also after an error inside it)."""
+        g, self._open = self._open, None
+        if g is not None:
+            g.capture_end()
+
+    @contextmanager
+    def _hooked(self, hook: Callable[[PagedExperts, torch.Tensor, torch.Tensor], torch.Tensor]) -> Iterator[None]:
+        for e in self.paged:
+            setattr(e, "hook", hook)   # a SegmentedExperts since __init__
+        try:
+            yield
+        finally:
+            for e in self.paged:
+                setattr(e, "hook", None)
+
+    def _split(self, bk: Bucket, capturing: bool, e: PagedExperts, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """At a MoE layer of a capture: end the running graph, capture this layer's expert
+        compute as a graph of its own and begin the next.  In warm-up (not `capturing`): the
+        same compute, uncaptured (it compiles the kernel for the bucket's shape)."""
+        if capturing:
+            self._end()     # A_i
+            g = self._begin()
+        live = bk.packed[:, REAL] != 0
+        slot_ids = torch.where(live[:, None], e.slots.slot_table[ids], 0)   # padding rows: slot 0, dropped
+        y = self._kernel(x, e.slots.w13, e.slots.w2, slot_ids, b13=e.slots.b13, b2=e.slots.b2,
+                         act=e.slots.store.act).view(*ids.shape, -1)
+        if capturing:
+            self._end()     # E_i
+            bk.segments.append(Segment(e, x, ids, y, g))
+            bk.graphs.append(self._begin())
+        return y
+
+    # ---- replay -----------------------------------------------------------------------------
+
+    def run(self, tokens: list[list[int]], starts: list[int], tables: list[list[int]],
+            real: int | None = None) -> torch.Tensor:
+        """As `CompiledDecode.run`: logits [n, V] (fp32) of a decode batch of n <= max_rows
+        requests; writes their K/V into the pool.  No host synchronisation with every expert
+        resident; one per MoE layer with paged experts."""
+        n = len(tokens)
+        size = bucket_for(n, self.buckets)
+        if size is None:
+            raise ValueError(f"a decode batch of {n} requests exceeds the largest compiled bucket {self.max_rows}")
+        bk = self._buckets.get(size) or self.capture(size)
+        if not bk.copied.query():   # the previous step's copy out of this staging buffer (done by now)
+            self.staging_waits += 1
+            bk.copied.synchronize()
+        rows = n if real is None else real
+        fill_rows(bk.host, tokens, starts, tables, self.pool.page_size, self.pool.scratch_page, rows)
+        bk.packed.copy_(bk.staging, non_blocking=True)
+        bk.copied.record()
+        bk.graphs[0].replay()
+        for seg, nxt in zip(bk.segments, bk.graphs[1:]):
+            self._experts(seg, rows)
+            nxt.replay()
+        self.compiled.add(size)
+        assert bk.logits is not None
+        return bk.logits[:n].clone()
+
+    def _experts(self, seg: Segment, rows: int) -> None:
+        """One MoE layer between its graphs: the paging decision on the host, then E_i (or the
+        eager waves into E_i's output)."""
+        e = seg.experts
+        needed = sorted(set(seg.ids[:rows].reshape(-1).tolist()))   # the layer's host synchronisation
+        if len(needed) > e.slots.num_slots or e.slots.verify_on_use:
+            with self._paging(rows):
+                seg.y.copy_(PagedExperts.__call__(e, seg.x, seg.ids))
+            return
+        if not e.cache:
+            e.slots.forget_all()
+        waves = e.plan_waves(needed)    # one wave: counts the hits and misses
+        e._page_in(waves[0])
+        seg.graph.replay()
+        e.slots.mark_used()
+
+    def warm_up(self, progress: Callable[[int, int, int], None] | None = None) -> None:
+        """Compile and capture every bucket now, the largest first (the smaller ones then reuse
+        its pool memory).  `progress(done, total, bucket)` after each."""
+        with torch.inference_mode():
+            for i, size in enumerate(reversed(self.buckets)):
+                self.capture(size)
+                self.compiled.add(size)
+                if progress is not None:
+                    progress(i + 1, len(self.buckets), size)
