@@ -202,6 +202,9 @@ class EngineConfig:
                              f"({self.page_size} tokens)")
         if self.max_num_seqs < 1 or self.max_prefill_tokens < 1:
             raise ValueError("max_num_seqs and max_prefill_tokens must be at least 1")
+        if self.compile_buckets is not None:
+            from engine.compiled.buckets import decode_buckets
+            decode_buckets(self.max_num_seqs, self.compile_buckets)  # raises ValueError naming the limit
 
     @property
     def num_pages(self) -> int:

@@ -146,11 +146,13 @@ class StepPlan:
 
     @classmethod
     def for_step(cls, ids: torch.Tensor, num_experts: int, triton: bool = False) -> "StepPlan":
+        # a compiled step (engine/compiled): one graph for every routing, with no host
+        # synchronisation (the Triton kernel reads its slot range on the host)
+        if torch.compiler.is_compiling():
+            return cls("gathered", 0)
         if triton:
             return cls("triton", 0)
-        # single-stream decode: no counting on its hot path; a compiled step (engine/compiled):
-        # one graph for every routing, with no host synchronisation
-        if ids.numel() <= GATHER_MAX_PAIRS or torch.compiler.is_compiling():
+        if ids.numel() <= GATHER_MAX_PAIRS:     # single-stream decode: no counting on its hot path
             return cls("gathered", 0)
         counts = torch.bincount(ids.reshape(-1), minlength=num_experts)
         cap, used = int(counts.max()), int((counts > 0).sum())

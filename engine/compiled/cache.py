@@ -23,9 +23,15 @@ def cache_root() -> Path:
 
 def use_cache_dir() -> Path:
     """Point inductor's (and Triton's) caches at Tandem's directory unless the operator chose
-    one; returns inductor's.  Call before the first compilation."""
+    one; returns inductor's.  Call before the first compilation (inductor reads the variable
+    at every lookup).  Importing torch._dynamo already writes inductor's own default into the
+    environment, so a value equal to that default counts as not chosen."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     root = cache_root()
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not chosen or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
     os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
     path = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     path.mkdir(parents=True, exist_ok=True)
