@@ -156,9 +156,12 @@ class ExpertSlots:
         self.counters.bytes_paged += len(moves) * self.store.bytes_per_expert
 
     def _sync_table(self, experts: list[int]) -> None:
-        idx = torch.tensor(experts, dtype=torch.int64)
-        vals = torch.tensor([self.slot_of[e] for e in experts], dtype=torch.int64)
-        self.slot_table[idx.to(self.slot_table.device)] = vals.to(self.slot_table.device)
+        pairs = torch.tensor([experts, [self.slot_of[e] for e in experts]], dtype=torch.int64)
+        if self.slot_table.is_cuda:
+            # from pinned memory without waiting (a pageable copy would synchronise the host;
+            # torch's pinned allocator keeps the buffer until the copy is done)
+            pairs = pairs.pin_memory().to(self.slot_table.device, non_blocking=True)
+        self.slot_table[pairs[0]] = pairs[1]
 
     def tensors(self) -> list[torch.Tensor]:
         """The slot tensors, [K, ...] each: w13, w2[, b13, b2]."""
