@@ -14,7 +14,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from chaos.injectors import RECEIVER_POINTS, ReceiverFaults, corrupt_expert
+from chaos.injectors import RECEIVER_POINTS, Pacer, ReceiverFaults, corrupt_expert
 from chaos.sender_faults import POINTS as SENDER_POINTS
 from chaos.sender_faults import FaultInjector
 from chaos.siege import StalledStreams
@@ -39,6 +39,7 @@ class ChaosControl:
         self.stalled = StalledStreams(secret)
         self._secret = secret
         self._handle: WorkerHandle | None = None
+        self._pacer: Pacer | None = None
         self._hashes: dict[int, tuple[int, str]] = {}     # cached page -> (generation, digest) when last seen
 
     def attach(self, handle: WorkerHandle) -> None:
@@ -69,10 +70,16 @@ class ChaosControl:
     def arm(self, point: str, times: int = 1, after: int = 0, probability: float = 1.0,
             seconds: float = 0.0) -> int:
         """Arm `point` on this worker.  `corrupt_expert` is done at once (`times` slots); returns
-        how many were corrupted (0 for the other points).  Raises ValueError for a point this
-        role does not have, or a bad value."""
+        how many were corrupted (0 for the other points).  `pace` slows this worker's engine loop
+        to one step per `seconds` until `disarm` (chaos.injectors.Pacer; not a fault: nothing is
+        logged).  Raises ValueError for a point this role does not have, or a bad value."""
         if point == "corrupt_expert":
             return self._corrupt(times)
+        if point == "pace":
+            if self._pacer is None:
+                self._pacer = Pacer(self.handle.lock, self._tokens)
+            self._pacer.start(seconds)
+            return 0
         if point in SENDER_POINTS and self.sender is not None:
             self.sender.arm(point, times=times, after=after, probability=probability, seconds=seconds)
         elif point in RECEIVER_POINTS and self.receiver is not None:
@@ -106,6 +113,8 @@ class ChaosControl:
         for injector in (self.sender, self.receiver):
             if injector is not None:
                 injector.disarm()
+        if self._pacer is not None:
+            self._pacer.stop()
 
     def ledger(self) -> dict[str, Any]:
         """What this worker injected and refused so far, and its counters."""
@@ -119,6 +128,13 @@ class ChaosControl:
             out.update(refusals=list(h.receiver.refusal_log), failures=list(h.receiver.failure_log),
                        accepted_bytes=h.receiver.accepted_bytes)
         return out
+
+    def _tokens(self) -> int:
+        """The tokens this worker's live decode requests generated here, a count every engine
+        step with live requests changes (the pacer's progress).  Read without the lock: copying
+        a dict's values is one step under the GIL, and a count read mid-step is still a count."""
+        return sum(len(getattr(getattr(d, "req", None), "output_token_ids", ()))
+                   for role in self.handle.roles for d in list(getattr(role, "requests", {}).values()))
 
     def live_requests(self) -> list[dict[str, int]]:
         """The decode requests this worker holds now and has not ended, each as {"generated":

@@ -12,6 +12,9 @@ time.
                     nothing for `seconds`          (or expire with an explicit error)
     corrupt_expert  any worker: one bit of a       verify mode (`verify_experts`): the slot is
                     resident expert slot flipped   compared before its next use or eviction
+    pace            any worker: its engine loop    nothing: its streams are slower, their tokens
+                    makes one step per `seconds`   the same (the moving scenarios use it to hold
+                    or fewer                       streams mid-way while they kill or drain)
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from proto import kv_transfer_pb2 as pb
 
 RECEIVER_POINTS = ("unwritten_page", "stall")
 LOG_SIZE = 1 << 16
+PACE_POLL_S = 0.0005    # pace: how often the pacer looks whether the loop made its step
+PACE_IDLE_S = 0.02      # pace: the longest it leaves the lock free when nothing progresses
 
 
 @dataclass
@@ -101,6 +106,57 @@ class ReceiverFaults:
         the same prompt, another tenant's with the prefix cache): skipping that copy leaves the
         page right, so there would be nothing for the re-checksum to find."""
         return self._fires("unwritten_page", h, lambda: not holds_payload()) is not None
+
+
+class Pacer:
+    """Slows a worker's engine loop to one step per `seconds` or slower while it runs.  A thread
+    holds the worker's lock (the one the loop takes to schedule a batch and to apply its
+    output) for `seconds`, then leaves it free until the loop has applied one step's output
+    (`progress`, a count the token path changes, moved) and takes it again: the next step's
+    output waits for the next hold.  A floor on the time per token that no machine's speed
+    lowers (a loaded one only adds to it); nothing else changes: the same tokens, later.
+    Threads that need the lock for other work (admission, a commit, the chaos run's own calls)
+    wait up to one hold too.  While nothing progresses (idle, or waiting for KV) the lock is
+    left free for PACE_IDLE_S between holds.  Unused it costs nothing: no thread exists until
+    `start`."""
+
+    def __init__(self, lock: threading.RLock, progress: Callable[[], int]) -> None:
+        """`progress`: a count that changes whenever the loop applies a step's output (read
+        without the lock, so it must be safe to read while the loop runs)."""
+        self._lock, self._progress = lock, progress
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def start(self, seconds: float) -> None:
+        """Pace at one step per `seconds` or slower from now on (replaces an earlier pace).
+        Raises ValueError unless 0 < seconds <= 1."""
+        if not 0.0 < seconds <= 1.0:
+            raise ValueError(f"pace: seconds={seconds} must be in (0, 1] (one engine step)")
+        self.stop()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(self._stop, seconds), name="chaos-pace",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, stop: threading.Event, hold_s: float) -> None:
+        while not stop.is_set():
+            with self._lock:
+                seen = self._progress()
+                stop.wait(hold_s)
+            end = time.monotonic() + PACE_IDLE_S        # the loop's turn: one step's output
+            while not stop.wait(PACE_POLL_S) and self._progress() == seen and time.monotonic() < end:
+                pass
+
+    def stop(self) -> None:
+        """Stop pacing (the lock is free when this returns)."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
 
 
 class HasPagedExperts(Protocol):

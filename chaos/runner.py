@@ -113,7 +113,7 @@ class ScenarioRunner:
     async def _drive(self, sc: Scenario, outs: list[Outcome]) -> list[dict]:
         sem = asyncio.Semaphore(self.concurrency)
         done = asyncio.Event()
-        waves = Waves()
+        waves = Waves(sc.waves)
 
         async def one(o: Outcome) -> None:
             await waves.reach(o.job.wave)

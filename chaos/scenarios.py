@@ -43,6 +43,7 @@ class Scenario:
     max_tokens: int | None = None    # every request asks this many (streams for a driver acting mid-way)
     lossless: bool = False           # every request must complete: none may fail (migration continues them)
     waves: int = 1                   # the requests go in this many waves, each sent when the driver says
+                                     # (a moving driver: one per kill or drain, and one to spare)
     least: int = 2                   # requests it needs at the least
 
     @property
@@ -78,13 +79,14 @@ SCENARIOS: tuple[Scenario, ...] = (
              "delay", Role.PREFILL, seconds=30.0, share=0.0, per_frame=1.0, after=2, driver="kill_prefill",
              weight=0.6),
     Scenario("kill_decode", "process", "a decode worker killed mid-stream (Ray restarts it; its streams "
-             "migrate to the other)", driver="kill_decode", weight=0.6, max_tokens=48, lossless=True),
+             "migrate to the other)", driver="kill_decode", weight=0.6, max_tokens=48, lossless=True, waves=2,
+             least=6),
     Scenario("kill_decode_twice", "process", "a decode worker killed mid-stream, then, while it restarts, the "
              "worker its streams migrated to once one of them streams there", driver="kill_decode_twice",
-             weight=0.6, max_tokens=48, lossless=True, least=8),
+             weight=0.6, max_tokens=48, lossless=True, waves=2, least=8),
     Scenario("drain_decode", "process", "a rolling drain of every decode worker under load (grace 0.5 s, "
              "then a restart): what does not finish in the grace migrates", driver="drain_decode", weight=0.6,
-             max_tokens=48, lossless=True, waves=2, least=8),
+             max_tokens=48, lossless=True, waves=3, least=8),
     Scenario("stalled_peer", "process", "a receiver that reads nothing for 2 s, then continues",
              "stall", Role.DECODE, seconds=2.0, share=0.15),
     Scenario("abort_storm", "process", "clients that disconnect at random points", client="storm"),

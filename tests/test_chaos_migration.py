@@ -154,20 +154,68 @@ def test_waves_hold_requests_until_the_driver_opens_them_and_all_open_when_it_en
     from chaos.scenarios import BY_NAME, split
 
     async def run() -> list[str]:
-        waves, seen = Waves(), []
+        waves, seen = Waves(3), []
 
         async def request(wave: int, name: str) -> None:
             await waves.reach(wave)
             seen.append(name)
         tasks = [asyncio.create_task(request(w, n)) for w, n in ((0, "a"), (1, "b"), (2, "c"), (1, "d"))]
         await asyncio.sleep(0.01)
+        assert seen == [] and waves.more            # nothing goes before the driver is ready
+        waves.open(0)
+        await asyncio.sleep(0.01)
         assert seen == ["a"]
         waves.open(1)
         await asyncio.sleep(0.01)
-        assert sorted(seen) == ["a", "b", "d"]
+        assert sorted(seen) == ["a", "b", "d"] and waves.more
         waves.open_all()
+        assert not waves.more
         await asyncio.gather(*tasks)
         return seen
     assert asyncio.run(run())[-1] == "c"
     moving = [BY_NAME[n] for n in ("kill_decode", "kill_decode_twice", "drain_decode")]
-    assert split(6, moving) == [2, 8, 8]                     # the moving scenarios' least requests
+    assert split(6, moving) == [6, 8, 8]                     # the moving scenarios' least requests
+    assert all(s.waves == (2 if s.name != "drain_decode" else 3) for s in moving)   # a wave to spare
+
+
+def test_pace_lets_a_loop_apply_one_steps_output_per_hold():
+    """The moving scenarios' pace (chaos.injectors.Pacer) on a loop shaped like the worker's:
+    schedule under the lock, compute without it, apply the output under it."""
+    import threading
+    import time
+
+    from chaos.injectors import Pacer
+
+    lock, applied, stop = threading.RLock(), [0], threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            with lock:
+                pass                                   # schedule
+            time.sleep(0.003)                          # compute
+            with lock:
+                applied[0] += 1                        # update: the token path
+
+    def steps_in(seconds: float) -> int:
+        first = applied[0]
+        time.sleep(seconds)
+        return applied[0] - first
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    pacer = Pacer(lock, lambda: applied[0])
+    try:
+        assert steps_in(0.3) > 20                      # unpaced: about one step per 3 ms
+        pacer.start(0.05)
+        assert pacer.running and steps_in(0.6) <= 0.6 / 0.05 + 2
+        pacer.stop()
+        assert not pacer.running and steps_in(0.3) > 20
+        assert lock.acquire(blocking=False)            # stopped: the lock is free
+        lock.release()
+    finally:
+        pacer.stop()
+        stop.set()
+        thread.join()
+    for bad in (0.0, 2.0):
+        with pytest.raises(ValueError, match="pace"):
+            pacer.start(bad)
