@@ -3,12 +3,21 @@ run on the shipped checkpoint.
 
     python -m bench.engine [--json] [--tokens 128] [--repeats 3] [--stop-only] [--prefill-only] [--mask-only]
     python -m bench.engine --device cuda [--json]    # the engine and transformers on the GPU
+    python -m bench.engine --json --per-bucket [--buckets 1,4] [--bucket-tokens 32]
+    python -m bench.engine --json --compile-only     # compile_s and compile_cached_s only
+    python -m bench.engine --json --profile [--profile-top 25]
+    --compile-buckets 1,2   every compiled engine of the run (and the compile children) with these
+                            buckets only, for short smoke runs (default: the engine's, 1..64)
 
 Every speed figure decodes `--tokens` tokens (EOS ignored) from short prompts, greedy, fp32:
   hf_single_tok_s       transformers `generate`, one stream
-  engine_single_tok_s   `engine.LLM`, one stream
-  engine_batch16_tok_s  `engine.LLM`, 16 concurrent requests, aggregate tokens/s
-Each is the best of `--repeats` timed runs after one warm-up run.
+  engine_single_tok_s   `engine.LLM` as configured by default, one stream
+  engine_batch16_tok_s  the same, 16 concurrent requests, aggregate tokens/s
+  engine_default        "compiled", or "eager" when TANDEM_COMPILE=0 is set
+Each is the best of `--repeats` timed runs after one warm-up run; compiled and eager engines
+alternate run by run, and the default's figures are those of its kind.  `bench.compile_cost`
+defines the compiled keys (engine_compiled_*, engine_eager_*, compile_s, compile_cached_s, ...,
+per_bucket); `bench.step_profile` the `profile` of `--profile`.
 The same with a json_schema constraint, and the grammar mask's cost per token at batch 1 and 16
 (alone with `--mask-only`): see `bench.mask_cost` (schema_*_tok_s, mask_us_per_token_b1/_b16).
 
@@ -41,8 +50,10 @@ from typing import Protocol
 import regex
 import torch
 
+from bench.compile_cost import add_compile_flags, compile_cost, engine_speeds
 from bench.mask_cost import mask_cost
 from bench.report import emit
+from bench.step_profile import profile_decode
 from engine import LLM, SamplingParams
 from engine.config import SHIPPED_MODEL
 from engine.stop import StopChecker
@@ -257,7 +268,7 @@ def prefill_sweep(llm: LLM, runs: int) -> dict[str, object]:
     return {"prefill_ms": times, "prefill_worst_inversion": worst_inversion(times)}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--tokens", type=int, default=128)
@@ -268,28 +279,35 @@ def main() -> None:
     ap.add_argument("--prefill-only", action="store_true", help="run the prefill sweep only")
     ap.add_argument("--mask-only", action="store_true", help="plain and json_schema-constrained decode only")
     ap.add_argument("--prefill-runs", type=int, default=11, help="timed runs per prompt length (at least 5)")
-    args = ap.parse_args()
+    add_compile_flags(ap)
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(device=args.device)
-    if args.stop_only:
-        emit({"model": str(SHIPPED_MODEL.name), "stop_check": stop_check(llm, args.repeats)}, args.json)
+    head = {"model": str(SHIPPED_MODEL.name), "tokens": args.tokens, "threads": args.threads, "device": args.device}
+    if args.compile_only:
+        emit({**head, **compile_cost(args.device, args.threads, args.compile_buckets)}, args.json)
         return
-    if args.prefill_only:
-        emit({"model": str(SHIPPED_MODEL.name), "threads": args.threads, **prefill_sweep(llm, args.prefill_runs)},
-             args.json)
+    if args.profile:
+        emit({**head, "profile": profile_decode(PROMPTS[0], args.tokens, args.device, args.profile_top)}, args.json)
         return
-    if args.mask_only:
-        emit({"model": str(SHIPPED_MODEL.name), "tokens": args.tokens, "threads": args.threads, "device": args.device,
-              **mask_cost(llm, PROMPTS, args.tokens, args.repeats)}, args.json)
+    alone = args.stop_only or args.prefill_only or args.mask_only
+    cost = {} if alone else compile_cost(args.device, args.threads, args.compile_buckets)  # first: nothing else runs
+    llm = LLM(device=args.device, compile_buckets=args.compile_buckets)
+    if alone:
+        part = ({"stop_check": stop_check(llm, args.repeats)} if args.stop_only else
+                prefill_sweep(llm, args.prefill_runs) if args.prefill_only else
+                mask_cost(llm, PROMPTS, args.tokens, args.repeats))
+        emit({**head, **part}, args.json)
         return
     hf = hf_rate(PROMPTS[0], args.tokens, args.repeats, args.device)
-    single = engine_rate(llm, PROMPTS[:1], args.tokens, args.repeats)
-    batch16 = engine_rate(llm, PROMPTS[:16], args.tokens, args.repeats)
+    speeds = engine_speeds(llm, args, PROMPTS)
     result = {
-        "model": str(SHIPPED_MODEL.name), "tokens": args.tokens, "threads": args.threads, "device": args.device,
-        "attention_backend": llm.attention_backend, "hf_single_tok_s": hf, "engine_single_tok_s": single,
-        "engine_batch16_tok_s": batch16, "ratio_single": single / hf, "ratio_batch16": batch16 / hf,
-        "stop_check": stop_check(llm, args.repeats), **prefill_sweep(llm, args.prefill_runs),
+        **head, "attention_backend": llm.attention_backend, "hf_single_tok_s": hf, **speeds,
+        "ratio_single": speeds["engine_single_tok_s"] / hf, "ratio_batch16": speeds["engine_batch16_tok_s"] / hf,
+        **cost, "stop_check": stop_check(llm, args.repeats), **prefill_sweep(llm, args.prefill_runs),
         **mask_cost(llm, PROMPTS, args.tokens, args.repeats),
     }
     emit(result, args.json)
