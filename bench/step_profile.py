@@ -9,15 +9,16 @@ stop checks, freeing).  On a CPU, inductor is asked to label its C++ kernels
 (`cpp.enable_kernel_profile`), so the graph's time splits into kernels and the Python around
 them (dynamo's guards, inductor's wrapper).
 
-The JSON summary, in ms per generated token (the first token is the prefill, eager; every
-other one a compiled step):
-  wall_ms                    the generation's wall time
-  parts                      per label: total ms per token and calls
-  graph_kernels_ms           in the graph call: self time of kernels and aten ops
-  graph_wrapper_ms           in the graph call: the rest (guards, wrappers, Python)
-  step_outside_graph_ms      `compiled.run` outside the graph (padding rows, building tensors)
-  top                        the `top` entries by self CPU time: name, self_ms, total_ms, and
-                             calls over the whole generation
+The JSON summary (ms):
+  wall_ms_per_token          the generation's wall time per token (the first token is the
+                             prefill, eager; each other one a compiled step: compiled_steps)
+  parts                      per label: total_ms, calls, ms_per_call
+  graph_kernels_ms           per compiled step, in the graph call: self time of kernels and aten ops
+  graph_wrapper_ms           per compiled step, in the graph call: the rest (guards, wrappers, Python)
+  step_outside_graph_ms      per compiled step, `compiled.run` outside the graph (padding rows,
+                             building the batch's tensors)
+  top                        the `top` entries by self CPU time over the whole generation: name,
+                             self_ms, total_ms, calls
 The table of the top entries is printed to stderr.
 """
 
@@ -85,24 +86,26 @@ def _kernel_self_us(event: FunctionEvent) -> float:
 
 def summary(prof: profile, wall_s: float, tokens: int, top: int) -> dict[str, object]:
     """The JSON summary (see the module docstring) of a profiled generation of `tokens` tokens."""
-    per = 1e-3 / tokens  # µs over the generation -> ms per generated token
     events = prof.events()
     ranges = [e for e in events if e.name.startswith("tandem:")]
     parts: dict[str, dict[str, float]] = {}
     for e in ranges:
-        part = parts.setdefault(e.name.removeprefix("tandem: "), {"ms": 0.0, "calls": 0})
-        part["ms"] += e.cpu_time_total * per
+        part = parts.setdefault(e.name.removeprefix("tandem: "), {"total_ms": 0.0, "calls": 0})
+        part["total_ms"] += e.cpu_time_total / 1e3
         part["calls"] += 1
+    for part in parts.values():
+        part["ms_per_call"] = part["total_ms"] / part["calls"]
     graph = [e for e in ranges if e.name == GRAPH]
+    per_step = 1e-3 / max(len(graph), 1)  # µs over the generation -> ms per compiled step
     graph_us = sum(e.cpu_time_total for e in graph)
     kernels_us = sum(_kernel_self_us(e) for e in graph)
     run_us = sum(e.cpu_time_total for e in ranges if e.name == RUN)
     avg = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:top]
     return {
-        "tokens": tokens, "wall_ms": 1e3 * wall_s / tokens, "parts": parts,
-        "graph_kernels_ms": kernels_us * per, "graph_wrapper_ms": (graph_us - kernels_us) * per,
-        "step_outside_graph_ms": (run_us - graph_us) * per,
-        "top": [{"name": a.key, "self_ms": a.self_cpu_time_total * per, "total_ms": a.cpu_time_total * per,
+        "tokens": tokens, "compiled_steps": len(graph), "wall_ms_per_token": 1e3 * wall_s / tokens, "parts": parts,
+        "graph_kernels_ms": kernels_us * per_step, "graph_wrapper_ms": (graph_us - kernels_us) * per_step,
+        "step_outside_graph_ms": (run_us - graph_us) * per_step,
+        "top": [{"name": a.key, "self_ms": a.self_cpu_time_total / 1e3, "total_ms": a.cpu_time_total / 1e3,
                  "calls": a.count} for a in avg],
     }
 
