@@ -67,6 +67,11 @@ class PagedExperts:
             self.slots.mark_used()
             return y.view(t, k, -1)
         out = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
+        if self.rows is not None and self.rows < t:
+            # padding rows route nowhere, so no wave writes their rows: zero them (uninitialised
+            # memory could be non-finite, and their K/V lands in the scratch page, which every
+            # real row's padded page table masks: 0 * NaN would still poison the real rows)
+            out[self.rows * k:] = 0
         for wave in waves:
             used = self._page_in(wave)
             slot_ids = self._padded(self.slots.slot_lookup(wave)[ids], -1)  # [T, k], -1 outside the wave
