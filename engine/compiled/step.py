@@ -39,6 +39,11 @@ log = logging.getLogger(__name__)
 
 MIN_PAGES = 2   # page-table width at least this: dynamo would specialise a width of 1 into a graph of its own
 GATHERED = StepPlan("gathered", 0)
+# Inductor checks every intermediate buffer's size, stride and alignment on each call by
+# default: about 80 Python calls per step of the shipped model, a debugging aid for graphs
+# whose shapes could drift, which these (traced for the buckets) cannot.
+OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {
+    "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
 
 
 class CompiledDecode:
@@ -58,9 +63,9 @@ class CompiledDecode:
         # one code object, one graph per bucket (and part): dynamo's cache keeps them apart by
         # shape (and part number)
         self._graph: Callable[..., Any] = torch.compile(self._forward if self.fullgraph else self._part,
-                                                        fullgraph=True, dynamic=False)
-        self._kernel: Callable[..., torch.Tensor] = (torch.compile(gathered_all, fullgraph=True, dynamic=False)
-                                                     if self.paged else gathered_all)
+                                                        fullgraph=True, dynamic=False, options=OPTIONS)
+        self._kernel: Callable[..., torch.Tensor] = (
+            torch.compile(gathered_all, fullgraph=True, dynamic=False, options=OPTIONS) if self.paged else gathered_all)
         self.compiled: set[int] = set()   # buckets that ran
         self.compile_s = 0.0                # the start-up compilation's seconds (engine.compiled.startup)
 
