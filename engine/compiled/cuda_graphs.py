@@ -234,7 +234,7 @@ class Bucket:
     staging: torch.Tensor    # pinned [b, PAGES + max_pages] int32
     host: np.ndarray         # staging's memory
     packed: torch.Tensor     # the device copy the graphs read
-    copied: torch.cuda.Event  # after the last copy out of `staging`
+    copied: torch.cuda.Event | None   # after the last copy out of `staging` (CUDA)
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)   # A0 .. An
     segments: list[Segment] = field(default_factory=list)             # one per MoE layer
     logits: torch.Tensor | None = None
@@ -243,25 +243,33 @@ class Bucket:
 class CudaGraphDecode(CompiledDecode):
     """The compiled decode step of one model and CUDA pool, each bucket captured as CUDA graphs
     (see the module doc).  `max_pages`: the page-table width, the most pages one request can
-    hold (default, and at most: every page of the pool)."""
+    hold (default, and at most: every page of the pool); `attention`: the decode attention
+    (default: `GraphAttention` for a model served by the Triton kernel, else the base's static
+    torch attention); `capture` False: the same step (packed rows, the same compiled segments,
+    the same paging decisions) run directly, no graph captured: a comparison, and the part of
+    this class a CPU can run."""
 
     def __init__(self, model: DecoderModel, pool: PagePool, buckets: tuple[int, ...],
-                 max_pages: int | None = None) -> None:
+                 max_pages: int | None = None, attention: TorchAttention | None = None,
+                 capture: bool = True) -> None:
         super().__init__(model, pool, buckets)
-        if pool.kv.device.type != "cuda":
+        if capture and pool.kv.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a pool on a CUDA device, not {pool.kv.device}")
         if (pool.num_pages + 1) * pool.page_size >= 2**31:
             raise ValueError(f"{pool.num_pages} pages of {pool.page_size} tokens: KV slots past int32")
         self.max_pages = min(max_pages or pool.num_pages, pool.num_pages)
-        if isinstance(model.attention, TritonAttention):
+        self.capturing = capture
+        if attention is not None:
+            self.attention = attention
+        elif isinstance(model.attention, TritonAttention):
             self.attention = GraphAttention(pool.page_size)
         # else: the torch attention (static: every page of the table gathered, masked) of the base
         for e in self.paged:
             e.__class__ = SegmentedExperts
         # the compiled callable of this step (the base's `_graph` takes the unpacked tensors)
         self._packed = torch.compile(self._packed_forward, fullgraph=self.fullgraph, dynamic=False)
-        self._mempool = torch.cuda.graph_pool_handle()
-        self._stream = torch.cuda.Stream(device=pool.kv.device)
+        self._mempool = torch.cuda.graph_pool_handle() if capture else None
+        self._stream = torch.cuda.Stream(device=pool.kv.device) if capture else None
         self._buckets: dict[int, Bucket] = {}
         self._open: torch.cuda.CUDAGraph | None = None   # the graph being captured
         self.staging_waits = 0   # times `run` waited for the previous copy out of a staging buffer
@@ -273,8 +281,13 @@ class CudaGraphDecode(CompiledDecode):
 
     def _bucket(self, size: int) -> Bucket:
         host = blank_rows(size, self.max_pages, self.pool.scratch_page, self.pool.page_size)
+        device = self.pool.kv.device
+        if device.type != "cuda":
+            staging = torch.from_numpy(host)
+            return Bucket(size, staging, host, staging.clone(), None)
         staging = torch.from_numpy(host).pin_memory()
-        bk = Bucket(size, staging, staging.numpy(), staging.to(self.pool.kv.device), torch.cuda.Event())
+        bk = Bucket(size, staging, staging.numpy(), staging.to(device), torch.cuda.Event())
+        assert bk.copied is not None
         bk.copied.record()
         return bk
 
@@ -282,6 +295,7 @@ class CudaGraphDecode(CompiledDecode):
         """Warm bucket `size` up on a side stream (compiling it), then capture its graphs."""
         bk = self._bucket(size)
         side, kv = self._stream, self.pool.kv
+        assert side is not None, "a step built with capture=False captures nothing"
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), self._hooked(partial(self._split, bk, False)):
             for _ in range(WARMUP_ITERS):
@@ -329,15 +343,22 @@ class CudaGraphDecode(CompiledDecode):
         if capturing:
             self._end()     # A_i
             g = self._begin()
-        live = bk.packed[:, REAL] != 0
-        slot_ids = torch.where(live[:, None], e.slots.slot_table[ids], 0)   # padding rows: slot 0, dropped
-        y = self._kernel(x, e.slots.w13, e.slots.w2, slot_ids, b13=e.slots.b13, b2=e.slots.b2,
-                         act=e.slots.store.act).view(*ids.shape, -1)
+        y = self._compute(bk, e, x, ids)
         if capturing:
             self._end()     # E_i
             bk.segments.append(Segment(e, x, ids, y, g))
             bk.graphs.append(self._begin())
         return y
+
+    def _compute(self, bk: Bucket, e: PagedExperts, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """A MoE layer's expert compute over slots, every row's experts resident: slot ids read
+        from the device slot table (padding rows on slot 0, dropped), the compiled gathered
+        kernel.  y: [b, k, H]."""
+        live = bk.packed[:, REAL] != 0
+        slot_ids = torch.where(live[:, None], e.slots.slot_table[ids], 0)
+        y: torch.Tensor = self._kernel(x, e.slots.w13, e.slots.w2, slot_ids, b13=e.slots.b13, b2=e.slots.b2,
+                                       act=e.slots.store.act)
+        return y.view(*ids.shape, -1)
 
     # ---- replay -----------------------------------------------------------------------------
 
@@ -350,44 +371,66 @@ class CudaGraphDecode(CompiledDecode):
         size = bucket_for(n, self.buckets)
         if size is None:
             raise ValueError(f"a decode batch of {n} requests exceeds the largest compiled bucket {self.max_rows}")
-        bk = self._buckets.get(size) or self.capture(size)
-        if not bk.copied.query():   # the previous step's copy out of this staging buffer (done by now)
+        bk = self._buckets.get(size) or (self.capture(size) if self.capturing else self._bucket(size))
+        self._buckets[size] = bk
+        if bk.copied is not None and not bk.copied.query():   # the previous step's copy (done by now)
             self.staging_waits += 1
             bk.copied.synchronize()
         rows = n if real is None else real
         fill_rows(bk.host, tokens, starts, tables, self.pool.page_size, self.pool.scratch_page, rows)
         bk.packed.copy_(bk.staging, non_blocking=True)
-        bk.copied.record()
+        if bk.copied is not None:
+            bk.copied.record()
+        self.compiled.add(size)
+        if not self.capturing:
+            with self._hooked(partial(self._direct, bk, rows)):
+                return self._packed(bk.packed, self.pool.kv)[:n].clone()
         bk.graphs[0].replay()
         for seg, nxt in zip(bk.segments, bk.graphs[1:]):
-            self._experts(seg, rows)
+            if self._page(seg.experts, seg.ids, rows):
+                seg.graph.replay()
+                seg.experts.slots.mark_used()
+            else:
+                seg.y.copy_(self._eager_experts(seg.experts, seg.x, seg.ids, rows))
             nxt.replay()
-        self.compiled.add(size)
         assert bk.logits is not None
         return bk.logits[:n].clone()
 
-    def _experts(self, seg: Segment, rows: int) -> None:
-        """One MoE layer between its graphs: the paging decision on the host, then E_i (or the
-        eager waves into E_i's output)."""
-        e = seg.experts
-        needed = sorted(set(seg.ids[:rows].reshape(-1).tolist()))   # the layer's host synchronisation
+    def _page(self, e: PagedExperts, ids: torch.Tensor, rows: int) -> bool:
+        """A MoE layer's paging decision from its routing (read on the host: the layer's one
+        synchronisation): True when the step's experts fit the slots and are paged in now (the
+        expert graph runs next; hits, misses and the LRU order as PagedExperts counts them), False
+        when the layer needs waves or verification (`_eager_experts` runs it)."""
+        needed = sorted(set(ids[:rows].reshape(-1).tolist()))
         if len(needed) > e.slots.num_slots or e.slots.verify_on_use:
-            with self._paging(rows):
-                seg.y.copy_(PagedExperts.__call__(e, seg.x, seg.ids))
-            return
+            return False
         if not e.cache:
             e.slots.forget_all()
-        waves = e.plan_waves(needed)    # one wave: counts the hits and misses
-        e._page_in(waves[0])
-        seg.graph.replay()
+        e._page_in(e.plan_waves(needed)[0])
+        return True
+
+    def _eager_experts(self, e: PagedExperts, x: torch.Tensor, ids: torch.Tensor, rows: int) -> torch.Tensor:
+        with self._paging(rows):
+            y: torch.Tensor = PagedExperts.__call__(e, x, ids)
+        return y
+
+    def _direct(self, bk: Bucket, rows: int, e: PagedExperts, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """`capture` False: a MoE layer's paging decision and expert compute, as a replay runs them."""
+        if not self._page(e, ids, rows):
+            return self._eager_experts(e, x, ids, rows)
+        y = self._compute(bk, e, x, ids)
         e.slots.mark_used()
+        return y
 
     def warm_up(self, progress: Callable[[int, int, int], None] | None = None) -> None:
         """Compile and capture every bucket now, the largest first (the smaller ones then reuse
         its pool memory).  `progress(done, total, bucket)` after each."""
         with torch.inference_mode():
             for i, size in enumerate(reversed(self.buckets)):
-                self.capture(size)
+                if self.capturing:
+                    self.capture(size)
+                else:
+                    self.run([[0]] * size, [0] * size, [[self.pool.scratch_page]] * size, real=0)
                 self.compiled.add(size)
                 if progress is not None:
                     progress(i + 1, len(self.buckets), size)
