@@ -142,7 +142,7 @@ class CompiledDecode:
             yield
         finally:
             for e in self.paged:
-                e.rows, e.plan, e.kernel = None, None, gathered_all
+                e.rows, e.plan, e.kernel = None, None, None
 
     def warm_up(self, progress: Callable[[int, int, int], None] | None = None) -> None:
         """Compile every bucket now (a step of padding rows only: it writes the scratch page

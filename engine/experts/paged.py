@@ -40,7 +40,7 @@ class PagedExperts:
         # every step (gathered), and the gathered compute compiled for the bucket's shape.
         self.rows: int | None = None
         self.plan: StepPlan | None = None
-        self.kernel: Callable[..., torch.Tensor] = gathered_all
+        self.kernel: Callable[..., torch.Tensor] | None = None   # None: gathered_all
 
     @property
     def counters(self) -> ExpertCounters:
@@ -61,9 +61,10 @@ class PagedExperts:
         if len(waves) == 1 and plan.strategy == "gathered":  # the decode fast path
             used = self._page_in(waves[0])
             slot_ids = self._padded(self.slots.slot_table[ids], 0)  # padding rows: any slot, dropped
+            kernel = self.kernel or gathered_all
             for _ in self._guarded(used):
-                y = self.kernel(x, self.slots.w13, self.slots.w2, slot_ids,
-                                b13=self.slots.b13, b2=self.slots.b2, act=self.slots.store.act)
+                y = kernel(x, self.slots.w13, self.slots.w2, slot_ids,
+                           b13=self.slots.b13, b2=self.slots.b2, act=self.slots.store.act)
             self.slots.mark_used()
             return y.view(t, k, -1)
         out = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
