@@ -1,5 +1,5 @@
 """The compiled decode step on CUDA (engine/compiled/cuda_graphs.py): each batch bucket captured
-as CUDA graphs.  The CUDA tests (`pytest -m cuda`, run by `bench.gpu_check`'s `compiled` step)
+as CUDA graphs.  The CUDA tests (`pytest -m cuda`, run by `bench.gpu_check`'s cuda_tests step)
 skip without a device: greedy tokens equal to eager CUDA, logprobs within 1e-5, no host
 synchronisation in a step with every expert resident, paged experts bit-identical to resident
 with at most one synchronisation per MoE layer, batch invariance.  The tests without the mark

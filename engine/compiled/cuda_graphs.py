@@ -20,20 +20,21 @@ cloned out of the pool before `run` returns.
 
 All experts resident: one graph per bucket, replayed with zero host synchronisations.
 
-Paged experts: the host must see each MoE layer's routing to page experts in, so a step is
-1 + 2 * (MoE layers) graphs, captured in one pass over the compiled forward (which graph-breaks
-at `PagedExperts.__call__`): A0 = embedding .. first router; then per MoE layer i the expert
-graph E_i (slot ids read from the device slot table, `slot_table[ids]`, padding rows on slot 0;
-the compiled gathered kernel) and A_{i+1} = combination .. next router (or the logits).  A
-replay runs A0, then per layer: the routing to the host (the one synchronisation of the layer),
-the paging decision and page-ins (`PagedExperts.plan_waves` / `_page_in`: the same counters, LRU
-order and copy streams as the eager path), E_i, A_{i+1}.  A step that needs more experts than
-slots (waves), or verify mode, runs that layer's experts eagerly through `PagedExperts` into
-E_i's output buffer instead; the result is the same pairs computed by the same kernel.
-Chosen over inductor's `reduce-overhead` (CUDA graph trees): the trees would copy the pool's
-KV (an input it mutates) unless its address is marked static, re-record on any guard change
-and keep their own memory pool per tree; explicit capture keeps every address in Tandem's hands
-and the host work between segments in plain Python.
+Paged experts: the host must see each MoE layer's routing to page experts in, so the step is
+the base's explicit parts (`CompiledDecode.parts`, `DecoderModel.decode_part`, each compiled
+whole) captured one graph each, with a graph of each paged layer's expert compute between them:
+A0 = embedding .. first paged router; per paged MoE layer i, E_i (slot ids read from the device
+slot table, `slot_table[ids]`, padding rows on slot 0; the compiled gathered kernel) and A_{i+1}
+= that layer's combination .. the next paged router (or the logits).  A replay runs A0, then
+per layer: the routing to the host (the one synchronisation of the layer), the paging decision
+and page-ins (`PagedExperts.plan_waves` / `_page_in`: the same counters, LRU order and copy
+streams as the eager path), E_i, A_{i+1}.  A step that needs more experts than slots (waves),
+or verify mode, runs that layer's experts eagerly through `PagedExperts` into E_i's output
+buffer instead: the same pairs by the same kernel.  All graphs of one bucket share the memory
+pool and replay in capture order.  Chosen over inductor's `reduce-overhead` (CUDA graph trees):
+the trees would copy the pool's KV (an input it mutates) unless its address is marked static,
+re-record on any guard change and keep a memory pool per tree; explicit capture keeps every
+address in Tandem's hands and the host's work between the graphs in plain Python.
 
 `count_host_syncs` counts the host synchronisations of a block of code
 (`torch.cuda.set_sync_debug_mode("warn")`), for the tests and `bench.gpu_check`.
@@ -54,11 +55,11 @@ import torch
 
 from engine.attention import AttentionPlan, TorchAttention, TritonAttention, TritonPlan
 from engine.compiled.buckets import bucket_for
-from engine.compiled.step import CompiledDecode
+from engine.compiled.step import OPTIONS, CompiledDecode
 from engine.experts.paged import PagedExperts
 from engine.kernels.paged_attention import check_variants, split_kv
 from engine.kv_pool import PagePool
-from engine.models.decoder import DecoderModel
+from engine.models.decoder import DecoderModel, MoeBlock
 
 log = logging.getLogger(__name__)
 
@@ -201,28 +202,14 @@ class GraphAttention(TritonAttention):
         return batch.page_table, batch.seq_lens
 
 
-# ---- paged experts: where one graph ends and the next begins ----------------------------------
-
-class SegmentedExperts(PagedExperts):
-    """PagedExperts whose call, while a capture (or its warm-up) runs, goes to `hook` instead
-    (the instances of a model whose step is captured are given this class; otherwise the call
-    is PagedExperts')."""
-
-    hook: Callable[[PagedExperts, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-
-    @torch.compiler.disable
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if self.hook is not None:
-            return self.hook(self, x, ids)
-        return PagedExperts.__call__(self, x, ids)
-
+# ---- capture and replay ----------------------------------------------------------------------
 
 @dataclass
 class Segment:
     """One MoE layer of a captured step: its inputs and output in the graphs' pool, and the
     graph of its expert compute."""
     experts: PagedExperts
-    x: torch.Tensor          # [b, H]
+    h: torch.Tensor          # [b, H] the layer's normed input
     ids: torch.Tensor        # [b, k]
     y: torch.Tensor          # [b, k, H]
     graph: torch.cuda.CUDAGraph
@@ -235,7 +222,7 @@ class Bucket:
     host: np.ndarray         # staging's memory
     packed: torch.Tensor     # the device copy the graphs read
     copied: torch.cuda.Event | None   # after the last copy out of `staging` (CUDA)
-    graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)   # A0 .. An
+    graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)   # A0 .. An (one per part)
     segments: list[Segment] = field(default_factory=list)             # one per MoE layer
     logits: torch.Tensor | None = None
 
@@ -264,10 +251,12 @@ class CudaGraphDecode(CompiledDecode):
         elif isinstance(model.attention, TritonAttention):
             self.attention = GraphAttention(pool.page_size)
         # else: the torch attention (static: every page of the table gathered, masked) of the base
-        for e in self.paged:
-            e.__class__ = SegmentedExperts
-        # the compiled callable of this step (the base's `_graph` takes the unpacked tensors)
-        self._packed = torch.compile(self._packed_forward, fullgraph=self.fullgraph, dynamic=False)
+        # the compiled callable of this step: the whole forward, or a part (the base's `_graph`
+        # takes the unpacked tensors and is dynamic in the batch)
+        fn = self._packed_forward if self.fullgraph else self._packed_part
+        # no C++ wrapper on CUDA: it saves Python per call, which a replay does not run anyway
+        options = {**OPTIONS, "cpp_wrapper": False} if pool.kv.device.type == "cuda" else OPTIONS
+        self._packed: Callable[..., Any] = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
         self._mempool = torch.cuda.graph_pool_handle() if capture else None
         self._stream = torch.cuda.Stream(device=pool.kv.device) if capture else None
         self._buckets: dict[int, Bucket] = {}
@@ -276,6 +265,29 @@ class CudaGraphDecode(CompiledDecode):
 
     def _packed_forward(self, packed: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         return self._forward(*unpack(packed), kv)
+
+    def _packed_part(self, part: int, packed: torch.Tensor, kv: torch.Tensor,
+                     carry: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, ...]:
+        return self._part(part, *unpack(packed), kv, carry)
+
+    def _step(self, bk: Bucket, between: Callable[[PagedExperts, torch.Tensor, torch.Tensor], torch.Tensor]
+              ) -> torch.Tensor:
+        """One pass over the step: the whole compiled forward, or each part with `between(experts,
+        h, ids) -> y` at each paged MoE layer.  Returns the logits."""
+        kv = self.pool.kv
+        if self.fullgraph:
+            logits: torch.Tensor = self._packed(bk.packed, kv)
+            return logits
+        carry: tuple[torch.Tensor, ...] | None = None
+        for part, (_, stop) in enumerate(self.parts):
+            out: tuple[torch.Tensor, ...] = self._packed(part, bk.packed, kv, carry)
+            if part == len(self.parts) - 1:
+                return out[0]
+            x, h, weights, ids = out
+            block = self.model.layers[stop - 1].mlp
+            assert isinstance(block, MoeBlock) and isinstance(block.experts, PagedExperts)
+            carry = (x, h, weights, between(block.experts, h, ids))
+        raise AssertionError("a compiled step has at least one part")
 
     # ---- capture ----------------------------------------------------------------------------
 
@@ -294,18 +306,18 @@ class CudaGraphDecode(CompiledDecode):
     def capture(self, size: int) -> Bucket:
         """Warm bucket `size` up on a side stream (compiling it), then capture its graphs."""
         bk = self._bucket(size)
-        side, kv = self._stream, self.pool.kv
+        side = self._stream
         assert side is not None, "a step built with capture=False captures nothing"
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), self._hooked(partial(self._split, bk, False)):
+        with torch.cuda.stream(side):
             for _ in range(WARMUP_ITERS):
-                self._packed(bk.packed, kv)
+                self._step(bk, partial(self._split, bk, False))
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        with torch.cuda.stream(side), self._hooked(partial(self._split, bk, True)):
+        with torch.cuda.stream(side):
             bk.graphs.append(self._begin())
             try:
-                bk.logits = self._packed(bk.packed, kv)
+                bk.logits = self._step(bk, partial(self._split, bk, True))
             finally:
                 self._end()
         torch.cuda.current_stream().wait_stream(side)
@@ -326,27 +338,17 @@ class CudaGraphDecode(CompiledDecode):
         if g is not None:
             g.capture_end()
 
-    @contextmanager
-    def _hooked(self, hook: Callable[[PagedExperts, torch.Tensor, torch.Tensor], torch.Tensor]) -> Iterator[None]:
-        for e in self.paged:
-            setattr(e, "hook", hook)   # a SegmentedExperts since __init__
-        try:
-            yield
-        finally:
-            for e in self.paged:
-                setattr(e, "hook", None)
-
-    def _split(self, bk: Bucket, capturing: bool, e: PagedExperts, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """At a MoE layer of a capture: end the running graph, capture this layer's expert
+    def _split(self, bk: Bucket, capturing: bool, e: PagedExperts, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """At a paged MoE layer of a capture: end the running graph, capture this layer's expert
         compute as a graph of its own and begin the next.  In warm-up (not `capturing`): the
         same compute, uncaptured (it compiles the kernel for the bucket's shape)."""
         if capturing:
             self._end()     # A_i
             g = self._begin()
-        y = self._compute(bk, e, x, ids)
+        y = self._compute(bk, e, h, ids)
         if capturing:
             self._end()     # E_i
-            bk.segments.append(Segment(e, x, ids, y, g))
+            bk.segments.append(Segment(e, h, ids, y, g))
             bk.graphs.append(self._begin())
         return y
 
@@ -383,15 +385,14 @@ class CudaGraphDecode(CompiledDecode):
             bk.copied.record()
         self.compiled.add(size)
         if not self.capturing:
-            with self._hooked(partial(self._direct, bk, rows)):
-                return self._packed(bk.packed, self.pool.kv)[:n].clone()
+            return self._step(bk, partial(self._direct, bk, rows))[:n].clone()
         bk.graphs[0].replay()
         for seg, nxt in zip(bk.segments, bk.graphs[1:]):
             if self._page(seg.experts, seg.ids, rows):
                 seg.graph.replay()
                 seg.experts.slots.mark_used()
             else:
-                seg.y.copy_(self._eager_experts(seg.experts, seg.x, seg.ids, rows))
+                seg.y.copy_(self._eager_experts(seg.experts, seg.h, seg.ids, rows))
             nxt.replay()
         assert bk.logits is not None
         return bk.logits[:n].clone()
@@ -410,8 +411,13 @@ class CudaGraphDecode(CompiledDecode):
         return True
 
     def _eager_experts(self, e: PagedExperts, x: torch.Tensor, ids: torch.Tensor, rows: int) -> torch.Tensor:
+        """The layer's experts through PagedExperts (waves).  Its waves never write the padding
+        rows' pairs (uninitialised memory, NaN at times): zeroed here, or they would reach the
+        scratch page's K/V, which masked attention reads (0 * NaN) for every row."""
         with self._paging(rows):
             y: torch.Tensor = PagedExperts.__call__(e, x, ids)
+        if rows < y.shape[0]:
+            y[rows:] = 0
         return y
 
     def _direct(self, bk: Bucket, rows: int, e: PagedExperts, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
