@@ -170,8 +170,14 @@ COMPILE_ENV = "TANDEM_COMPILE"   # "0" makes eager the default (the test suite s
 
 def compile_default() -> bool:
     """Whether decode steps compile unless a config says otherwise: yes, unless the environment
-    sets TANDEM_COMPILE=0."""
-    return os.environ.get(COMPILE_ENV, "1") != "0"
+    sets TANDEM_COMPILE to 0 (or false, no, off).  Raises ValueError for another value."""
+    value = os.environ.get(COMPILE_ENV, "1").strip().lower()
+    if value in ("1", "true", "yes", "on", ""):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{COMPILE_ENV}={os.environ[COMPILE_ENV]!r}: expected 1 (compiled decode steps, the "
+                     f"default) or 0 (eager)")
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 
 from engine.attention import select_attention
+from engine.compiled.cache import use_cache_dir
 from engine.compiled.startup import compile_decode
 from engine.config import EngineConfig, ModelConfig
 from engine.constraint import Constraint, GrammarCompiler
@@ -83,6 +84,8 @@ class EngineCore:
         if torch.device(device).type == "cuda" and torch.device(device).index is not None:
             torch.cuda.set_device(torch.device(device))  # streams, events and Triton use it
         self.config, self.stop_limits = config, stop_limits
+        if config.compile:
+            use_cache_dir()   # an unusable cache directory fails before the model loads
         self.model_config = mc = ModelConfig.from_path(path)
         validate_num_resident(k, mc.num_experts, mc.num_experts_per_tok, config.dtype)
         self.tokenizer = Tokenizer(path)
@@ -107,7 +110,7 @@ class EngineCore:
         self.eos_ids = self.tokenizer.end_ids(mc.eos_token_ids)
         self.runner = ModelRunner(self.model, self.pool, device, mc.vocab_size, self.eos_ids)
         if config.compile:
-            self.runner.compiled = compile_decode(self.model, self.pool, config)
+            self.runner.compiled = compile_decode(self.model, self.pool, config, self.max_model_len)
         self._grammars: GrammarCompiler | None = None      # built at the first constraint
         self._grammars_lock = threading.Lock()
         self._seed_rng = torch.Generator().manual_seed(config.seed)

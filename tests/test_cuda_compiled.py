@@ -48,7 +48,7 @@ def test_fill_rows_matches_build_batch_and_pads_on_the_scratch_page() -> None:
     page_size, scratch, width = 4, 50, 6
     tokens, starts, tables = [[7], [9], [11]], [5, 0, 12], [[3, 8], [4], [1, 2, 6, 9]]
     out = blank_rows(4, width, scratch, page_size)
-    out[:, PAGES:] = 33     # stale pages of earlier steps: never read, left alone
+    out[:, PAGES:] = 33     # stale pages of earlier steps (another request's): replaced by the scratch page
     fill_rows(out, tokens, starts, tables, page_size, scratch, real=2)
     t, s, tb = pad_rows(tokens, starts, tables, 4, scratch)
     want = build_batch(t, s, tb, page_size, "cpu", pad_page=scratch)
@@ -59,7 +59,7 @@ def test_fill_rows_matches_build_batch_and_pads_on_the_scratch_page() -> None:
     assert out[:, REAL].tolist() == [1, 1, 0, 0]
     for row, table in enumerate(tb):
         assert out[row, PAGES:PAGES + len(table)].tolist() == table
-    assert out[0, PAGES + 2:].tolist() == [33] * 4          # past row 0's pages: untouched
+    assert out[0, PAGES + 2:].tolist() == [scratch] * 4     # past row 0's pages: the scratch page
     assert out[3, SLOT] == scratch * page_size and out[3, PAGES] == scratch
     # the next step with fewer rows turns the freed rows back into padding
     fill_rows(out, tokens[:1], [6], tables[:1], page_size, scratch)

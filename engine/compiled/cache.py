@@ -34,7 +34,16 @@ def use_cache_dir() -> Path:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
     os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
     path = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        # the cache holds libraries this process loads: private to its user
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        writable = os.access(path, os.W_OK | os.X_OK)
+    except OSError as e:
+        raise RuntimeError(f"the compile cache directory {path} cannot be created ({e}); set {ENV_DIR} "
+                           "to a writable directory, or start with --no-compile") from None
+    if not writable:
+        raise RuntimeError(f"the compile cache directory {path} is not writable; set {ENV_DIR} to a "
+                           "writable directory, or start with --no-compile")
     return path
 
 

@@ -82,8 +82,9 @@ def blank_rows(rows: int, max_pages: int, scratch_page: int, page_size: int) -> 
 def fill_rows(out: np.ndarray, tokens: list[list[int]], starts: list[int], tables: list[list[int]],
               page_size: int, scratch_page: int, real: int | None = None) -> None:
     """Write a decode batch of n rows into the first n rows of `out` (see `blank_rows`) and turn
-    the rest into padding rows.  A row's page columns past its own pages keep whatever they held
-    (pages are read only below the row's length, or masked).  `real`: how many of the n rows are
+    the rest into padding rows.  A row's page columns past its own pages name the scratch page
+    (the Triton kernel reads no page past a row's length; the torch attention gathers them all,
+    masked: never another request's page).  `real`: how many of the n rows are
     requests (default n).  Raises ValueError for more rows than `out` has, a row adding other than
     one token, or a page table wider than `out`'s."""
     n, (rows, width) = len(tokens), out.shape
@@ -96,6 +97,7 @@ def fill_rows(out: np.ndarray, tokens: list[list[int]], starts: list[int], table
         if len(table) > max_pages:
             raise ValueError(f"row {i} holds {len(table)} pages, more than the graphs' {max_pages}")
         out[i, PAGES:PAGES + len(table)] = table
+        out[i, PAGES + len(table):] = scratch_page
         page = table[start // page_size]
         out[i, IDS], out[i, POS], out[i, LEN] = toks[0], start, start + 1
         out[i, SLOT] = page * page_size + start % page_size

@@ -18,16 +18,18 @@ from engine.models.decoder import DecoderModel
 log = logging.getLogger(__name__)
 
 
-def compile_decode(model: DecoderModel, pool: PagePool, config: EngineConfig,
+def compile_decode(model: DecoderModel, pool: PagePool, config: EngineConfig, max_model_len: int,
                    progress: bool = True) -> CompiledDecode:
-    """The compiled decode step of `model` over `pool`, every bucket compiled (or loaded from
-    the cache) now.  Raises ValueError for buckets the config does not allow."""
+    """The compiled decode step of `model` over `pool` for requests of up to `max_model_len`
+    tokens, every bucket compiled (or loaded from the cache) now.  Raises ValueError for buckets
+    the config does not allow."""
     buckets = decode_buckets(config.max_num_seqs, config.compile_buckets)
     cache = use_cache_dir()
     start = time.monotonic()
     if torch.device(config.device).type == "cuda":
         from engine.compiled.cuda_graphs import CudaGraphDecode
-        step: CompiledDecode = CudaGraphDecode(model, pool, buckets)
+        step: CompiledDecode = CudaGraphDecode(model, pool, buckets,
+                                               max_pages=-(-max_model_len // config.page_size))
     else:
         step = CompiledDecode(model, pool, buckets)
     step.warm_up(Progress() if progress else None)

@@ -43,7 +43,7 @@ GATHERED = StepPlan("gathered", 0)
 # default: about 80 Python calls per step of the shipped model, a debugging aid for graphs
 # whose shapes could drift, which these (traced for the buckets) cannot.
 OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {
-    "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+    "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False, "cpp_wrapper": True}
 
 
 class CompiledDecode:
@@ -92,9 +92,10 @@ class CompiledDecode:
         return self.model.decode_part(batch, kv, self.attention, first, stop, carry,
                                       route_last=part < len(self.parts) - 1)
 
-    def _segments(self, fb: ForwardBatch) -> torch.Tensor:
+    def _segments(self, fb: ForwardBatch, dynamic: bool) -> torch.Tensor:
         """The paged step: each part's graph, then the host's paging decision and the compiled
-        expert compute of the layer it ended at (`PagedExperts.__call__`, one synchronisation)."""
+        expert compute of the layer it ended at (`PagedExperts.__call__`, one synchronisation).
+        `dynamic`: the batch dimension is symbolic (the carried tensors' too)."""
         carry: tuple[torch.Tensor, ...] | None = None
         args = (fb.input_ids, fb.positions, fb.slot_mapping, fb.page_table, fb.seq_lens, self.pool.kv)
         for part, (_, stop) in enumerate(self.parts):
@@ -105,6 +106,9 @@ class CompiledDecode:
             block = self.model.layers[stop - 1].mlp
             assert isinstance(block, MoeBlock)  # a part ends at a paged MoE layer
             carry = (x, h, weights, block.experts(h, ids))
+            if dynamic:
+                for tensor in carry:
+                    torch._dynamo.mark_dynamic(tensor, 0)
         raise AssertionError("a compiled step has at least one part")
 
     def run(self, tokens: list[list[int]], starts: list[int], tables: list[list[int]],
@@ -116,8 +120,12 @@ class CompiledDecode:
         size = bucket_for(n, self.buckets)
         if size is None:
             raise ValueError(f"a decode batch of {n} requests exceeds the largest compiled bucket {self.max_rows}")
+        # each request's pages up to its length after this token: a request reserves pages for
+        # its whole output at admission, and the static plan reads every page of the table
+        page_size = self.pool.page_size
+        tables = [table[:(start + page_size) // page_size] for table, start in zip(tables, starts)]
         t, s, tb = pad_rows(tokens, starts, tables, size, self.pool.scratch_page)
-        fb = build_batch(t, s, tb, self.pool.page_size, self.pool.kv.device, pad_page=self.pool.scratch_page,
+        fb = build_batch(t, s, tb, page_size, self.pool.kv.device, pad_page=self.pool.scratch_page,
                          min_pages=MIN_PAGES)
         torch._dynamo.mark_dynamic(fb.page_table, 1)
         if size > 1:  # every bucket above 1 shares one graph (see the module doc)
@@ -128,7 +136,7 @@ class CompiledDecode:
                 logits = self._graph(fb.input_ids, fb.positions, fb.slot_mapping, fb.page_table, fb.seq_lens,
                                      self.pool.kv)
             else:
-                logits = self._segments(fb)
+                logits = self._segments(fb, dynamic=size > 1)
         self.compiled.add(size)
         return logits[:n]
 
