@@ -11,6 +11,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 from engine import LLM  # noqa: E402
 from tests.checkpoints import write_random_checkpoint  # noqa: E402
+from tests.kv_helpers import assert_engines_idle  # noqa: E402
 
 _ENGINES: list[LLM] = []
 
@@ -38,8 +39,4 @@ def random_llm(random_ckpt) -> LLM:
 def pools_idle_and_intact():
     """I6 after every test: every engine's pool is intact and fully free."""
     yield
-    for llm in _ENGINES:
-        llm.pool.check_integrity()
-        assert llm.pool.num_free == llm.pool.num_pages, \
-            f"{llm.pool.num_pages - llm.pool.num_free} KV pages still in use after the test"
-        assert not llm.scheduler.has_work()
+    assert_engines_idle(_ENGINES)

@@ -134,3 +134,12 @@ def open_transfer(src: PagePool, dst: PagePool, recv: TransferReceiver, server, 
                             TransferTicket(res.transfer_id, rid, "acme", res.prompt_digest), SECRET, src,
                             src.page_table(rid), prompt_len, hooks=faults)
     return res, sender
+
+
+def assert_engines_idle(engines: list) -> None:
+    """I6 for `engines` (`engine.LLM`s): every pool intact and fully free, no work left."""
+    for llm in engines:
+        llm.pool.check_integrity()
+        assert llm.pool.num_free == llm.pool.num_pages, \
+            f"{llm.pool.num_pages - llm.pool.num_free} KV pages still in use after the test"
+        assert not llm.scheduler.has_work()

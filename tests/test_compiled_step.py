@@ -19,6 +19,7 @@ from engine.compiled.step import GATHERED, MIN_PAGES, CompiledDecode
 from engine.forward_batch import build_batch
 from engine.kv_pool import PagePool, PoolExhausted
 from engine.moe import ResidentExperts
+from tests.kv_helpers import assert_engines_idle
 from tests.test_batching import MIXED
 from tests.test_paged_experts import small_layer
 from tests.test_parity_hf import PROMPTS
@@ -41,11 +42,7 @@ def _engine(**kw: object) -> LLM:
 def engines_idle_and_intact() -> Iterator[None]:
     """I6 for this module's engines (conftest's check covers the session's)."""
     yield
-    for llm in _ENGINES:
-        llm.pool.check_integrity()
-        assert llm.pool.num_free == llm.pool.num_pages, \
-            f"{llm.pool.num_pages - llm.pool.num_free} KV pages still in use after the test"
-        assert not llm.scheduler.has_work()
+    assert_engines_idle(_ENGINES)
 
 
 @pytest.fixture(scope="module")
