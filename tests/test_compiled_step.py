@@ -147,6 +147,20 @@ def test_bad_buckets_are_refused_before_compiling(buckets: list[int], limit: int
         LLM(compile=True, compile_buckets=buckets, max_num_seqs=limit)
 
 
+def test_buckets_whose_gathered_experts_pass_the_budget_are_left_out(eager: LLM,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # the shipped model: 64 rows x top-4 x 96 KiB of expert weights = 24 MiB per MoE layer
+    assert engine.compiled.startup.gathered_bytes(eager.model, 64) == 64 * 4 * (128 * 128 + 128 * 64) * 4
+    monkeypatch.setattr(engine.compiled.startup, "GATHER_BUDGET_BYTES", 8 << 20)
+    defaults = decode_buckets(64)
+    assert engine.compiled.startup.fitting_buckets(eager.model, defaults, explicit=False) == (1, 2, 4, 8, 16)
+    with pytest.raises(ValueError, match="compile bucket 32 would copy 12 MiB .* up to 16, or --no-compile"):
+        engine.compiled.startup.fitting_buckets(eager.model, defaults, explicit=True)
+    monkeypatch.setattr(engine.compiled.startup, "GATHER_BUDGET_BYTES", 1 << 10)
+    with pytest.raises(ValueError, match="compile bucket 1 would copy"):
+        engine.compiled.startup.fitting_buckets(eager.model, defaults, explicit=False)
+
+
 # ---- compiled == eager -----------------------------------------------------------------------
 
 def assert_same(got: list, want: list) -> float:
