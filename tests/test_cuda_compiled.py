@@ -18,14 +18,14 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.compiled.buckets import pad_rows
-from engine.compiled.cuda_graphs import (
+from engine.compiled.cuda_graphs import CudaGraphDecode
+from engine.compiled.cuda_support import (
     IDS,
     LEN,
     PAGES,
     POS,
     REAL,
     SLOT,
-    CudaGraphDecode,
     GraphAttention,
     blank_rows,
     count_host_syncs,
