@@ -295,7 +295,9 @@ def main() -> None:
         return
     alone = args.stop_only or args.prefill_only or args.mask_only
     cost = {} if alone else compile_cost(args.device, args.threads, args.compile_buckets)  # first: nothing else runs
-    llm = LLM(device=args.device, compile_buckets=args.compile_buckets)
+    # the stop checks and prefill never run a compiled decode step: no start-up compile for them
+    eager = args.stop_only or args.prefill_only
+    llm = LLM(device=args.device, compile=False if eager else None, compile_buckets=args.compile_buckets)
     if alone:
         part = ({"stop_check": stop_check(llm, args.repeats)} if args.stop_only else
                 prefill_sweep(llm, args.prefill_runs) if args.prefill_only else
