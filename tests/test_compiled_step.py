@@ -1,20 +1,24 @@
 """The compiled decode step (engine/compiled) on the shipped model: batch buckets and padding,
 compiled tokens and logprobs equal to eager, batch invariance across buckets, the eager fallback
-past the largest bucket, one graph with no break when every expert is resident, paged experts
-bit-identical to all-resident under compilation (padding rows route, page and count nothing),
-and the scratch page that padding rows write (buckets without compiling: test_compiled_buckets)."""
+past the largest bucket, grammar-constrained rows as in eager, one graph with no break when every
+expert is resident, paged experts bit-identical to all-resident under compilation (padding rows
+route, page and count nothing), and the scratch page that padding rows write (buckets without
+compiling: test_compiled_buckets)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jsonschema
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from engine.compiled.buckets import bucket_for, pad_rows
 from engine.compiled.step import GATHERED, MIN_PAGES, CompiledDecode
+from engine.constraint import Constraint
 from engine.forward_batch import build_batch
 from engine.kv_pool import PagePool
 from engine.moe import ResidentExperts
@@ -96,6 +100,30 @@ def test_seeded_sampling_draws_the_same_tokens(compiled: LLM, eager: LLM) -> Non
     want = [o.token_ids for o in eager.generate(prompts, params)]
     assert [o.token_ids for o in compiled.generate(prompts, params)] == want
     assert [compiled.generate([p], q)[0].token_ids for p, q in zip(prompts, params)] == want
+
+
+def test_constrained_rows_decode_as_in_eager(compiled: LLM, eager: LLM) -> None:
+    """Grammar masks run on the compiled step's logits (outside the graph): guided rows, one
+    wanting logprobs (the mask goes into a copy) and the others not (in place, on the graph's
+    output), next to a plain row, give eager's tokens and logprobs, alone (bucket 1) and
+    padded together (bucket 4); every constrained output keeps its grammar."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["n", "ok"],
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}}}
+    json_c, choice_c = Constraint.json_schema(schema), Constraint.choice(["alpha", "beta", "gamma"])
+    params = [SamplingParams(max_tokens=24, temperature=0, constraint=json_c, logprobs=3),
+              SamplingParams(max_tokens=24, temperature=0.8, seed=5, constraint=json_c),
+              SamplingParams(max_tokens=24, temperature=0, constraint=choice_c),
+              SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)]
+    prompts = MIXED[:4]
+    want = eager.generate(prompts, params)
+    for got in (compiled.generate(prompts, params),
+                [compiled.generate([p], q)[0] for p, q in zip(prompts, params)]):
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert_same(got[:1], want[:1])
+    for o in want[:2]:
+        assert o.finish_reason == "stop", (o.finish_reason, o.text)
+        jsonschema.validate(json.loads(o.text), schema)
+    assert want[2].text in ("alpha", "beta", "gamma")
 
 
 def test_a_requests_tokens_do_not_depend_on_its_bucket(compiled: LLM) -> None:

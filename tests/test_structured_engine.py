@@ -3,8 +3,8 @@ single-process `LLM` (the workers run the same token path), refusals leave no st
 request replays its grammar exactly, and logprobs stay those of the raw model distribution.
 
 The shipped model is tiny: quality is not the point, validity is.  Its schemas bound every
-string (maxLength) and keep JSON compact (llguidance's `x-guidance` option, in the schema), so
-every completion ends within the max_tokens given here."""
+string (maxLength), and constraints generate compact JSON (no whitespace between tokens, the
+default), so every completion ends within the max_tokens given here."""
 
 from __future__ import annotations
 
