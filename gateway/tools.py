@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+_DECODER = json.JSONDecoder()
+
 TOOL_PARSERS = ("hermes", "mistral", "deepseek_v3", "glm45", "kimi_k2", "harmony")
 
 
@@ -63,14 +65,33 @@ def held_suffix(text: str, markers: Iterable[str]) -> int:
     return best
 
 
+def decode(text: str, at: int | None = None) -> tuple[Any, int]:
+    """The JSON value in `text` (all of it, whitespace aside; or the one starting at index `at`,
+    with where it ends).  Raises ValueError for text that does not parse, which includes nesting
+    past the interpreter's recursion limit (json raises RecursionError for it: a model can be
+    steered into `[[[[…`, and "does not parse" is what a reader does with such a block)."""
+    try:
+        return (_DECODER.decode(text), len(text)) if at is None else _DECODER.raw_decode(text, at)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+def encode(value: Any) -> str | None:
+    """`value` as JSON text, or None when it nests too deeply to be written."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except RecursionError:
+        return None
+
+
 def _args(value: Any) -> str | None:
     """A call's arguments as JSON text (a model may give the object or its text)."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value, _ = decode(value)
         except ValueError:
             return None
-    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
+    return encode(value) if isinstance(value, dict) else None
 
 
 Parsed = list[tuple[str, str, str | None]]        # (name, arguments JSON, id or None)
@@ -79,7 +100,7 @@ Schemas = dict[str, dict[str, Any]]               # tool name -> its parameters 
 
 def parse_hermes(block: str, schemas: Schemas) -> Parsed | None:
     try:
-        obj = json.loads(block)
+        obj, _ = decode(block)
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -92,7 +113,7 @@ def parse_mistral(block: str, schemas: Schemas) -> Parsed | None:
     block = block.strip()
     if block.startswith("["):
         try:
-            items = json.loads(block)
+            items, _ = decode(block)
         except ValueError:
             return None
         if not isinstance(items, list):
@@ -175,10 +196,11 @@ def parse_glm45(block: str, schemas: Schemas) -> Parsed | None:
             args[key] = raw
             continue
         try:
-            args[key] = json.loads(raw)
+            args[key], _ = decode(raw)
         except ValueError:
             args[key] = raw
-    return [(name, json.dumps(args, ensure_ascii=False), None)]
+    text = encode(args)
+    return None if text is None else [(name, text, None)]
 
 
 def _glm_pairs(block: str) -> Iterator[tuple[str, str]]:
@@ -331,7 +353,6 @@ class RequiredCalls:
         self.out, self.buf = out, ""
         self.done = 0                     # buf[:done] became calls
         self.depth, self.in_string, self.escaped, self.failed = 0, False, False, False
-        self.decoder = json.JSONDecoder()
 
     def feed(self, text: str) -> None:
         start = len(self.buf)
@@ -361,7 +382,7 @@ class RequiredCalls:
         while i < end and (self.buf[i].isspace() or self.buf[i] in "[,"):
             i += 1
         try:
-            item, stop = self.decoder.raw_decode(self.buf, i)
+            item, stop = decode(self.buf, i)
         except ValueError:
             item, stop = None, end
         args = _args(item.get("parameters", item.get("arguments", {}))) if isinstance(item, dict) \
