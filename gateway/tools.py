@@ -4,6 +4,7 @@ and the stages that turn a choice's content into text and `tool_calls` while it 
 A stage is fed the content text piece by piece (`feed`) and once more at the end (`finish`); it
 writes what is final into an `Output`: content text (append-only) and tool calls (a call's
 arguments only grow).  Text that might still turn out to be part of a marker is held back.
+A block whose call does not parse as strict JSON (RFC 8259: no NaN or Infinity) stays content.
 
 The syntaxes (facts from the families' chat templates and vLLM's parsers):
 - hermes (Qwen2.5/Qwen3, Tandem's own): `<tool_call>{"name": N, "arguments": {...}}</tool_call>`
@@ -26,8 +27,6 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
-
-_DECODER = json.JSONDecoder()
 
 TOOL_PARSERS = ("hermes", "mistral", "deepseek_v3", "glm45", "kimi_k2", "harmony")
 
@@ -65,11 +64,19 @@ def held_suffix(text: str, markers: Iterable[str]) -> int:
     return best
 
 
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_not_json)    # strict: RFC 8259 has no NaN, Infinity
+
+
 def decode(text: str, at: int | None = None) -> tuple[Any, int]:
     """The JSON value in `text` (all of it, whitespace aside; or the one starting at index `at`,
-    with where it ends).  Raises ValueError for text that does not parse, which includes nesting
-    past the interpreter's recursion limit (json raises RecursionError for it: a model can be
-    steered into `[[[[…`, and "does not parse" is what a reader does with such a block)."""
+    with where it ends).  Raises ValueError for text that is not JSON (RFC 8259): also for NaN
+    and ±Infinity, which Python's json takes (clients' parsers do not), and for nesting past the
+    interpreter's recursion limit (json raises RecursionError for it: a model can be steered into
+    `[[[[…`, and "does not parse" is what a reader does with such a block)."""
     try:
         return (_DECODER.decode(text), len(text)) if at is None else _DECODER.raw_decode(text, at)
     except RecursionError:
@@ -77,10 +84,11 @@ def decode(text: str, at: int | None = None) -> tuple[Any, int]:
 
 
 def encode(value: Any) -> str | None:
-    """`value` as JSON text, or None when it nests too deeply to be written."""
+    """`value` as JSON text, or None when it cannot be written as JSON: a number that decoded
+    to infinity (`1e999`), or nesting too deep to write."""
     try:
-        return json.dumps(value, ensure_ascii=False)
-    except RecursionError:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (ValueError, RecursionError):
         return None
 
 

@@ -59,3 +59,25 @@ def test_deeply_nested_json_in_glm45_values_and_required_calls() -> None:
     out = '[{"name": "get_time", "parameters": ' + DEEP_ARGS + "}]"
     msg = read(None, out, tool_choice="required")
     assert "tool_calls" not in msg and msg["content"] == out
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("payload", ['{"days": NaN}', '{"days": Infinity}', '{"a": [-Infinity]}', '{"a": 1e999}',
+                                     json.dumps('{"days": NaN}')])
+def test_nan_and_infinity_are_not_json_arguments(block: tuple[str, str], payload: str) -> None:
+    """Python's json takes NaN and ±Infinity (and writes them back, also for 1e999, which it
+    reads as infinity); RFC 8259 and clients' parsers (JSON.parse) do not: such a block is not a
+    call, it stays content."""
+    parser, template = block
+    text = template.replace("{}", payload)
+    msg = read(parser, text)
+    assert "tool_calls" not in msg and msg["content"] == text
+
+
+def test_nan_in_required_calls_and_glm45_values() -> None:
+    out = '[{"name": "get_time", "parameters": {"x": NaN}}]'
+    msg = read(None, out, tool_choice="required")
+    assert "tool_calls" not in msg and msg["content"] == out
+    glm = "<tool_call>get_time\n<arg_key>a</arg_key><arg_value>NaN</arg_value></tool_call>"
+    msg = read("glm45", glm)                  # a value that is not JSON is the value's text
+    assert [json.loads(c["function"]["arguments"]) for c in msg["tool_calls"]] == [{"a": "NaN"}]
