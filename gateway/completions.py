@@ -212,7 +212,8 @@ class CompletionHandler:
         context, capacity = gw.context_len(), gw.pool.capacity_tokens()
         if capacity == 0:
             raise Rejected(503, "no_workers", "no decode worker is ready")
-        constraint = await gw.structured.constraint(body, gw.output_settings)
+        share = share_key(request, tenant, bool(gw.keys))     # whom it counts against in the limits
+        constraint = await gw.structured.constraint(body, gw.output_settings, share)
         jobs = await gw.prepare(self.jobs, body, context, capacity, tenant, frozenset(gw.pool.page_sizes()),
                                 constraint)
         so = body.stream_options
@@ -220,8 +221,7 @@ class CompletionHandler:
                         gw.config.served_model_name, gw.tokenizer, body.logprobs_n, body.return_token_ids,
                         continuous_usage=bool(body.stream and so and so.include_usage and so.continuous_usage_stats))
         slot = AsyncExitStack()
-        await slot.enter_async_context(gw.queue.admit(share_key(request, tenant, bool(gw.keys)),
-                                                      reserved_tokens(jobs)))
+        await slot.enter_async_context(gw.queue.admit(share, reserved_tokens(jobs)))
         events: asyncio.Queue[Event] = asyncio.Queue()
         started = time.monotonic()
         tasks = [asyncio.create_task(self._run(fmt.id, tenant, job, events, started)) for job in jobs]

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway.compile_queue import DEFAULT_MAX_PENDING, DEFAULT_TENANT_MAX_PENDING
 from gateway.reasoning import REASONING_PARSERS
 from gateway.tools import TOOL_PARSERS
 from kv_transfer.frame import check_secret
@@ -69,6 +70,10 @@ class GatewayConfig:
     routing: str = "prefix"
     # structured outputs: a constraint's compilation may take this long before the request is refused (400)
     grammar_compile_timeout_s: float = 5.0
+    # structured-output compilations waiting or running (gateway/compile_queue.py): in all, and per
+    # tenant (the tenants' share key, as admission); past either a request is refused with 429
+    grammar_max_pending: int = DEFAULT_MAX_PENDING
+    grammar_tenant_max_pending: int = DEFAULT_TENANT_MAX_PENDING
     # how the model's output is read (gateway/chat.py output_settings): a parser's name, "none", or
     # "auto" (from the chat template's markers)
     reasoning_parser: str = "auto"
@@ -101,9 +106,13 @@ class GatewayConfig:
                              f"cluster's KV capacity)")
         if not all(k and t for k, t in self.api_keys.items()):
             raise ValueError("an empty API key or tenant would turn authentication off: refused")
-        for name in ("max_header_bytes", "max_connections", "prepare_threads", "max_messages"):
+        for name in ("max_header_bytes", "max_connections", "prepare_threads", "max_messages", "grammar_max_pending",
+                     "grammar_tenant_max_pending"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.grammar_tenant_max_pending > self.grammar_max_pending:
+            raise ValueError(f"grammar_tenant_max_pending={self.grammar_tenant_max_pending} must be <= "
+                             f"grammar_max_pending={self.grammar_max_pending}")
         if self.stream_idle_timeout_s <= 0:
             raise ValueError(f"stream_idle_timeout_s={self.stream_idle_timeout_s} must be > 0")
         if not all(self.admin_keys):

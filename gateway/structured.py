@@ -17,10 +17,8 @@ starts after the reasoning section when the served model reasons (`after`: gatew
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -30,6 +28,7 @@ from engine.constraint import MAX_SPEC_CHARS, Constraint, GrammarCompiler
 from engine.tokenizer import Tokenizer
 from gateway.admission import InvalidField, Rejected
 from gateway.chat import OutputSettings, reasoning_end
+from gateway.compile_queue import DEFAULT_MAX_PENDING, DEFAULT_TENANT_MAX_PENDING, CompileQueue
 from gateway.protocol import ChatCompletionRequest
 from gateway.tool_choice import tool_mode, tool_schema
 
@@ -53,7 +52,9 @@ JSON_SCHEMA_FIELDS = ("name", "schema", "strict", "description")
 # ---- the request's constraint ----------------------------------------------------------------
 def sources(body: Body) -> list[tuple[str, str, Any]]:
     """Each (field, kind, spec) the request asks for a constraint with: spec is a schema (dict,
-    or JSON text), a pattern, a grammar, a list of choices, or None for json_object."""
+    or JSON text), a pattern, a grammar, a list of choices, or None for json_object and for
+    tool_choice (whose schema `request_constraint` builds from the tools).  Cheap: it reads the
+    fields' presence and shape only, so it runs on the event loop."""
     out: list[tuple[str, str, Any]] = []
     rf = body.response_format
     if rf is not None:
@@ -72,9 +73,8 @@ def sources(body: Body) -> list[tuple[str, str, Any]]:
         value = getattr(body, field)
         if value is not None:
             out.append((field, kind, value))
-    mode = tool_mode(body)
-    if mode in ("required", "named"):
-        out.append(("tool_choice", "json_schema", tool_schema(body)))   # type: ignore[arg-type]
+    if tool_mode(body) in ("required", "named"):
+        out.append(("tool_choice", "json_schema", None))     # its schema: request_constraint builds it
     return out
 
 
@@ -126,7 +126,9 @@ def request_constraint(body: Body, settings: OutputSettings) -> tuple[str, Const
         raise InvalidField(found[1][0], f"{found[0][0]} and {found[1][0]} both ask for a structured output; "
                            f"send one", "invalid_request")
     field, kind, spec = found[0]
-    if field != "tool_choice" and tool_mode(body) == "auto":
+    if field == "tool_choice":
+        spec = tool_schema(body)    # type: ignore[arg-type]
+    elif tool_mode(body) == "auto":
         raise InvalidField(field, f"{field} cannot be enforced while the model may call tools in its own "
                            f"syntax (tool_choice auto): send tool_choice none, required or a named function",
                            "unsupported")
@@ -162,12 +164,16 @@ def _constraint(kind: str, spec: Any, after: str) -> Constraint:
 
 class StructuredOutputs:
     """The gateway's grammar compiler (one, built from the served model's tokenizer) and the
-    threads it compiles on, apart from the tokenizing ones, so slow schemas delay only schemas."""
+    threads it compiles on, apart from the tokenizing ones, behind a bounded queue that takes
+    tenants in turn (gateway/compile_queue.py): slow schemas delay only schemas, and a request
+    that asks for no constraint never waits for a thread."""
 
     def __init__(self, tokenizer: Tokenizer, model_config: ModelConfig, timeout_s: float,
-                 observe: Callable[[float], None] = lambda seconds: None, threads: int = 2):
+                 observe: Callable[[float], None] = lambda seconds: None, threads: int = 2,
+                 max_pending: int = DEFAULT_MAX_PENDING, tenant_max_pending: int = DEFAULT_TENANT_MAX_PENDING):
         self.timeout_s, self.observe = timeout_s, observe
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="gateway-grammar")
+        self.queue = CompileQueue(self.executor, threads, max_pending, tenant_max_pending)
         eos = tokenizer.end_ids(model_config.eos_token_ids)     # the engine's (engine/core.py)
         self.compiler: GrammarCompiler | None = None
         self.unavailable = ""
@@ -177,18 +183,21 @@ class StructuredOutputs:
             self.unavailable = f"structured outputs are not available for this model's tokenizer: {e}"
             log.warning("%s", self.unavailable)
 
-    async def constraint(self, body: Body, settings: OutputSettings) -> Constraint | None:
-        """The request's constraint, compiled (cached) within the time budget.  Raises
-        InvalidField/Rejected (400) naming the problem; contacts no worker."""
-        started = time.monotonic()
-        future = asyncio.get_running_loop().run_in_executor(self.executor, self._prepare, body, settings)
+    async def constraint(self, body: Body, settings: OutputSettings, tenant: str = "default") -> Constraint | None:
+        """The request's constraint, compiled (cached) within the time budget, which starts
+        when its compilation does.  None at once, on the event loop, when the request asks for
+        none.  Raises InvalidField/Rejected (400) naming the problem, Busy (429) when `tenant`
+        (whom the request counts against) or everyone has too many compilations pending;
+        contacts no worker."""
+        if not sources(body):
+            return None
         try:
-            c = await asyncio.wait_for(future, self.timeout_s)
+            c, seconds = await self.queue.run(tenant, lambda: self._prepare(body, settings), self.timeout_s)
         except TimeoutError:
             raise Rejected(400, "grammar_timeout", f"the structured output took longer than {self.timeout_s:g} s "
                            f"to compile; simplify the schema") from None
         if c is not None:
-            self.observe(time.monotonic() - started)
+            self.observe(seconds)
         return c
 
     def _prepare(self, body: Body, settings: OutputSettings) -> Constraint | None:
@@ -206,4 +215,3 @@ class StructuredOutputs:
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
-
