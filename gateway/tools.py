@@ -212,16 +212,26 @@ def parse_glm45(block: str, schemas: Schemas) -> Parsed | None:
 
 
 def _glm_pairs(block: str) -> Iterator[tuple[str, str]]:
-    """Each <arg_key>k</arg_key> directly followed (whitespace aside) by <arg_value>v</arg_value>."""
-    for key, stop in spans(block, "<arg_key>", "</arg_key>"):
+    """Each <arg_key>k</arg_key> directly followed (whitespace aside) by <arg_value>v</arg_value>,
+    in order and not overlapping (a value is all the text up to its close, as the families' own
+    parsers read it).  Each search starts where the last one stopped: one pass over the block,
+    whatever it holds (a value never closed ends the pairs; no later key can have one)."""
+    i = 0
+    while (start := block.find("<arg_key>", i)) >= 0:
+        stop = block.find("</arg_key>", start)
+        if stop < 0:
+            return
         j = stop + len("</arg_key>")
         while j < len(block) and block[j].isspace():
             j += 1
-        if block.startswith("<arg_value>", j):
-            j += len("<arg_value>")
-            end = block.find("</arg_value>", j)
-            if end >= 0:
-                yield key, block[j:end]
+        if not block.startswith("<arg_value>", j):
+            i = j
+            continue
+        end = block.find("</arg_value>", j)
+        if end < 0:
+            return
+        yield block[start + len("<arg_key>"):stop], block[j + len("<arg_value>"):end]
+        i = end + len("</arg_value>")
 
 
 KIMI_BEGIN, KIMI_ARGS, KIMI_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"

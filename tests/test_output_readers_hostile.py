@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from gateway.tools import parse_glm45
 from tests.test_tool_parsers import reader, run
 
 DEEP = "[" * 5000 + "]" * 5000               # past the interpreter's recursion limit when decoded
@@ -81,3 +82,36 @@ def test_nan_in_required_calls_and_glm45_values() -> None:
     glm = "<tool_call>get_time\n<arg_key>a</arg_key><arg_value>NaN</arg_value></tool_call>"
     msg = read("glm45", glm)                  # a value that is not JSON is the value's text
     assert [json.loads(c["function"]["arguments"]) for c in msg["tool_calls"]] == [{"a": "NaN"}]
+
+
+class CountingText(str):
+    """A text that counts the characters its `find` calls scan."""
+    scanned = 0
+
+    def find(self, sub: str, start: Any = None, end: Any = None) -> int:  # type: ignore[override]
+        at = super().find(sub, start, end)
+        CountingText.scanned += (at + len(sub) if at >= 0 else len(self)) - (start or 0)
+        return at
+
+
+@pytest.mark.parametrize("tail", ["", "</arg_value>"])
+def test_glm45_reads_each_character_a_bounded_number_of_times(tail: str) -> None:
+    """Values whose `</arg_value>` is missing (or one close for all of them, at the end) are
+    found with one scan each way, not one scan to the end per key: the parser runs on the
+    event loop when the block closes, and the model's output is as long as it likes."""
+    block = CountingText("get_time" + "".join(f"<arg_key>k{i}</arg_key><arg_value>x" for i in range(2000)) + tail)
+    CountingText.scanned = 0
+    parsed = parse_glm45(block, {})
+    assert CountingText.scanned <= 3 * len(block)
+    want = {"k0": block[block.index("<arg_value>") + len("<arg_value>"):-len(tail)]} if tail else {}
+    assert parsed is not None and [(n, json.loads(a)) for n, a, _ in parsed] == [("get_time", want)]
+
+
+def test_glm45_pairs_do_not_overlap() -> None:
+    """A value's text is everything up to its `</arg_value>`, marker-like text included (as the
+    families' own parsers read it); pairs after it are read after it."""
+    out = ("<tool_call>get_weather\n<arg_key>city</arg_key><arg_value>a<arg_key>hours</arg_key><arg_value>2"
+           "</arg_value><arg_key>days</arg_key>\n<arg_value>3</arg_value></tool_call>")
+    msg = read("glm45", out)
+    assert [json.loads(c["function"]["arguments"]) for c in msg["tool_calls"]] == [
+        {"city": "a<arg_key>hours</arg_key><arg_value>2", "days": 3}]
