@@ -11,11 +11,12 @@
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import Any
 
 log = logging.getLogger("tandem.gateway")
 IGNORED_HEADER = "X-Tandem-Ignored-Fields"
-MAX_WARNED_FIELDS = 1024             # distinct ignored names logged at warning level (then debug)
+MAX_WARNED_FIELDS = 1024             # ignored names remembered as warned about (the latest seen)
 
 # The extensions to OpenAI's request bodies that Tandem honours: field -> whose and what it does.
 VENDOR_EXTENSIONS: dict[str, str] = {
@@ -112,20 +113,27 @@ def header_value(names: list[str]) -> str:
 
 
 class IgnoredFields:
-    """Logs the fields requests sent that were ignored: a warning the first time a name is seen
-    (at most MAX_WARNED_FIELDS names are remembered), debug after."""
+    """Logs the fields requests sent that were ignored: a warning when a request names one not
+    seen lately, debug otherwise.  It remembers the MAX_WARNED_FIELDS names seen last (an LRU),
+    each cut to MAX_IGNORED_NAME_CHARS, and of one request only the MAX_IGNORED_NAMED its header
+    shows: no request can hold memory here, nor turn the warnings off for later ones."""
 
     def __init__(self) -> None:
-        self._warned: set[str] = set()
+        self._warned: OrderedDict[str, None] = OrderedDict()
 
     def report(self, names: list[str]) -> str:
         """Log `names`; returns the header value ("" : none)."""
         if not names:
             return ""
         value = header_value(names)
-        new = [n for n in names if n not in self._warned]
-        if new and len(self._warned) < MAX_WARNED_FIELDS:
-            self._warned.update(new)
+        shown = [n[:MAX_IGNORED_NAME_CHARS] for n in list(dict.fromkeys(names))[:MAX_IGNORED_NAMED]]
+        new = [n for n in shown if n not in self._warned]
+        for n in shown:
+            self._warned[n] = None
+            self._warned.move_to_end(n)
+        while len(self._warned) > MAX_WARNED_FIELDS:
+            self._warned.popitem(last=False)
+        if new:
             log.warning("request fields ignored (defined neither by OpenAI nor by the extensions Tandem "
                         "accepts): %s", value)
         else:
