@@ -2,14 +2,26 @@
 
 A leaf module without torch (the gateway imports it): a `Constraint` names a kind and its spec,
 and checks the caps below when it is made; `grammar_text` turns it into llguidance's grammar
-text; `GrammarCompiler` compiles that text against one tokenizer, once per distinct constraint
-(an LRU cache of pristine matchers, each request gets a deep copy), and refuses what the
-grammar engine cannot compile with a message that names the problem.
+text; `GrammarCompiler` checks that text against one tokenizer (once per distinct constraint:
+an LRU cache of the checked texts), refuses what the grammar engine cannot use with a message
+that names the problem, and gives every request a matcher of its own.
 
 The grammar engine is llguidance (PyPI `llguidance`): it imports no torch, so the gateway can
-compile and refuse a bad schema itself, before any worker is contacted; its matchers compute
-a token mask in tens of microseconds without precomputation, and a matcher copies cheaply,
-which is how the workers start each request from a cached compilation.
+compile and refuse a bad schema itself, before any worker is contacted, and its matchers
+compute a token mask in tens of microseconds without precomputation.
+
+Two of llguidance's properties shape the compiler:
+- **Matchers build their lexer lazily.**  `LLMatcher(...)` returns in about a millisecond even
+  for a regex whose lexer would take seconds and hundreds of MB; the work happens at the first
+  mask.  So `check` computes the first mask too, and `LIMITS` caps the lexer's initial work
+  (`initial_lexer_fuel`), which bounds that first mask to about 0.1-0.2 s on a CPU core and
+  refuses or bounds what needs more.
+- **A matcher's copies share its lexer** (`LLMatcher.deep_copy`): the states one request's
+  output walks, and the lexer's budget they use, would be every later copy's.  One request
+  could exhaust the budget for every request of the same constraint, and whether a request
+  fails would depend on the worker's history.  So every request gets a fresh matcher, built
+  from the cached text (about 0.2-1 ms for the schemas of the tests; at most a few hundred ms
+  for a schema at `MAX_SPEC_CHARS`, with the GIL released).
 
 `after`: the constraint applies only once the output has produced this text's tokens (the end
 of a reasoning section, e.g. "</think>"): before that the output is free.  The marker is
@@ -37,7 +49,11 @@ MAX_SCHEMA_DEPTH = 32              # nesting of JSON values in a schema (objects
 MAX_CHOICES = 256                  # guided_choice alternatives
 MAX_CHOICE_CHARS = 1024            # one alternative
 MAX_AFTER_CHARS = 64               # the reasoning end marker
-DEFAULT_CACHE_SIZE = 256           # compiled grammars kept per compiler
+DEFAULT_CACHE_SIZE = 256           # checked grammar texts kept per compiler (each at most ~MAX_SPEC_CHARS)
+# llguidance's parser limits for every matcher (its defaults but the lexer's initial work: 1e6 fuel,
+# at which `(a{1000}){1000}` took 1.35 s and 170 MB at its first mask here; 2e5 takes 0.1-0.2 s
+# and no memory that outlives the request).  The per-step fuel stays llguidance's (200k, ~14 ms).
+INITIAL_LEXER_FUEL = 200_000
 # JSON is generated compact (no whitespace between tokens, as OpenAI's structured outputs):
 # with llguidance's default (whitespace allowed anywhere) a model may emit whitespace forever
 # and never finish; a schema's own "x-guidance" options still win over these.
@@ -109,49 +125,73 @@ def grammar_text(c: Constraint) -> str:
         raise ValueError(f"the grammar cannot be read: {e}") from None
 
 
+def default_limits() -> llguidance.LLParserLimits:
+    """The parser limits every compiler uses unless given others."""
+    return llguidance.LLParserLimits(initial_lexer_fuel=INITIAL_LEXER_FUEL)
+
+
 class GrammarCompiler:
-    """Compiles constraints against one tokenizer and caches the result (thread-safe).
+    """Checks constraints against one tokenizer, caches what passed, and makes each request's
+    matcher (thread-safe).
 
     tokenizer_json: the tokenizer's `tokenizers` JSON (`Tokenizer.backend.to_str()`);
     vocab_size: the model's (the logits' width, which may exceed the tokenizer's);
-    eos_ids: the tokens that end a request (allowed where the grammar may end)."""
+    eos_ids: the tokens that end a request (allowed where the grammar may end);
+    limits: llguidance's parser limits (`default_limits()` when None)."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int],
                  cache_size: int = DEFAULT_CACHE_SIZE, limits: llguidance.LLParserLimits | None = None):
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_ids))
         self.vocab_size = vocab_size
-        self.limits = limits
-        self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self.limits = limits if limits is not None else default_limits()
+        self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()   # (kind, spec) -> grammar text
         self._cache_size = cache_size
         self._lock = threading.Lock()
-        self.compiled = 0             # compilations made (cache misses), read by tests and metrics
+        self.compiled = 0             # constraints checked (cache misses), read by tests and metrics
 
     def compile(self, c: Constraint) -> llguidance.LLMatcher:
-        """A fresh matcher at the start of `c`'s grammar (a copy of the cached compilation).
-        Raises ValueError with the grammar engine's message when it cannot compile."""
-        return self._pristine(c).deep_copy()
+        """A fresh matcher of its own at the start of `c`'s grammar.  Raises ValueError with the
+        grammar engine's message when `c` cannot be used (see `check`)."""
+        text = self._checked(c)
+        if text is None:
+            return self._check_new(c)
+        return self._matcher(c, text)
 
     def check(self, c: Constraint) -> None:
-        """Compile `c` into the cache (no copy); raises ValueError as `compile`."""
-        self._pristine(c)
+        """Raise ValueError, naming the problem, unless `c` compiles and its first mask can be
+        computed within the limits; remembers a constraint that passed."""
+        if self._checked(c) is None:
+            self._check_new(c)
 
-    def _pristine(self, c: Constraint) -> llguidance.LLMatcher:
-        """The cached compilation of `c` (compiled now when it is not cached); never consumed."""
+    def _checked(self, c: Constraint) -> str | None:
+        """`c`'s grammar text when it passed a check before (then it is the most recent)."""
         key = (c.kind, c.spec)
         with self._lock:
-            pristine = self._cache.get(key)
-            if pristine is not None:
+            text = self._cache.get(key)
+            if text is not None:
                 self._cache.move_to_end(key)
-                return pristine
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar_text(c), log_level=0, limits=self.limits)
+            return text
+
+    def _check_new(self, c: Constraint) -> llguidance.LLMatcher:
+        """Check `c` (not cached): compile it and compute its first mask.  Returns the matcher,
+        still at the start (a mask consumes nothing), and caches the text."""
+        text = grammar_text(c)
+        matcher = self._matcher(c, text)
+        matcher.compute_bitmask()                    # the lazy lexer's initial work, bounded by the limits
         if matcher.is_error():
             raise ValueError(f"the {_what(c.kind)} cannot be used: {matcher.get_error()}")
         with self._lock:
             self.compiled += 1
-            self._cache[key] = matcher
+            self._cache[(c.kind, c.spec)] = text
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-            return matcher
+        return matcher
+
+    def _matcher(self, c: Constraint, text: str) -> llguidance.LLMatcher:
+        matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0, limits=self.limits)
+        if matcher.is_error():
+            raise ValueError(f"the {_what(c.kind)} cannot be used: {matcher.get_error()}")
+        return matcher
 
 
 def _what(kind: str) -> str:
