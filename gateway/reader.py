@@ -110,7 +110,8 @@ def choice_reader(settings: OutputSettings, body: ChatCompletionRequest) -> Choi
     tail: Stage = _tool_stage(settings, body, out)
     harmony = "harmony" in (settings.reasoning, settings.tool_parser)
     if harmony:
-        first: Stage = HarmonySplitter(out, tail, calls=_tool_mode(body) == "auto")
+        tools = _tool_mode(body)
+        first: Stage = HarmonySplitter(out, tail, calls=tools == "auto", final_only=tools in ("named", "required"))
     elif mode != "off":
         first = ThinkSplitter(out, tail, inside=mode == "inside")
     elif isinstance(tail, ContentSink):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from typing import Protocol
 
-from gateway.tools import Output, ToolCall, call_id, held_suffix
+from gateway.tools import ContentSink, Output, ToolCall, call_id, held_suffix
 
 REASONING_PARSERS = ("think", "harmony")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -88,11 +88,17 @@ class ThinkSplitter:
 
 class HarmonySplitter:
     """Harmony messages by channel: analysis into `out.reasoning`, calls to functions into
-    `out.calls` (when `calls`; else their text is content), the rest to `then`."""
+    `out.calls` (when `calls`; else their text is content), the rest to `then`.
 
-    def __init__(self, out: Output, then: Stage, calls: bool) -> None:
+    With `final_only` (a named or required tool_choice: the grammar constrains the final channel
+    alone) only the final channel's text goes to `then`; what the model writes before it outside
+    the analysis channel (gpt-oss's commentary preambles) is content, never part of the call."""
+
+    def __init__(self, out: Output, then: Stage, calls: bool, final_only: bool = False) -> None:
         self.out, self.then, self.calls = out, then, calls
-        self.buf, self.kind = "", "header"                # header | reasoning | content | call
+        self.aside: Stage = ContentSink(out) if final_only else then    # the non-answer text
+        self.final_only = final_only
+        self.buf, self.kind = "", "header"                # header | reasoning | answer | aside | call
         self.seen_message = False
 
     def feed(self, text: str) -> None:
@@ -101,7 +107,7 @@ class HarmonySplitter:
             if self.kind == "header":
                 i = self.buf.find(HARMONY_MESSAGE)
                 if i < 0 and len(self.buf) > MAX_HEADER_CHARS:
-                    self.kind = "content"
+                    self.kind = "aside"
                     continue
                 if i < 0:
                     return
@@ -129,8 +135,10 @@ class HarmonySplitter:
         elif to.startswith("functions.") and self.calls:
             self.kind = "call"
             self.out.calls.append(ToolCall(call_id(), to[len("functions."):]))
+        elif self.final_only and channel != "final":
+            self.kind = "aside"
         else:
-            self.kind = "content"
+            self.kind = "answer"
 
     def _body(self, text: str) -> None:
         if not text:
@@ -139,6 +147,8 @@ class HarmonySplitter:
             self.out.reasoning += text
         elif self.kind == "call":
             self.out.calls[-1].arguments += text
+        elif self.kind == "aside":
+            self.aside.feed(text)
         else:
             self.then.feed(text)
 
@@ -146,8 +156,10 @@ class HarmonySplitter:
         if self.kind == "header":
             # an output without Harmony messages is content; a header cut short is dropped
             if not self.seen_message:
-                self.then.feed(self.buf)
+                self.aside.feed(self.buf)
         else:
             self._body(self.buf)
         self.buf = ""
+        if self.aside is not self.then:
+            self.aside.finish()
         self.then.finish()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -114,6 +115,27 @@ def test_harmony_named_tool_choice_reads_the_final_channel() -> None:
     r = reader("harmony", "harmony", tool_choice={"type": "function", "function": {"name": "get_time"}})
     msg, _ = run(r, ["<|channel|>analysis<|message|>ok<|end|><|start|>assistant<|channel|>final<|message|>{}"])
     assert calls(msg) == [("get_time", {})] and msg["reasoning_content"] == "ok"
+
+
+PREAMBLE = ("<|channel|>analysis<|message|>User wants weather.<|end|><|start|>assistant<|channel|>commentary"
+            "<|message|>Let me check the weather. <|end|><|start|>assistant<|channel|>final<|message|>")
+
+
+@pytest.mark.parametrize(("tool_choice", "answer"), [
+    ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Paris"}'),
+    ("required", '[{"name": "get_weather", "parameters": {"city": "Paris"}}]')])
+def test_harmony_preambles_before_a_constrained_final_channel_are_content(tool_choice: object, answer: str) -> None:
+    """With a named or required tool_choice only the final channel is grammar-constrained: a
+    commentary preamble before it (gpt-oss writes them when tools are offered) is content, not
+    part of the call, streamed or not, however the output is cut."""
+    out = PREAMBLE + answer + "<|return|>"
+    want, _ = run(reader("harmony", "harmony", tool_choice=tool_choice), [out])
+    assert calls(want) == [("get_weather", {"city": "Paris"})]
+    assert (want["content"], want["reasoning_content"]) == ("Let me check the weather.", "User wants weather.")
+    for cut in range(0, len(out), 7):
+        msg, streamed = run(reader("harmony", "harmony", tool_choice=tool_choice), [out[:cut], out[cut:]])
+        assert msg == streamed
+        assert {**msg, "tool_calls": calls(msg)} == {**want, "tool_calls": calls(want)}
 
 
 def test_settings_without_a_tokenizer_read_nothing() -> None:
