@@ -13,9 +13,10 @@ compute a token mask in tens of microseconds without precomputation.
 Two of llguidance's properties shape the compiler:
 - **Matchers build their lexer lazily.**  `LLMatcher(...)` returns in about a millisecond even
   for a regex whose lexer would take seconds and hundreds of MB; the work happens at the first
-  mask.  So `check` computes the first mask too, and `LIMITS` caps the lexer's initial work
-  (`initial_lexer_fuel`), which bounds that first mask to about 0.1-0.2 s on a CPU core and
-  refuses or bounds what needs more.
+  mask.  So the compiler computes every matcher's first mask itself (a check's, and each
+  request's on the thread that makes the request, not in the step that first masks it), and
+  `INITIAL_LEXER_FUEL` caps the lexer's initial work: the worst pattern found costs about
+  0.3 s there, and one that exhausts the lexer later ends its request with an explicit error.
 - **A matcher's copies share its lexer** (`LLMatcher.deep_copy`): the states one request's
   output walks, and the lexer's budget they use, would be every later copy's.  One request
   could exhaust the budget for every request of the same constraint, and whether a request
@@ -150,12 +151,14 @@ class GrammarCompiler:
         self.compiled = 0             # constraints checked (cache misses), read by tests and metrics
 
     def compile(self, c: Constraint) -> llguidance.LLMatcher:
-        """A fresh matcher of its own at the start of `c`'s grammar.  Raises ValueError with the
-        grammar engine's message when `c` cannot be used (see `check`)."""
+        """A fresh matcher of its own at the start of `c`'s grammar, its first mask computed
+        (the lazy lexer's initial work, done here, on the caller's thread, rather than in the
+        first step that masks the request).  Raises ValueError with the grammar engine's
+        message when `c` cannot be used (see `check`)."""
         text = self._checked(c)
         if text is None:
             return self._check_new(c)
-        return self._matcher(c, text)
+        return self._ready(c, text)
 
     def check(self, c: Constraint) -> None:
         """Raise ValueError, naming the problem, unless `c` compiles and its first mask can be
@@ -173,13 +176,9 @@ class GrammarCompiler:
             return text
 
     def _check_new(self, c: Constraint) -> llguidance.LLMatcher:
-        """Check `c` (not cached): compile it and compute its first mask.  Returns the matcher,
-        still at the start (a mask consumes nothing), and caches the text."""
+        """Check `c` (not cached) and cache its text; returns the checked matcher."""
         text = grammar_text(c)
-        matcher = self._matcher(c, text)
-        matcher.compute_bitmask()                    # the lazy lexer's initial work, bounded by the limits
-        if matcher.is_error():
-            raise ValueError(f"the {_what(c.kind)} cannot be used: {matcher.get_error()}")
+        matcher = self._ready(c, text)
         with self._lock:
             self.compiled += 1
             self._cache[(c.kind, c.spec)] = text
@@ -187,8 +186,12 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return matcher
 
-    def _matcher(self, c: Constraint, text: str) -> llguidance.LLMatcher:
+    def _ready(self, c: Constraint, text: str) -> llguidance.LLMatcher:
+        """A new matcher of `text` with its first mask computed, still at the start (a mask
+        consumes nothing).  The first mask does the lexer's initial work, bounded by the limits."""
         matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0, limits=self.limits)
+        if not matcher.is_error():
+            matcher.compute_bitmask()
         if matcher.is_error():
             raise ValueError(f"the {_what(c.kind)} cannot be used: {matcher.get_error()}")
         return matcher
