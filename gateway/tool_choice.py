@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from engine.constraint import MAX_SCHEMA_DEPTH
 from gateway.admission import InvalidField
 from gateway.chat import OutputSettings
 from gateway.protocol import ChatCompletionRequest
@@ -24,6 +25,9 @@ if TYPE_CHECKING:
 TOOL_CHOICES = ("none", "auto", "required")
 MAX_TOOLS = 128                     # tools one request may offer (OpenAI's limit)
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+# how far down the required schema puts each tool's parameters: array -> items -> anyOf ->
+# [call] -> properties -> parameters, 5 levels that count in MAX_SCHEMA_DEPTH
+CALLS_DEPTH = 5
 
 
 def tool_mode(body: Body) -> str:
@@ -81,10 +85,14 @@ def tool_schema(body: ChatCompletionRequest) -> dict[str, Any]:
     params = {t.function.name: t.function.parameters or NO_PARAMETERS for t in body.tools or ()}
     name = named_tool(body)
     if name is not None:
+        _check_depth(name, params[name], MAX_SCHEMA_DEPTH, "")
         return params[name]
     defs: dict[str, dict[str, Any]] = {}
     items = []
     for n, schema in params.items():
+        _check_depth(n, schema, MAX_SCHEMA_DEPTH - CALLS_DEPTH,
+                     f"; tool_choice=required puts them {CALLS_DEPTH} levels down in a list of calls, whose "
+                     f"schema may nest {MAX_SCHEMA_DEPTH} (a named tool_choice allows {MAX_SCHEMA_DEPTH})")
         schema = _hoist_defs(n, schema, defs)
         items.append({"type": "object", "properties": {"name": {"enum": [n]}, "parameters": schema},
                       "required": ["name", "parameters"], "additionalProperties": False})
@@ -117,6 +125,27 @@ def _hoist_defs(name: str, schema: dict[str, Any], defs: dict[str, dict[str, Any
                                    f"puts them in one schema", "invalid_constraint")
             root[k] = v
     return schema
+
+
+def _check_depth(name: str, schema: dict[str, Any], limit: int, why: str) -> None:
+    """Refuses a tool whose own parameters nest deeper than `limit`, naming it (engine/constraint.py
+    counts the depth of the whole schema, where a required tool_choice adds its wrapper's)."""
+    depth = _depth(schema)
+    if depth > limit:
+        raise InvalidField("tools", f"tool {name[:64]!r}: its parameters nest {depth} levels deep; at most {limit} "
+                           f"are allowed{why}", "invalid_constraint")
+
+
+def _depth(value: Any) -> int:
+    """How deeply JSON containers nest in `value`, counted as engine/constraint.py does
+    (iteratively)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 def _refs(value: Any) -> list[str]:

@@ -195,6 +195,31 @@ def test_refusals_name_the_problem_and_call_no_worker(cluster, extra, code, word
     assert len(decode.generated) == before
 
 
+def nested(depth: int) -> dict:
+    """An object schema that nests `depth` levels (as engine/constraint.py counts)."""
+    schema: dict = {"type": "string"}
+    for _ in range((depth - 1) // 2):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema if depth % 2 else {"type": "array", "items": schema}
+
+
+@pytest.mark.parametrize("depth, required_ok", [(MAX_SCHEMA_DEPTH - 5, True), (MAX_SCHEMA_DEPTH - 4, False),
+                                                (MAX_SCHEMA_DEPTH, False), (MAX_SCHEMA_DEPTH + 1, False)])
+def test_a_tool_too_deep_is_refused_by_name_and_its_own_depth(cluster, depth, required_ok):
+    """Each tool's own parameters are checked, and the refusal names the tool and its depth,
+    not that of the list of calls a required tool_choice wraps it in (5 levels more)."""
+    gw, decode = cluster
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "deep", "parameters": nested(depth)}}]
+    for tc, ok in (("required", required_ok),
+                   ({"type": "function", "function": {"name": "deep"}}, depth <= MAX_SCHEMA_DEPTH)):
+        status, got, _ = call(gw, chat(tools=tools, tool_choice=tc))
+        if ok:
+            assert status == 200, got
+        else:
+            assert status == 400 and got["error"]["code"] == "invalid_constraint", got
+            assert f"tool 'deep': its parameters nest {depth} levels deep" in got["error"]["message"], got
+
+
 def test_neutral_values_of_unhonoured_fields_are_accepted(cluster):
     gw, decode = cluster
     status, got, header = call(gw, chat(store=False, modalities=["text"], min_p=0, repetition_penalty=1.0,
