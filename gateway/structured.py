@@ -130,8 +130,9 @@ def request_constraint(body: Body, settings: OutputSettings) -> tuple[str, Const
         spec = tool_schema(body)    # type: ignore[arg-type]
     elif tool_mode(body) == "auto":
         raise InvalidField(field, f"{field} cannot be enforced while the model may call tools in its own "
-                           f"syntax (tool_choice auto): send tool_choice none, required or a named function",
-                           "unsupported")
+                           f"syntax (tool_choice auto with tools): one of the two would be dropped. Send "
+                           f"tool_choice none to answer in this format without tools, required or a named "
+                           f"function to call one, or leave the tools out", "unsupported")
     after = reasoning_end(settings, body) if isinstance(body, ChatCompletionRequest) else ""
     try:
         return field, _constraint(kind, spec, after)

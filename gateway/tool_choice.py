@@ -32,12 +32,13 @@ CALLS_DEPTH = 5
 
 def tool_mode(body: Body) -> str:
     """"none", "auto", "required" or "named" (OpenAI's default: auto with tools, none without).
-    Tools are a chat request's: a text completion's `tools`/`tool_choice` are unknown fields
-    (ignored, and named in X-Tandem-Ignored-Fields), so its mode is "none"."""
+    "auto" without tools (absent or []) is "none": there is nothing to call.  Tools are a chat
+    request's: a text completion's `tools`/`tool_choice` are unknown fields (ignored, and named
+    in X-Tandem-Ignored-Fields), so its mode is "none"."""
     if not isinstance(body, ChatCompletionRequest):
         return "none"
     tc = body.tool_choice
-    if tc is None:
+    if tc is None or tc == "auto":
         return "auto" if body.tools else "none"
     return tc if isinstance(tc, str) else "named"
 

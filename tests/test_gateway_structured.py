@@ -110,6 +110,22 @@ def test_text_and_none_ask_for_nothing(cluster):
     assert c is not None and c.kind == "json_object"
 
 
+@pytest.mark.parametrize("tools", [{}, {"tools": []}])
+def test_tool_choice_auto_without_tools_takes_a_response_format(cluster, tools):
+    """Nothing to call: auto is none, so nothing of the request would be dropped."""
+    gw, decode = cluster
+    c = sent_constraint(gw, decode, chat(**tools, tool_choice="auto", response_format={"type": "json_object"}))
+    assert c is not None and c.kind == "json_object"
+
+
+def test_tools_called_at_will_and_a_response_format_are_refused_with_the_ways_out(cluster):
+    gw, decode = cluster
+    for tc in ({}, {"tool_choice": "auto"}):
+        status, got, _ = call(gw, chat(tools=TOOLS, **tc, response_format={"type": "json_object"}))
+        assert status == 400 and got["error"]["code"] == "unsupported", got
+        assert all(w in got["error"]["message"] for w in ("tool_choice none", "named function", "leave the tools")), got
+
+
 @pytest.mark.parametrize("parallel", [True, False])
 def test_tool_choice_required_is_a_list_of_calls(cluster, parallel):
     gw, decode = cluster
