@@ -14,7 +14,7 @@ content), holding back text that may still become a marker.
   `<|channel|>C [to=R] [<|constrain|>json]<|message|>BODY` ended by `<|end|>`, `<|call|>` or
   `<|return|>` (the next one after `<|start|>assistant`).  Channel "analysis" is reasoning,
   "final" the answer, "commentary" addressed `to=functions.N` a call of N with BODY as its
-  arguments (other commentary is content).
+  arguments when BODY is a JSON object (other commentary is content).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from typing import Protocol
 
-from gateway.tools import ContentSink, Output, ToolCall, call_id, held_suffix
+from gateway.tools import ContentSink, Output, ToolCall, call_arguments, call_id, held_suffix
 
 REASONING_PARSERS = ("think", "harmony")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -88,7 +88,8 @@ class ThinkSplitter:
 
 class HarmonySplitter:
     """Harmony messages by channel: analysis into `out.reasoning`, calls to functions into
-    `out.calls` (when `calls`; else their text is content), the rest to `then`.
+    `out.calls` (when `calls`; else their text is content), the rest to `then`.  A call is
+    added when its message ends, if its body is a strict JSON object (else the body is content).
 
     With `final_only` (a named or required tool_choice: the grammar constrains the final channel
     alone) only the final channel's text goes to `then`; what the model writes before it outside
@@ -100,6 +101,7 @@ class HarmonySplitter:
         self.final_only = final_only
         self.buf, self.kind = "", "header"                # header | reasoning | answer | aside | call
         self.seen_message = False
+        self.call: tuple[str, list[str]] | None = None    # the open call message: name, body pieces
 
     def feed(self, text: str) -> None:
         self.buf += text
@@ -118,6 +120,7 @@ class HarmonySplitter:
             if hits:
                 j, m = min(hits)
                 self._body(self.buf[:j])
+                self._end()
                 self.buf = self.buf[j + len(m):] if m != "<|start|>" else self.buf[j:]
                 self.kind = "header"
                 continue
@@ -134,7 +137,7 @@ class HarmonySplitter:
             self.kind = "reasoning"
         elif to.startswith("functions.") and self.calls:
             self.kind = "call"
-            self.out.calls.append(ToolCall(call_id(), to[len("functions."):]))
+            self.call = (to[len("functions."):], [])
         elif self.final_only and channel != "final":
             self.kind = "aside"
         else:
@@ -145,12 +148,23 @@ class HarmonySplitter:
             return
         if self.kind == "reasoning":
             self.out.reasoning += text
-        elif self.kind == "call":
-            self.out.calls[-1].arguments += text
+        elif self.call is not None:
+            self.call[1].append(text)
         elif self.kind == "aside":
             self.aside.feed(text)
         else:
             self.then.feed(text)
+
+    def _end(self) -> None:
+        """The message ends: a call message becomes a call, or content when it is not one."""
+        if self.call is None:
+            return
+        (name, pieces), self.call = self.call, None
+        body = "".join(pieces)
+        if name and (args := call_arguments(body)) is not None:
+            self.out.calls.append(ToolCall(call_id(), name, args))
+        else:
+            self.then.feed(body)
 
     def finish(self) -> None:
         if self.kind == "header":
@@ -159,6 +173,7 @@ class HarmonySplitter:
                 self.aside.feed(self.buf)
         else:
             self._body(self.buf)
+            self._end()
         self.buf = ""
         if self.aside is not self.then:
             self.aside.finish()

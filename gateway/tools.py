@@ -92,7 +92,7 @@ def encode(value: Any) -> str | None:
         return None
 
 
-def _args(value: Any) -> str | None:
+def call_arguments(value: Any) -> str | None:
     """A call's arguments as JSON text (a model may give the object or its text)."""
     if isinstance(value, str):
         try:
@@ -113,7 +113,7 @@ def parse_hermes(block: str, schemas: Schemas) -> Parsed | None:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = _args(obj.get("arguments", obj.get("parameters", {})))
+    args = call_arguments(obj.get("arguments", obj.get("parameters", {})))
     return None if args is None else [(obj["name"], args, None)]
 
 
@@ -130,14 +130,14 @@ def parse_mistral(block: str, schemas: Schemas) -> Parsed | None:
         for it in items:
             if not isinstance(it, dict) or not isinstance(it.get("name"), str):
                 return None
-            if (args := _args(it.get("arguments", {}))) is None:
+            if (args := call_arguments(it.get("arguments", {}))) is None:
                 return None
             out.append((it["name"], args, None))
         return out
     out = []
     for part in block.split("[TOOL_CALLS]"):
         name, sep, rest = part.partition("[ARGS]")
-        if not sep or (args := _args(rest.strip())) is None or not name.strip():
+        if not sep or (args := call_arguments(rest.strip())) is None or not name.strip():
             return None
         out.append((name.strip(), args, None))
     return out
@@ -185,7 +185,7 @@ def parse_deepseek(block: str, schemas: Schemas) -> Parsed | None:
             name, raw = fenced
         else:                                             # V3.1: the name, then bare JSON
             name, raw = head.strip(), body
-        if (args := _args(raw)) is None:
+        if (args := call_arguments(raw)) is None:
             return None
         out.append((name, args, None))
     return out or None
@@ -246,7 +246,7 @@ def parse_kimi(block: str, schemas: Schemas) -> Parsed | None:
             return None
         name = ident.rsplit(":", 1)[0]
         name = name.split(".", 1)[1] if name.startswith("functions.") else name
-        if (args := _args(raw)) is None or not name:
+        if (args := call_arguments(raw)) is None or not name:
             return None
         out.append((name, args, ident))
     return out or None
@@ -403,7 +403,7 @@ class RequiredCalls:
             item, stop = decode(self.buf, i)
         except ValueError:
             item, stop = None, end
-        args = _args(item.get("parameters", item.get("arguments", {}))) if isinstance(item, dict) \
+        args = call_arguments(item.get("parameters", item.get("arguments", {}))) if isinstance(item, dict) \
             and isinstance(item.get("name"), str) else None
         if args is None or stop != end:
             self.failed = True            # not a call: the rest stays content

@@ -186,3 +186,14 @@ def test_special_marker_tokens_are_found_in_the_vocabulary(tmp_path: Path) -> No
 
 
 HARMONY_SPECIALS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>")
+
+
+@pytest.mark.parametrize("args", ['{"days": NaN}', '{"city": "Oslo", "days": Infinity}', "the weather in Oslo",
+                                  '{"city": "Oslo"', '["Oslo"]'])
+def test_harmony_call_arguments_that_are_not_a_json_object_are_content(args: str) -> None:
+    """A commentary message to a function is a call when its body is a strict JSON object
+    (RFC 8259: no NaN or Infinity), as in every other family's syntax; otherwise its text is
+    content, streamed or not."""
+    out = HARMONY.replace('{"city": "Oslo"}', args)
+    msg, streamed = run(reader("harmony", "harmony"), [out[:100], out[100:]])
+    assert msg == streamed and "tool_calls" not in msg and msg["content"] == args
