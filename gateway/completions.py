@@ -76,10 +76,18 @@ class CompletionHandler:
     def ignored(self, body: Body) -> str:
         """The request's ignored fields (gateway/fields.py), logged and counted, as the header's
         value ("" : none)."""
-        names = list(dict.fromkeys(body.ignored_fields() + structured_ignored(body)))
+        names = list(dict.fromkeys(body.ignored_fields() + structured_ignored(body) + self._unread(body)))
         if names:
             self.gw.metrics.ignored_fields.inc()
         return self.ignored_log.report(names)
+
+    def _unread(self, body: Body) -> list[str]:
+        """Fields that only the chat template acts on, sent to a model whose template does not
+        read them (gpt-oss's reads reasoning_effort; the shipped model's does not)."""
+        if isinstance(body, ChatCompletionRequest) and body.reasoning_effort is not None \
+                and "reasoning_effort" not in (self.gw.tokenizer.chat_template or ""):
+            return ["reasoning_effort"]
+        return []
 
     def _check_counts(self, body: Body) -> None:
         """How many messages or prompts the request carries, before any is templated or

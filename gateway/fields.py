@@ -44,14 +44,14 @@ VENDOR_EXTENSIONS: dict[str, str] = {
 # the neutral ones listed (what leaving them out means), they are refused with 400 naming them.
 UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "functions": ((None, []), "functions (deprecated by OpenAI) is not supported: send tools"),
-    "function_call": ((None,), "function_call (deprecated by OpenAI) is not supported: send tool_choice"),
+    "function_call": ((None, "none"), "function_call (deprecated by OpenAI) is not supported: send tool_choice"),
     "audio": ((None,), "audio output is not supported"),
     "modalities": ((None, ["text"]), 'modalities other than ["text"] are not supported'),
     "prediction": ((None,), "prediction (predicted outputs) is not supported"),
     "web_search_options": ((None,), "web_search_options is not supported: this server does not search the web"),
     "store": ((None, False), "store=true is not supported: this server keeps no completions"),
     "service_tier": ((None, "auto", "default"), "service_tier other than auto or default is not supported"),
-    "verbosity": ((None,), "verbosity is not supported"),
+    "verbosity": ((None, "medium"), "verbosity other than medium is not supported"),
     "min_p": ((None, 0), "min_p is not supported (send 0 or leave it out)"),
     "repetition_penalty": ((None, 1), "repetition_penalty is not supported (send 1 or leave it out)"),
     "length_penalty": ((None, 1), "length_penalty is not supported"),

@@ -19,6 +19,9 @@ from gateway.chat import ChatMessage, Tool
 from gateway.fields import MESSAGE_NO_EFFECT, NO_EFFECT, UNHONOURED, neutral
 
 INT32_MAX, UINT32_MAX = 2**31 - 1, 2**32 - 1
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")     # OpenAI's reasoning_effort values
+CONTENT_PART_FIELDS = ("type", "text")      # a text part's (other kinds of parts are refused)
+TOOL_CALL_FIELDS = ("id", "type", "function")   # an earlier call in an assistant message
 MAX_COMPLETION_LOGPROBS = 5          # /v1/completions' logprobs, as OpenAI
 MAX_CACHE_SALT_CHARS = 256           # vLLM's cache_salt: what one request may send
 # integer fields of both endpoints and the values accepted (the worker protocol's types bound them)
@@ -145,6 +148,13 @@ class ChatCompletionRequest(_Common):
         for m in self.messages:
             out += [f"messages[].{k}" for k, v in (m.model_extra or {}).items()
                     if not neutral(v, MESSAGE_NO_EFFECT.get(k, ()))]
+            for part in m.content if isinstance(m.content, list) else ():
+                out += [f"messages[].content[].{k}" for k in part if k not in CONTENT_PART_FIELDS]
+            for tc in m.tool_calls or ():
+                out += [f"messages[].tool_calls[].{k}" for k in tc if k not in TOOL_CALL_FIELDS]
+                fn = tc.get("function")
+                out += [f"messages[].tool_calls[].function.{k}" for k in fn if k not in ("name", "arguments")] \
+                    if isinstance(fn, dict) else []
         for t in self.tools or ():
             out += [f"tools[].{k}" for k in t.model_extra or {}]
             out += [f"tools[].function.{k}" for k in t.function.model_extra or {}]
@@ -156,6 +166,13 @@ class ChatCompletionRequest(_Common):
 
     def int_ranges(self) -> dict[str, tuple[int, int]]:
         return {**INT_RANGES, "max_completion_tokens": (1, UINT32_MAX), "top_logprobs": (0, MAX_LOGPROBS)}
+
+    def out_of_range(self, vocab_size: int) -> tuple[str, str] | None:
+        effort = self.reasoning_effort
+        if effort is not None and effort not in REASONING_EFFORTS:
+            return "reasoning_effort", (f"reasoning_effort {effort[:40]!r} is not one of "
+                                        f"{', '.join(REASONING_EFFORTS)}")
+        return super().out_of_range(vocab_size)
 
     @property
     def logprobs_n(self) -> int | None:
