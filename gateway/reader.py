@@ -12,7 +12,8 @@ from engine.tokenizer import Tokenizer
 from gateway.chat import OutputSettings, offered_tools, reasoning_mode
 from gateway.reasoning import HarmonySplitter, Stage, ThinkSplitter
 from gateway.tool_choice import named_tool, tool_mode
-from gateway.tools import SYNTAXES, BlockCalls, ContentSink, NamedCall, Output, RequiredCalls, ToolCall
+from gateway.tool_parsers import SYNTAXES
+from gateway.tools import BlockCalls, ContentSink, NamedCall, Output, RequiredCalls, ToolCall
 
 if TYPE_CHECKING:
     from gateway.protocol import ChatCompletionRequest

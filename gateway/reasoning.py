@@ -22,7 +22,8 @@ from __future__ import annotations
 import re
 from typing import Protocol
 
-from gateway.tools import ContentSink, Output, ToolCall, call_arguments, call_id, held_suffix
+from gateway.tool_parsers import call_arguments
+from gateway.tools import ContentSink, Output, ToolCall, call_id, held_suffix
 
 REASONING_PARSERS = ("think", "harmony")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gateway.tools import parse_glm45
+from gateway.tool_parsers import parse_glm45
 from tests.test_tool_parsers import reader, run
 
 DEEP = "[" * 5000 + "]" * 5000               # past the interpreter's recursion limit when decoded
