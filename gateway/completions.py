@@ -13,6 +13,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.gateway")
 DEFAULT_COMPLETION_TOKENS = 16      # OpenAI's default for /v1/completions
+MAX_TEMPLATE_MESSAGE = 400          # of a chat template's refusal, as the client sees it
 Body = ChatCompletionRequest | CompletionRequest
 
 
@@ -105,14 +107,20 @@ class CompletionHandler:
                            f"the limit of {cfg.max_n} per request")
 
     def prompts(self, body: Body, context: int) -> list[list[int]]:
-        """Token ids of each prompt; raises Rejected 400 for a prompt that cannot be tokenized
-        or is, from its length in bytes or tokens, longer than `context`."""
+        """Token ids of each prompt; raises Rejected 400 for a prompt that cannot be tokenized,
+        a conversation the chat template refuses (its message), or a prompt that is, from its
+        length in bytes or tokens, longer than `context`."""
         try:
             return self._prompts(body, context)
         except PromptTooLong as e:
             raise Rejected(400, "context_length", str(e)) from None
         except (TypeError, ValueError, UnicodeError) as e:
             raise Rejected(400, "invalid_request", f"the prompt cannot be tokenized: {e}") from None
+        except jinja2.TemplateSyntaxError:
+            raise                   # the template itself is broken: the server's fault (500, logged)
+        except jinja2.TemplateError as e:   # its raise_exception (roles must alternate, ...) or a missing key
+            raise Rejected(400, "invalid_request", f"the chat template refused the conversation: "
+                           f"{str(e)[:MAX_TEMPLATE_MESSAGE]}") from None
 
     def _prompts(self, body: Body, context: int) -> list[list[int]]:
         tok, enc = self.gw.tokenizer, self.gw.encoder

@@ -75,6 +75,31 @@ def test_template_kwargs_cannot_replace_the_conversation() -> None:
         render_chat(TOK, body(chat_template_kwargs={"messages": []}))
 
 
+# Mixtral's guard: its template refuses a conversation whose roles do not alternate
+ALTERNATE = ("{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+             "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+             "{% endif %}{{ m.content }}{% endfor %}")
+
+
+def test_a_conversation_the_template_refuses_is_a_400_with_its_message(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from gateway.admission import Rejected
+    from gateway.completions import CompletionHandler
+    from gateway.prompts import PromptEncoder
+    from tests.test_reasoning_parser import tokenizer
+    tok = tokenizer(tmp_path, ALTERNATE)
+    handler = CompletionHandler(SimpleNamespace(tokenizer=tok, encoder=PromptEncoder(tok)))  # type: ignore[arg-type]
+    ok = body(tools=None, messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    assert len(handler.prompts(ok, 2048)) == 1
+    bad = body(tools=None, messages=[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    with pytest.raises(Rejected) as e:
+        handler.prompts(bad, 2048)
+    assert e.value.status == 400 and e.value.reason == "invalid_request"
+    assert e.value.message == ("the chat template refused the conversation: Conversation roles must alternate "
+                               "user/assistant/user/assistant/...")
+
+
 def tokens(text: str) -> list[wpb.Tokens]:
     return [wpb.Tokens(token_ids=[t], text=TOK.decode([t])) for t in TOK.encode(text)]
 
