@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from engine.tokenizer import Tokenizer
 from gateway.chat import OutputSettings, offered_tools, reasoning_mode
 from gateway.reasoning import HarmonySplitter, Stage, ThinkSplitter
+from gateway.structured import sources
 from gateway.tool_choice import named_tool, tool_mode
 from gateway.tool_parsers import SYNTAXES
 from gateway.tools import BlockCalls, ContentSink, NamedCall, Output, RequiredCalls, ToolCall
@@ -69,8 +70,11 @@ class ChoiceReader:
         if len(out.content) > self._sent_content:
             delta["content"] = out.content[self._sent_content:]
             self._sent_content = len(out.content)
-        calls = []
-        for i, call in enumerate(self.calls):
+        calls, made = [], self.calls
+        # only the last call sent may still grow (the stages add calls whole, or grow the last):
+        # starting there keeps a take O(new text), not O(calls so far)
+        for i in range(max(0, len(self._sent_args) - 1), len(made)):
+            call = made[i]
             if i == len(self._sent_args):
                 calls.append({"index": i, "id": call.id, "type": "function",
                               "function": {"name": call.name, "arguments": call.arguments}})
@@ -112,7 +116,11 @@ def choice_reader(settings: OutputSettings, body: ChatCompletionRequest) -> Choi
     harmony = "harmony" in (settings.reasoning, settings.tool_parser)
     if harmony:
         tools = _tool_mode(body)
-        first: Stage = HarmonySplitter(out, tail, calls=tools == "auto", final_only=tools in ("named", "required"))
+        # named, required, or a response_format: the grammar constrains the final channel alone, so
+        # nothing else reaches the call or the answer (commentary preambles are content beside a
+        # call, reasoning beside a constrained answer, which must stay what the grammar allowed)
+        aside = "content" if tools in ("named", "required") else "reasoning" if sources(body) else None
+        first: Stage = HarmonySplitter(out, tail, calls=tools == "auto", aside=aside)
     elif mode != "off":
         first = ThinkSplitter(out, tail, inside=mode == "inside")
     elif isinstance(tail, ContentSink):

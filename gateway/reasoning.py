@@ -87,19 +87,34 @@ class ThinkSplitter:
         self.then.finish()
 
 
+class ReasoningSink:
+    """A stage whose text is reasoning (Harmony's asides beside a constrained answer)."""
+
+    def __init__(self, out: Output) -> None:
+        self.out = out
+
+    def feed(self, text: str) -> None:
+        self.out.reasoning += text
+
+    def finish(self) -> None:
+        pass
+
+
 class HarmonySplitter:
     """Harmony messages by channel: analysis into `out.reasoning`, calls to functions into
     `out.calls` (when `calls`; else their text is content), the rest to `then`.  A call is
     added when its message ends, if its body is a strict JSON object (else the body is content).
 
-    With `final_only` (a named or required tool_choice: the grammar constrains the final channel
-    alone) only the final channel's text goes to `then`; what the model writes before it outside
-    the analysis channel (gpt-oss's commentary preambles) is content, never part of the call."""
+    With `aside` (the grammar constrains the final channel alone: a named or required
+    tool_choice, or a response_format) only the final channel's text goes to `then`; what the
+    model writes before it outside the analysis channel (gpt-oss's commentary preambles) goes to
+    the "content" (beside a call) or to the "reasoning" (beside a constrained answer), never
+    into the call or the constrained answer."""
 
-    def __init__(self, out: Output, then: Stage, calls: bool, final_only: bool = False) -> None:
+    def __init__(self, out: Output, then: Stage, calls: bool, aside: str | None = None) -> None:
         self.out, self.then, self.calls = out, then, calls
-        self.aside: Stage = ContentSink(out) if final_only else then    # the non-answer text
-        self.final_only = final_only
+        self.aside: Stage = {"content": ContentSink(out), "reasoning": ReasoningSink(out), None: then}[aside]
+        self.final_only = aside is not None
         self.buf, self.kind = "", "header"                # header | reasoning | answer | aside | call
         self.seen_message = False
         self.call: tuple[str, list[str]] | None = None    # the open call message: name, body pieces

@@ -115,3 +115,28 @@ def test_glm45_pairs_do_not_overlap() -> None:
     msg = read("glm45", out)
     assert [json.loads(c["function"]["arguments"]) for c in msg["tool_calls"]] == [
         {"city": "a<arg_key>hours</arg_key><arg_value>2", "days": 3}]
+
+
+class CountingList(list):
+    """A list that counts the items read by index."""
+    reads = 0
+
+    def __getitem__(self, i: Any) -> Any:
+        CountingList.reads += 1
+        return super().__getitem__(i)
+
+
+def test_a_stream_of_many_calls_reads_each_call_a_bounded_number_of_times() -> None:
+    """A take reads the calls it may still send (the last sent one and the new ones), not every
+    call so far: a stream of n calls costs O(n) reads, not O(n^2) (n = 300 here would be 45,000)."""
+    r = reader("hermes")
+    r.out.calls = CountingList()
+    block = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    n, deltas = 300, []
+    for _ in range(n):
+        r.feed(block, [])
+        deltas.append(r.take())
+    r.finish()
+    assert len(r.message()["tool_calls"]) == n
+    assert [d["tool_calls"][0]["index"] for d in deltas] == list(range(n))
+    assert CountingList.reads <= 3 * n

@@ -197,3 +197,17 @@ def test_harmony_call_arguments_that_are_not_a_json_object_are_content(args: str
     out = HARMONY.replace('{"city": "Oslo"}', args)
     msg, streamed = run(reader("harmony", "harmony"), [out[:100], out[100:]])
     assert msg == streamed and "tool_calls" not in msg and msg["content"] == args
+
+
+def test_harmony_preambles_beside_a_constrained_answer_are_reasoning() -> None:
+    """With a response_format the grammar constrains the final channel alone: a commentary
+    preamble before it is reasoning, so the content is exactly the constrained answer."""
+    answer = '{"city": "Paris"}'
+    out = PREAMBLE + answer + "<|return|>"
+    rf = {"type": "json_object"}
+    want, _ = run(reader("harmony", "harmony", tools=None, response_format=rf), [out])
+    assert want["content"] == answer and json.loads(want["content"]) == {"city": "Paris"}
+    assert want["reasoning_content"] == "User wants weather.Let me check the weather. "
+    for cut in range(0, len(out), 7):
+        msg, streamed = run(reader("harmony", "harmony", tools=None, response_format=rf), [out[:cut], out[cut:]])
+        assert msg == streamed == want
