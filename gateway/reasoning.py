@@ -113,7 +113,8 @@ class HarmonySplitter:
 
     def __init__(self, out: Output, then: Stage, calls: bool, aside: str | None = None) -> None:
         self.out, self.then, self.calls = out, then, calls
-        self.aside: Stage = {"content": ContentSink(out), "reasoning": ReasoningSink(out), None: then}[aside]
+        sinks: dict[str | None, Stage] = {"content": ContentSink(out), "reasoning": ReasoningSink(out), None: then}
+        self.aside = sinks[aside]
         self.final_only = aside is not None
         self.buf, self.kind = "", "header"                # header | reasoning | answer | aside | call
         self.seen_message = False
