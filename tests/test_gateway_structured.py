@@ -1,9 +1,10 @@
-"""Structured outputs and "no silent drops" at the gateway, against scripted workers: every
-field that asks for a constraint reaches the worker as one `Constraint`; a bad, too deep or
-too large schema, two constraints at once, an impossible tool_choice and a field Tandem cannot
-honour are refused with 400 naming them before any worker is called; a field nobody defines is
-named in X-Tandem-Ignored-Fields (JSON, stream and refusal alike).  The same requests against
-the shipped model end to end: tests/test_gateway_structured_e2e.py."""
+"""Structured outputs at the gateway, against scripted workers: every field that asks for a
+constraint reaches the worker as one `Constraint`; a bad, too deep or too large schema, two
+constraints at once and an impossible tool_choice are refused with 400 naming them before any
+worker is called; compilations are cached, within their budget, and bounded (429).  The field
+policy ("no silent drops"): tests/test_gateway_fields.py; the compile queue:
+tests/test_compile_queue.py; the same requests against the shipped model end to end:
+tests/test_gateway_structured_e2e.py."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from engine.constraint import MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS
-from gateway.fields import IGNORED_HEADER, MAX_IGNORED_NAMED
+from gateway.fields import IGNORED_HEADER
 from tests.gateway_helpers import API_KEY, FakeWorker, connection, get, start_gateway, wait_ready
 
 MSG = [{"role": "user", "content": "Give me a JSON object"}]
@@ -183,24 +184,6 @@ for _ in range(MAX_SCHEMA_DEPTH):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"next": {"$ref": "#"}}}}}], "tool_choice": "required"},
      "invalid_constraint", "$defs"),
-    # OpenAI fields Tandem cannot honour
-    ({"functions": [{"name": "f"}]}, "unsupported", "tools"),
-    ({"function_call": "auto"}, "unsupported", "tool_choice"),
-    ({"audio": {"voice": "alloy", "format": "wav"}}, "unsupported", "audio"),
-    ({"modalities": ["text", "audio"]}, "unsupported", "modalities"),
-    ({"prediction": {"type": "content", "content": "x"}}, "unsupported", "prediction"),
-    ({"web_search_options": {}}, "unsupported", "web_search_options"),
-    ({"store": True}, "unsupported", "store"),
-    ({"service_tier": "flex"}, "unsupported", "service_tier"),
-    ({"logit_bias": {"5": 10}}, "unsupported", "logit_bias"),
-    # vendor extensions Tandem does not implement
-    ({"min_p": 0.1}, "unsupported", "min_p"),
-    ({"repetition_penalty": 1.2}, "unsupported", "repetition_penalty"),
-    ({"use_beam_search": True}, "unsupported", "use_beam_search"),
-    ({"guided_whitespace_pattern": " "}, "unsupported", "guided_whitespace_pattern"),
-    ({"include_stop_str_in_output": True}, "unsupported", "no_stop_trim"),
-    ({"messages": [{"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
-                   *MSG]}, "unsupported", "messages[0].function_call"),
 ])
 def test_refusals_name_the_problem_and_call_no_worker(cluster, extra, code, words):
     gw, decode = cluster
@@ -234,75 +217,6 @@ def test_a_tool_too_deep_is_refused_by_name_and_its_own_depth(cluster, depth, re
         else:
             assert status == 400 and got["error"]["code"] == "invalid_constraint", got
             assert f"tool 'deep': its parameters nest {depth} levels deep" in got["error"]["message"], got
-
-
-def test_neutral_values_of_unhonoured_fields_are_accepted(cluster):
-    gw, decode = cluster
-    status, got, header = call(gw, chat(store=False, modalities=["text"], min_p=0, repetition_penalty=1.0,
-                                        service_tier="auto", metadata={"k": "v"}, skip_special_tokens=True,
-                                        stream_options=None, user="u", prompt_cache_key="k",
-                                        messages=[{"role": "assistant", "content": "hi", "refusal": None,
-                                                   "annotations": []}, *MSG]))
-    assert status == 200 and header is None, got
-
-
-# ---- ignored fields: logged and named -----------------------------------------------------------
-def test_unknown_fields_are_named_in_json_and_stream_responses(cluster, caplog):
-    gw, _ = cluster
-    body = chat(frobnicate=1, stream_options={"include_usage": True, "sparkle": True},
-                response_format={"type": "json_schema", "extra": 1,
-                                 "json_schema": {"name": "p", "schema": SCHEMA, "colour": "red"}})
-    caplog.set_level("WARNING", "tandem.gateway")
-    status, got, header = call(gw, body)
-    assert status == 200, got
-    names = header.split(", ")
-    assert names == ["frobnicate", "stream_options.sparkle", "response_format.extra",
-                     "response_format.json_schema.colour"]
-    assert any("frobnicate" in r.getMessage() for r in caplog.records)
-    status, events, header = call(gw, {**body, "stream": True})
-    assert status == 200 and events[-1] == "[DONE]" and header.split(", ") == names
-
-
-def test_unknown_nested_fields_of_messages_and_tools(cluster):
-    gw, _ = cluster
-    msgs = [{"role": "user", "content": "hi", "mood": "sunny"}]
-    tools = [{"type": "function", "colour": 1, "function": {"name": "f", "parameters": WEATHER, "x": 2}}]
-    named = {"type": "function", "function": {"name": "f", "why": 3}, "how": 4}
-    status, got, header = call(gw, chat(messages=msgs, tools=tools, tool_choice=named))
-    assert status == 200, got
-    assert header.split(", ") == ["messages[].mood", "tools[].colour", "tools[].function.x", "tool_choice.how",
-                                  "tool_choice.function.why"]
-
-
-def test_tools_sent_to_text_completions_are_ignored_and_named(cluster):
-    """tools and tool_choice are chat fields: on /v1/completions they constrain nothing, change
-    nothing (not even with a response_format, which a chat's tool_choice auto would refuse) and
-    are named in the header."""
-    gw, decode = cluster
-    text = {"model": "tiny-moe", "prompt": "x", "max_tokens": 4, "tools": TOOLS}
-    for tc in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        status, got, header = call(gw, {**text, "tool_choice": tc}, "/v1/completions")
-        assert status == 200, got
-        assert header == "tools, tool_choice"
-        assert not decode.generated[-1].params.HasField("constraint")
-    c = sent_constraint(gw, decode, {**text, "tool_choice": "auto", "response_format": {"type": "json_object"}},
-                        "/v1/completions")
-    assert c is not None and c.kind == "json_object"
-
-
-def test_a_refusal_names_the_ignored_fields_too(cluster):
-    gw, _ = cluster
-    status, got, header = call(gw, chat(model="gpt-4", shiny=True))
-    assert status == 404 and header == "shiny"
-
-
-def test_the_header_is_bounded_and_printable(cluster):
-    gw, _ = cluster
-    status, got, header = call(gw, chat(**{f"f{i}": i for i in range(40)}, **{"é\u2028,x" * 40: 1}))
-    assert status == 200, got
-    names = header.split(", ")
-    assert len(names) == MAX_IGNORED_NAMED + 1 and names[-1] == "(+25 more)"
-    assert header.isascii() and header.isprintable()
 
 
 # ---- compilation: cached, and within its time budget --------------------------------------------
@@ -339,6 +253,22 @@ def test_a_compilation_past_its_budget_is_refused(cluster):
         del compiler.check
 
 
+def test_a_full_compile_queue_is_a_429_naming_the_limit(cluster):
+    """Past the tenant's share of the compile queue (gateway/compile_queue.py: the bounds and
+    the turns are tested there) a constrained request is refused at once; others go on."""
+    gw, decode = cluster
+    queue = gw.app.state.gateway.structured.queue
+    share, queue.tenant_max_pending = queue.tenant_max_pending, 0
+    try:
+        before = len(decode.generated)
+        status, got, _ = call(gw, chat(guided_regex="[ab]+"))
+        assert status == 429 and got["error"]["code"] == "grammar_tenant_limit", got
+        assert "grammar_tenant_max_pending" in got["error"]["message"] and len(decode.generated) == before
+        assert sent_constraint(gw, decode, chat()) is None
+    finally:
+        queue.tenant_max_pending = share
+
+
 def test_the_constraint_starts_after_the_reasoning_when_the_model_reasons(cluster):
     gw, decode = cluster
     from gateway.chat import OutputSettings
@@ -365,23 +295,3 @@ def test_compilations_are_measured(cluster):
     status, text = get(gw.url, "/metrics", key=None)
     assert status == 200 and "tandem_grammar_compile_seconds_count" in text
     assert "tandem_requests_with_ignored_fields_total" in text
-
-
-def test_unknown_fields_named_like_the_models_methods_change_nothing(cluster):
-    gw, decode = cluster
-    status, got, header = call(gw, chat(unsupported=1, ignored_fields=2, model_extra=3, __dict__=4))
-    assert status == 200 and header == "unsupported, ignored_fields, model_extra, __dict__", got
-
-
-def test_every_listed_vendor_extension_is_a_field_the_gateway_reads():
-    """VENDOR_EXTENSIONS (what the docs list as honoured) names only fields the request models
-    define, so none of them is an ignored extra."""
-    from gateway.fields import VENDOR_EXTENSIONS
-    from gateway.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
-    fields = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
-    for key in VENDOR_EXTENSIONS:
-        top, _, sub = key.split(" ")[0].partition(".")
-        assert top in fields, key
-        if sub:
-            assert top == "stream_options" and sub in StreamOptions.model_fields, key
-
