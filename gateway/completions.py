@@ -29,7 +29,7 @@ from gateway.forward import cancelling
 from gateway.migration import forward
 from gateway.openai_format import ChoiceState, Formatter, error_body, prompt_tokens, public_message
 from gateway.prompts import PromptTooLong
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
+from gateway.protocol import REASONING_EFFORTS, ChatCompletionRequest, CompletionRequest, sampling_params
 from gateway.reader import choice_reader
 from gateway.streaming import DoneEvent, ErrorEvent, Event, EventStream, Generation, TokensEvent, sse
 from gateway.structured import ignored_fields as structured_ignored
@@ -86,7 +86,7 @@ class CompletionHandler:
     def _unread(self, body: Body) -> list[str]:
         """Fields that only the chat template acts on, sent to a model whose template does not
         read them (gpt-oss's reads reasoning_effort; the shipped model's does not)."""
-        if isinstance(body, ChatCompletionRequest) and body.reasoning_effort is not None \
+        if isinstance(body, ChatCompletionRequest) and body.reasoning_effort in REASONING_EFFORTS \
                 and "reasoning_effort" not in (self.gw.tokenizer.chat_template or ""):
             return ["reasoning_effort"]
         return []
