@@ -65,7 +65,9 @@ class Gateway:
         # how the model's output is read (reasoning, tool calls), and structured outputs' compiler
         self.output_settings = output_settings(config, self.tokenizer)
         self.structured = StructuredOutputs(self.tokenizer, self.model_config, config.grammar_compile_timeout_s,
-                                            self.metrics.grammar_compile.observe)
+                                            self.metrics.grammar_compile.observe,
+                                            max_pending=config.grammar_max_pending,
+                                            tenant_max_pending=config.grammar_tenant_max_pending)
         self.completions = CompletionHandler(self)
         self.keys = KeyTable(config.api_keys)
         self.admin_keys = KeyTable({k: "admin" for k in config.admin_keys})
@@ -248,7 +250,8 @@ def _rejected(gw: Gateway, e: Rejected) -> JSONResponse:
     kind = "invalid_request_error" if e.status < 500 else "server_error"
     if e.status == 401:
         kind = "authentication_error"
-    return JSONResponse(error_body(e.message, kind, e.reason, getattr(e, "param", None)), status_code=e.status)
+    return JSONResponse(error_body(e.message, kind, e.reason, getattr(e, "param", None)), status_code=e.status,
+                        headers=getattr(e, "headers", None))     # a 429's Retry-After
 
 
 def _bearer(request: Request) -> str:
