@@ -31,7 +31,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 def cluster() -> Iterator[tuple[object, FakeWorker]]:
     prefill, decode = FakeWorker("prefill"), FakeWorker()
     decode.peer = prefill
-    gw = start_gateway([decode.address], [prefill.address])
+    gw = start_gateway([decode.address], [prefill.address], grammar_max_pending=100, grammar_tenant_max_pending=30)
     try:
         wait_ready(gw.url)
         yield gw, decode
@@ -258,11 +258,18 @@ def test_a_full_compile_queue_is_a_429_naming_the_limit(cluster):
     the turns are tested there) a constrained request is refused at once; others go on."""
     gw, decode = cluster
     queue = gw.app.state.gateway.structured.queue
+    assert (queue.max_pending, queue.tenant_max_pending) == (100, 30)     # the fixture's GatewayConfig
     share, queue.tenant_max_pending = queue.tenant_max_pending, 0
     try:
         before = len(decode.generated)
-        status, got, _ = call(gw, chat(guided_regex="[ab]+"))
-        assert status == 429 and got["error"]["code"] == "grammar_tenant_limit", got
+        conn = connection(gw.url)
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(chat(guided_regex="[ab]+")),
+                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+        resp = conn.getresponse()
+        got = json.loads(resp.read())
+        conn.close()
+        assert resp.status == 429 and got["error"]["code"] == "grammar_tenant_limit", got
+        assert resp.getheader("Retry-After") == "1"
         assert "grammar_tenant_max_pending" in got["error"]["message"] and len(decode.generated) == before
         assert sent_constraint(gw, decode, chat()) is None
     finally:
