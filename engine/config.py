@@ -199,6 +199,9 @@ class EngineConfig:
     # decode steps run as compiled graphs, one per batch bucket (engine/compiled); off: eager
     compile: bool = field(default_factory=compile_default)
     compile_buckets: tuple[int, ...] | None = None   # None: 1, 2, 4, ... up to max_num_seqs
+    # a constraint not seen before is checked in a child process within this many seconds
+    # (engine/grammar_check.py; workers); None: compiled in-process without a budget (engine.LLM)
+    grammar_check_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -208,6 +211,8 @@ class EngineConfig:
                              f"({self.page_size} tokens)")
         if self.max_num_seqs < 1 or self.max_prefill_tokens < 1:
             raise ValueError("max_num_seqs and max_prefill_tokens must be at least 1")
+        if self.grammar_check_timeout_s is not None and not 0 < self.grammar_check_timeout_s < float("inf"):
+            raise ValueError(f"grammar_check_timeout_s={self.grammar_check_timeout_s} must be > 0 and finite")
         if self.compile_buckets is not None:
             from engine.compiled.buckets import decode_buckets
             decode_buckets(self.max_num_seqs, self.compile_buckets)  # raises ValueError naming the limit

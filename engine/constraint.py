@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +57,7 @@ DEFAULT_CACHE_SIZE = 256           # checked grammar texts kept per compiler (ea
 # at which `(a{1000}){1000}` took 1.35 s and 170 MB at its first mask here; 2e5 takes 0.1-0.2 s
 # and no memory that outlives the request).  The per-step fuel stays llguidance's (200k, ~14 ms).
 INITIAL_LEXER_FUEL = 200_000
+REFUSED_TIMEOUT_TTL_S = 60.0       # a constraint refused for its check's time is refused again this long
 # JSON is generated compact (no whitespace between tokens, as OpenAI's structured outputs):
 # with llguidance's default (whitespace allowed anywhere) a model may emit whitespace forever
 # and never finish; a schema's own "x-guidance" options still win over these.
@@ -126,6 +129,15 @@ def grammar_text(c: Constraint) -> str:
         raise ValueError(f"the grammar cannot be read: {e}") from None
 
 
+class CheckTimeout(ValueError):
+    """A constraint's check ran past its time budget (`engine.grammar_check`)."""
+
+
+class CheckBusy(ValueError):
+    """No checker was free within the budget: the load's doing, not the constraint's (never
+    remembered as a refusal)."""
+
+
 def default_limits() -> llguidance.LLParserLimits:
     """The parser limits every compiler uses unless given others."""
     return llguidance.LLParserLimits(initial_lexer_fuel=INITIAL_LEXER_FUEL)
@@ -138,14 +150,21 @@ class GrammarCompiler:
     tokenizer_json: the tokenizer's `tokenizers` JSON (`Tokenizer.backend.to_str()`);
     vocab_size: the model's (the logits' width, which may exceed the tokenizer's);
     eos_ids: the tokens that end a request (allowed where the grammar may end);
-    limits: llguidance's parser limits (`default_limits()` when None)."""
+    limits: llguidance's parser limits (`default_limits()` when None);
+    checker: checks a constraint not seen before, first, raising ValueError to refuse it
+    (`engine.grammar_check.CheckerPool`: in a child process, under a time budget), so that only
+    a constraint that passed is compiled in this process.  Refusals are remembered too (the
+    latest `cache_size`), so a refused constraint sent again costs nothing."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int],
-                 cache_size: int = DEFAULT_CACHE_SIZE, limits: llguidance.LLParserLimits | None = None):
+                 cache_size: int = DEFAULT_CACHE_SIZE, limits: llguidance.LLParserLimits | None = None,
+                 checker: Callable[[Constraint], None] | None = None):
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_ids))
         self.vocab_size = vocab_size
         self.limits = limits if limits is not None else default_limits()
+        self.checker = checker
         self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()   # (kind, spec) -> grammar text
+        self._refused: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()  # -> why, until
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self.compiled = 0             # constraints checked (cache misses), read by tests and metrics
@@ -166,25 +185,51 @@ class GrammarCompiler:
         if self._checked(c) is None:
             self._check_new(c)
 
+    def close(self) -> None:
+        """Stop the checker's children (when it has any)."""
+        close = getattr(self.checker, "close", None)
+        if close is not None:
+            close()
+
     def _checked(self, c: Constraint) -> str | None:
-        """`c`'s grammar text when it passed a check before (then it is the most recent)."""
+        """`c`'s grammar text when it passed a check before (then it is the most recent).
+        Raises ValueError, as the first time, when it was refused before."""
         key = (c.kind, c.spec)
         with self._lock:
             text = self._cache.get(key)
             if text is not None:
                 self._cache.move_to_end(key)
+            elif (refused := self._refused.get(key)) is not None:
+                if time.monotonic() < refused[1]:
+                    raise ValueError(refused[0])
+                del self._refused[key]
             return text
 
     def _check_new(self, c: Constraint) -> llguidance.LLMatcher:
-        """Check `c` (not cached) and cache its text; returns the checked matcher."""
-        text = grammar_text(c)
-        matcher = self._ready(c, text)
+        """Check `c` (not cached) and cache its text, or its refusal; returns the checked matcher."""
+        key = (c.kind, c.spec)
+        try:
+            if self.checker is not None:
+                self.checker(c)
+            text = grammar_text(c)
+            matcher = self._ready(c, text)
+        except CheckBusy:
+            raise
+        except ValueError as e:
+            # a timeout may be the machine's load: remembered for a while only
+            ttl = REFUSED_TIMEOUT_TTL_S if isinstance(e, CheckTimeout) else float("inf")
+            self._remember(self._refused, key, (str(e), time.monotonic() + ttl))
+            raise
+        self._remember(self._cache, key, text)
         with self._lock:
             self.compiled += 1
-            self._cache[(c.kind, c.spec)] = text
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
         return matcher
+
+    def _remember(self, cache: OrderedDict, key: tuple[str, str], value: object) -> None:
+        with self._lock:
+            cache[key] = value
+            while len(cache) > self._cache_size:
+                cache.popitem(last=False)
 
     def _ready(self, c: Constraint, text: str) -> llguidance.LLMatcher:
         """A new matcher of `text` with its first mask computed, still at the start (a mask

@@ -26,7 +26,6 @@ released (`publish` for a worker that ends a request itself).
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,6 +41,7 @@ from engine.constraint import Constraint, GrammarCompiler
 from engine.experts import PagedExperts, check_independence, paged_factory, validate_num_resident
 from engine.guide import Guide
 from engine.guided_mask import MaskWork
+from engine.guides import Guides
 from engine.kv_pool import PagePool
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
@@ -111,8 +111,7 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.pool, device, mc.vocab_size, self.eos_ids)
         if config.compile:
             self.runner.compiled = compile_decode(self.model, self.pool, config, self.max_model_len)
-        self._grammars: GrammarCompiler | None = None      # built at the first constraint
-        self._grammars_lock = threading.Lock()
+        self.guides = Guides(self.tokenizer, mc.vocab_size, self.eos_ids, config.grammar_check_timeout_s)
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
 
@@ -183,27 +182,12 @@ class EngineCore:
     # ---- structured outputs ----------------------------------------------------------
     @property
     def grammars(self) -> GrammarCompiler:
-        """The core's grammar compiler (built at first use: its tokenizer, the model's vocabulary,
-        its EOS ids), with its cache of compiled constraints."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
-                                                 sorted(self.eos_ids))
-            return self._grammars
+        """The core's grammar compiler (`engine.guides.Guides.compiler`)."""
+        return self.guides.compiler
 
     def guide(self, constraint: Constraint | None, replay: Sequence[int] = ()) -> Guide | None:
-        """A fresh grammar state for `constraint` (None without one), fed the tokens `replay`.
-        Raises RequestError (INVALID_REQUEST) with the grammar engine's message when it cannot
-        be compiled or refuses one of those tokens."""
-        if constraint is None:
-            return None
-        gate = self.tokenizer.encode(constraint.after) if constraint.after else []
-        try:
-            guide = Guide(self.grammars.compile(constraint), constraint.kind, gate)
-            guide.replay(replay)
-        except ValueError as e:
-            raise RequestError(Problem.INVALID_REQUEST, str(e)) from None
-        return guide
+        """A request's grammar state (`engine.guides.Guides.guide`)."""
+        return self.guides.guide(constraint, replay)
 
     @property
     def mask_work(self) -> MaskWork:

@@ -5,11 +5,16 @@ the compiler's parser limits; the cache keeps checked texts, not matchers."""
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Iterator
+
 import llguidance
 import pytest
 
 from engine.config import SHIPPED_MODEL, ModelConfig
-from engine.constraint import INITIAL_LEXER_FUEL, Constraint, GrammarCompiler
+from engine.constraint import INITIAL_LEXER_FUEL, CheckBusy, CheckTimeout, Constraint, GrammarCompiler
+from engine.grammar_check import CheckerPool
 from engine.tokenizer import Tokenizer
 
 # A pattern whose first branch exhausts llguidance's lexer (it refuses `aa` with "too many
@@ -78,3 +83,58 @@ def test_matchers_run_under_the_compilers_limits(tokenizer: Tokenizer) -> None:
     compiler = _compiler(tokenizer, limits=tight)
     with pytest.raises(ValueError, match="grammar cannot be used"):
         compiler.check(Constraint("grammar", "start: " + " ".join(f'"w{i}"' for i in range(50))))
+
+
+# ---- the check in a child process (engine/grammar_check.py) ----------------------------------
+# ~1 KB of schema that llguidance compiles for minutes (its regex emptiness check of an allOf of
+# 30 patterns; 22 took 9 s on this machine), bounded by none of its parser limits
+SLOW = Constraint.json_schema({"type": "string", "allOf": [{"pattern": f"^(.*a.{{{i % 30 + 1}}}.*)$"}
+                                                           for i in range(30)]})
+
+
+@pytest.fixture
+def pooled(tokenizer: Tokenizer) -> Iterator[tuple[GrammarCompiler, CheckerPool]]:
+    config = ModelConfig.from_path(SHIPPED_MODEL)
+    eos = sorted(tokenizer.end_ids(config.eos_token_ids))
+    pool = CheckerPool(tokenizer.backend.to_str(), config.vocab_size, eos, INITIAL_LEXER_FUEL, processes=1,
+                       timeout_s=1.0)
+    compiler = GrammarCompiler(tokenizer.backend.to_str(), config.vocab_size, eos, checker=pool)
+    yield compiler, pool
+    compiler.close()
+    assert pool._closed and not pool._free
+
+
+def test_a_check_past_its_budget_is_killed_and_refused_and_remembered(pooled, tokenizer: Tokenizer) -> None:
+    compiler, pool = pooled
+    with pytest.raises(CheckTimeout, match="json_schema constraint took longer than 1 s to compile"):
+        compiler.check(SLOW)
+    assert pool.killed == 1 and compiler.compiled == 0
+    with pytest.raises(ValueError, match="took longer than 1 s") as again:     # from memory: nothing runs
+        compiler.compile(SLOW)
+    assert not isinstance(again.value, CheckTimeout) and pool.killed == 1
+    matcher = compiler.compile(Constraint.choice(["yes", "no"]))              # a new child checks it
+    assert _walk(matcher, tokenizer.encode("yes")) == "ok" and compiler.compiled == 1
+
+
+def test_the_child_refuses_what_cannot_compile_with_the_engines_message(pooled) -> None:
+    compiler, pool = pooled
+    for _ in range(2):                 # the second time from the refusals remembered
+        with pytest.raises(ValueError, match="regex cannot be used: .*invalid regex"):
+            compiler.check(Constraint("regex", "a(b"))
+    assert pool.killed == 0 and len(pool._free) == 1           # the child answered and is kept
+
+
+def test_no_free_checker_within_the_budget_is_busy_not_a_refusal(pooled) -> None:
+    compiler, pool = pooled
+    slow = threading.Thread(target=lambda: pytest.raises(CheckTimeout, pool.check, SLOW, 3.0))
+    slow.start()
+    try:
+        time.sleep(0.2)                # the one child compiles SLOW for 3 s, then is killed
+        compiler.checker = lambda c: pool.check(c, 0.5)
+        with pytest.raises(CheckBusy, match="no grammar checker was free within 0.5 s"):
+            compiler.check(Constraint.choice(["a"]))
+    finally:
+        slow.join()
+        compiler.checker = pool
+    compiler.check(Constraint.choice(["a"]))                   # busy was not remembered as a refusal
+    assert compiler.compiled == 1

@@ -18,9 +18,11 @@ import regex
 
 from deploy.colocated import start_colocated_worker
 from engine.constraint import Constraint, GrammarCompiler
+from engine.grammar_check import CheckerPool
 from engine.params import SamplingParams
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
+from tests.test_grammar_compiler import SLOW
 from tests.workers import Result, channel, module_worker, run, start_decode, start_prefill, wait_idle
 from worker.convert import params_to_proto, prefill_request
 
@@ -205,6 +207,27 @@ def test_a_constraint_that_cannot_compile_is_refused_before_any_page(decode, pre
                                                                      kind, spec, words):
     """As a worker receives it (the wire carries any kind and spec): refused by name before
     any page is reserved or anything queued, on the decode, colocated and prefill workers."""
+    refused_everywhere(decode, prefill, colocated, prompts, kind, spec, words)
+
+
+def test_a_constraint_past_the_workers_check_budget_is_refused_before_any_page(decode, prefill, colocated,
+                                                                               prompts):
+    """A schema llguidance would compile for minutes is checked in a child process that each
+    worker kills at its budget (here 1 s): refused by name, nothing reserved."""
+    checkers = [h.core.grammars.checker for h in (decode, prefill, colocated)]
+    assert all(isinstance(c, CheckerPool) for c in checkers)
+    budgets = [c.timeout_s for c in checkers]
+    try:
+        for c in checkers:
+            c.timeout_s = 1.0
+        refused_everywhere(decode, prefill, colocated, prompts, SLOW.kind, SLOW.spec, "took longer than 1 s")
+    finally:
+        for c, b in zip(checkers, budgets):
+            c.timeout_s = b
+    assert [c.killed for c in checkers] == [1, 1, 1]
+
+
+def refused_everywhere(decode, prefill, colocated, prompts, kind: str, spec: str, words: str) -> None:
     params = params_to_proto(GREEDY)
     params.constraint.CopyFrom(wpb.Constraint(kind=kind, spec=spec))
     for handle in (decode, colocated):

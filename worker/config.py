@@ -31,6 +31,9 @@ class WorkerConfig:
     # decode steps run as compiled graphs, one per batch bucket (engine/compiled); False: --no-compile
     compile: bool = field(default_factory=compile_default)
     compile_buckets: tuple[int, ...] | None = None   # --compile-buckets; None: 1, 2, 4, ... up to max_num_seqs
+    # a constraint this worker has not seen is checked in a child process killed past this budget
+    # (engine/grammar_check.py): twice the gateway's default, so what the gateway passed passes here
+    grammar_check_timeout_s: float = 10.0
     seed: int = 0
     host: str = "127.0.0.1"               # where the services listen
     advertise_host: str | None = None     # the address others reach them at (default: host)
@@ -66,6 +69,8 @@ class WorkerConfig:
         if self.layer_group < 1:
             raise ValueError(f"layer_group={self.layer_group} must be >= 1")
         check_secret(self.secret)         # every worker of a cluster gets the same one at start-up
+        if not 0 < self.grammar_check_timeout_s < float("inf"):
+            raise ValueError(f"grammar_check_timeout_s={self.grammar_check_timeout_s} must be > 0 and finite")
         if self.compile_buckets is not None:   # before the model loads
             check_compile_buckets(self.compile_buckets, self.max_num_seqs)
 
@@ -92,7 +97,8 @@ class WorkerConfig:
                             max_prefill_tokens=self.max_prefill_tokens, seed=self.seed,
                             paged_experts_num_resident=self.paged_experts_num_resident,
                             enable_prefix_cache=self.prefix_cache, kv_audit=self.kv_audit,
-                            compile=self.compile, compile_buckets=self.compile_buckets)
+                            compile=self.compile, compile_buckets=self.compile_buckets,
+                            grammar_check_timeout_s=self.grammar_check_timeout_s)
 
 
 def check_compile_buckets(sizes: Sequence[int], max_num_seqs: int = MAX_NUM_SEQS) -> tuple[int, ...]:

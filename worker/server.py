@@ -103,6 +103,7 @@ class WorkerHandle:
             log.error("the worker loop did not stop within %.0f s; its requests' pages stay "
                       "allocated and their streams end with the server", LOOP_STOP_S)
         self.server.stop(grace_s).wait()
+        self.core.guides.close()
         for close in self.closers:
             close()
 
