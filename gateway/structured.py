@@ -24,11 +24,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from engine.config import ModelConfig
-from engine.constraint import MAX_SPEC_CHARS, Constraint, GrammarCompiler
+from engine.constraint import INITIAL_LEXER_FUEL, MAX_SPEC_CHARS, CheckBusy, CheckTimeout, Constraint, GrammarCompiler
+from engine.grammar_check import CheckerPool
 from engine.tokenizer import Tokenizer
 from gateway.admission import InvalidField, Rejected
 from gateway.chat import OutputSettings, reasoning_end
-from gateway.compile_queue import DEFAULT_MAX_PENDING, DEFAULT_TENANT_MAX_PENDING, CompileQueue
+from gateway.compile_queue import DEFAULT_MAX_PENDING, DEFAULT_TENANT_MAX_PENDING, Busy, CompileQueue
 from gateway.protocol import ChatCompletionRequest
 from gateway.tool_choice import tool_mode, tool_schema
 
@@ -179,7 +180,12 @@ class StructuredOutputs:
         self.compiler: GrammarCompiler | None = None
         self.unavailable = ""
         try:
-            self.compiler = GrammarCompiler(tokenizer.backend.to_str(), model_config.vocab_size, sorted(eos))
+            text = tokenizer.backend.to_str()
+            # a constraint not seen before is checked first in a child process, killed past the budget:
+            # some small schemas compile for minutes, and a thread cannot be stopped (engine/grammar_check.py)
+            checker = CheckerPool(text, model_config.vocab_size, sorted(eos), INITIAL_LEXER_FUEL, processes=threads,
+                                  timeout_s=timeout_s)
+            self.compiler = GrammarCompiler(text, model_config.vocab_size, sorted(eos), checker=checker)
         except Exception as e:  # the model still serves free output; constraints are refused by name
             self.unavailable = f"structured outputs are not available for this model's tokenizer: {e}"
             log.warning("%s", self.unavailable)
@@ -195,8 +201,7 @@ class StructuredOutputs:
         try:
             c, seconds = await self.queue.run(tenant, lambda: self._prepare(body, settings), self.timeout_s)
         except TimeoutError:
-            raise Rejected(400, "grammar_timeout", f"the structured output took longer than {self.timeout_s:g} s "
-                           f"to compile; simplify the schema") from None
+            raise Rejected(400, "grammar_timeout", self._too_slow) from None
         if c is not None:
             self.observe(seconds)
         return c
@@ -210,9 +215,19 @@ class StructuredOutputs:
             raise Rejected(400, "unsupported", self.unavailable)
         try:
             self.compiler.check(c)
+        except CheckTimeout:
+            raise Rejected(400, "grammar_timeout", self._too_slow) from None
+        except CheckBusy as e:      # not expected: the queue runs at most `threads` checks, one per child
+            raise Busy("grammar_queue_full", str(e)) from None
         except ValueError as e:
             raise InvalidField(field, f"{field}: {e}", "invalid_constraint") from None
         return c
 
+    @property
+    def _too_slow(self) -> str:
+        return f"the structured output took longer than {self.timeout_s:g} s to compile; simplify the schema"
+
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.compiler is not None:
+            self.compiler.close()           # the checker's children

@@ -197,3 +197,26 @@ def test_the_limits_are_gateway_settings():
     for bad in ({"grammar_max_pending": 0}, {"grammar_max_pending": 4, "grammar_tenant_max_pending": 8}):
         with pytest.raises(ValueError, match="grammar_"):
             GatewayConfig(colocated_workers=("w:1",), cluster_secret=b"s" * 32, **bad)
+
+
+# ~1 KB of schema that llguidance compiles for minutes, bounded by none of its parser limits
+# (tests/test_grammar_compiler.py SLOW): the gateway's check runs in a child killed at the budget
+SLOW = {"type": "string", "allOf": [{"pattern": f"^(.*a.{{{i % 30 + 1}}}.*)$"} for i in range(30)]}
+
+
+def test_a_schema_that_compiles_for_minutes_is_refused_and_frees_its_thread():
+    tok = Tokenizer(SHIPPED_MODEL)
+    so = StructuredOutputs(tok, ModelConfig.from_path(SHIPPED_MODEL), timeout_s=1.0, threads=1)
+
+    async def main():
+        with pytest.raises(Rejected) as e:
+            await so.constraint(body(guided_json=SLOW), SETTINGS, "a")
+        assert e.value.status == 400 and e.value.reason == "grammar_timeout"
+        # the one thread is free again: the next constraint is compiled, not stuck behind minutes of work
+        c = await asyncio.wait_for(so.constraint(body(guided_choice=["yes", "no"]), SETTINGS, "b"), 30)
+        assert c is not None and c.kind == "choice" and so.queue.pending == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        so.close()
