@@ -60,11 +60,15 @@ class TokenMasker:
         self._executor: llguidance.LLExecutor | None = None
         self.work = MaskWork()
 
-    def apply(self, logits: torch.Tensor, guides: Sequence[Guide | None], copy: bool = True) -> torch.Tensor | None:
+    def apply(self, logits: torch.Tensor, guides: Sequence[Guide | None], copy: bool = True,
+              bans: Sequence[Sequence[int]] | None = None) -> torch.Tensor | None:
         """`logits`: [B, V] raw, one row per entry of `guides`.  Returns logits whose guided rows
         allow only what their grammar allows (-inf elsewhere): a copy, or `logits` itself masked
         in place when `copy` is False (nobody reads the raw ones: no logprobs wanted).  None when
-        no row is guided (then `logits` is the one to sample from)."""
+        no row is guided (then `logits` is the one to sample from).
+        `bans[i]`: tokens row i may not pick either (min_tokens' EOS and stop tokens), unless
+        they are all its grammar allows: then the grammar wins (the output can only end), never a
+        row with nothing to sample."""
         rows = [(i, g) for i, g in enumerate(guides) if g is not None and g.masks]
         if not rows:
             return None
@@ -76,6 +80,12 @@ class TokenMasker:
         words = bits.to(self.device, non_blocking=self._pinned)
         allowed = ((words[:, :, None] >> self._bits) & 1).bool()           # [R, W, 32]
         allowed = allowed.reshape(len(rows), self.words * 32)[:, :self.vocab_size]
+        for k, (i, _) in enumerate(rows):
+            if bans is not None and bans[i]:
+                kept = allowed[k].clone()
+                kept[list(bans[i])] = False
+                if bool(kept.any()):          # a host read, only for a guided row under min_tokens
+                    allowed[k] = kept
         masked = logits.clone() if copy else logits
         if len(rows) == logits.shape[0]:
             masked.masked_fill_(~allowed, float("-inf"))

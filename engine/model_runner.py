@@ -59,10 +59,14 @@ class ModelRunner:
         else:
             logits = self.model.logits(hidden[rows] if len(rows) < len(reqs) else hidden)
         sampled = [reqs[i] for i in rows]
-        self._mask_early_stops(logits, sampled)
+        guides = [r.guide for r in sampled]
+        bans = [self._early_stops(r) for r in sampled]
+        for row, (banned, guide) in enumerate(zip(bans, guides)):
+            if banned and not (guide is not None and guide.masks):    # a masked row's ban: the masker's
+                logits[row, banned] = float("-inf")
         params, generators = [r.params for r in sampled], [r.generator for r in sampled]
         want_logprobs = any(p.logprobs is not None for p in params)
-        masked = self.masker.apply(logits, [r.guide for r in sampled], copy=want_logprobs)
+        masked = self.masker.apply(logits, guides, copy=want_logprobs, bans=bans)
         # logprobs stay the model's (before the grammar): `logits` is raw unless masked in place,
         # which happens only when no row wants logprobs
         picked = sample(logits if masked is None else masked, params, generators, raw=logits)
@@ -71,12 +75,12 @@ class ModelRunner:
             out.logprobs[i] = picked.logprobs[j]
         return out
 
-    def _mask_early_stops(self, logits: torch.Tensor, reqs: list[Request]) -> None:
-        """Rows of requests under `min_tokens` cannot pick EOS (unless ignored) or a stop token."""
-        for row, req in enumerate(reqs):
-            if req.under_min_tokens:
-                banned = set(req.params.stop_token_ids)
-                if not req.params.ignore_eos:
-                    banned |= self.eos_ids
-                if banned:
-                    logits[row, sorted(banned)] = float("-inf")
+    def _early_stops(self, req: Request) -> list[int]:
+        """The tokens a request under `min_tokens` cannot pick: EOS (unless ignored) and its stop
+        tokens (none past min_tokens)."""
+        if not req.under_min_tokens:
+            return []
+        banned = set(req.params.stop_token_ids)
+        if not req.params.ignore_eos:
+            banned |= self.eos_ids
+        return sorted(banned)

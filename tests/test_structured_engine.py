@@ -279,3 +279,13 @@ def test_cuda_mask_and_outputs(shipped_llm: LLM):
         for o in outs:
             jsonschema.validate(json.loads(o.text), SCHEMAS["person"])
     assert llm.core.mask_work.rows > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_min_tokens_yields_to_a_grammar_that_can_only_end(shipped_llm: LLM, mode: str):
+    """min_tokens bans EOS, unless EOS is all the grammar allows (a row with nothing left to
+    sample drew a token the grammar refuses); where the grammar allows more, it still holds."""
+    empty = shipped_llm.generate("Hello", _params(Constraint("grammar", 'start: ""'), 8, mode, min_tokens=2))[0]
+    assert empty.finish_reason == "stop" and empty.text == "" and set(empty.token_ids) <= shipped_llm.eos_ids
+    more = shipped_llm.generate("Hello", _params(Constraint("regex", "(abc)?"), 8, mode, min_tokens=2))[0]
+    assert more.finish_reason == "stop" and more.text == "abc" and len(more.token_ids) >= 2
