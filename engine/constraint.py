@@ -200,8 +200,9 @@ class GrammarCompiler:
             if text is not None:
                 self._cache.move_to_end(key)
             elif (refused := self._refused.get(key)) is not None:
-                if time.monotonic() < refused[1]:
-                    raise ValueError(refused[0])
+                why, until = refused
+                if time.monotonic() < until:
+                    raise CheckTimeout(why) if until < float("inf") else ValueError(why)
                 del self._refused[key]
             return text
 
