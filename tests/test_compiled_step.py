@@ -28,7 +28,10 @@ from tests.test_paged_experts import small_layer
 from tests.test_parity_hf import PROMPTS
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5)
-LOGPROB_TOLERANCE = 1e-5
+# compiled and eager sum the same fp32 products in different orders (inductor's C++ kernels, aten's
+# on the CPU at hand): the largest difference measured was under 1e-5 on an Intel CPU and 1.05e-5
+# on an AMD EPYC, where a 1e-5 bound failed; tokens must still be equal
+LOGPROB_TOLERANCE = 1e-4
 Run = Callable[[list[list[int]], list[int], list[list[int]]], torch.Tensor]
 
 _ENGINES: list[LLM] = []   # this module's engines: idle and intact after every test (I6)
