@@ -32,6 +32,7 @@ reasoning markers)."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -52,6 +53,10 @@ MAX_SCHEMA_DEPTH = 32              # nesting of JSON values in a schema (objects
 MAX_CHOICES = 256                  # guided_choice alternatives
 MAX_CHOICE_CHARS = 1024            # one alternative
 MAX_AFTER_CHARS = 64               # the reasoning end marker
+# rules of a Lark or GBNF grammar: llguidance overflowed its stack (SIGSEGV) on a chain of ~2,800
+# rules (55 KB), which MAX_SPEC_CHARS admits; 2,500 passed
+MAX_GRAMMAR_RULES = 1000
+_RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w.-]*(?:\{[^}\n]*\})?(?:\.-?\d+)?[ \t]*(?::|::=)", re.MULTILINE)
 DEFAULT_CACHE_SIZE = 256           # checked grammar texts kept per compiler (each at most ~MAX_SPEC_CHARS)
 # llguidance's parser limits for every matcher (its defaults but the lexer's initial work: 1e6 fuel,
 # at which `(a{1000}){1000}` took 1.35 s and 170 MB at its first mask here; 2e5 takes 0.1-0.2 s
@@ -101,6 +106,10 @@ class Constraint:
                    f"every choice must be a non-empty string of at most {MAX_CHOICE_CHARS} characters")
         else:
             _check(bool(self.spec), f"a {self.kind} constraint needs a non-empty spec")
+            if self.kind == "grammar":
+                rules = len(_RULE.findall(self.spec))
+                _check(rules <= MAX_GRAMMAR_RULES,
+                       f"the grammar defines {rules} rules; at most {MAX_GRAMMAR_RULES} are allowed")
 
     @staticmethod
     def json_schema(schema: dict[str, Any] | bool, after: str = "") -> Constraint:
@@ -151,14 +160,14 @@ class GrammarCompiler:
     vocab_size: the model's (the logits' width, which may exceed the tokenizer's);
     eos_ids: the tokens that end a request (allowed where the grammar may end);
     limits: llguidance's parser limits (`default_limits()` when None);
-    checker: checks a constraint not seen before, first, raising ValueError to refuse it
-    (`engine.grammar_check.CheckerPool`: in a child process, under a time budget), so that only
-    a constraint that passed is compiled in this process.  Refusals are remembered too (the
+    checker: checks a constraint not seen before and returns its grammar text, or raises
+    ValueError to refuse it (`engine.grammar_check.CheckerPool`: in a child process, under a
+    time budget), so that only a constraint that passed is compiled in this process.  Refusals are remembered too (the
     latest `cache_size`), so a refused constraint sent again costs nothing."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int],
                  cache_size: int = DEFAULT_CACHE_SIZE, limits: llguidance.LLParserLimits | None = None,
-                 checker: Callable[[Constraint], None] | None = None):
+                 checker: Callable[[Constraint], str] | None = None):
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_ids))
         self.vocab_size = vocab_size
         self.limits = limits if limits is not None else default_limits()
@@ -176,14 +185,22 @@ class GrammarCompiler:
         message when `c` cannot be used (see `check`)."""
         text = self._checked(c)
         if text is None:
-            return self._check_new(c)
+            text = self._check_new(c)
         return self._ready(c, text)
 
     def check(self, c: Constraint) -> None:
         """Raise ValueError, naming the problem, unless `c` compiles and its first mask can be
-        computed within the limits; remembers a constraint that passed."""
+        computed within the limits (by the checker when there is one: then nothing of `c` is
+        compiled in this process); remembers the outcome."""
         if self._checked(c) is None:
             self._check_new(c)
+
+    def prepare(self, c: Constraint) -> str:
+        """`c`'s grammar text once it compiled here and its first mask was computed (nothing
+        cached: what a checker process runs).  Raises ValueError as `check`."""
+        text = grammar_text(c)
+        self._ready(c, text)
+        return text
 
     def close(self) -> None:
         """Stop the checker's children (when it has any)."""
@@ -206,14 +223,13 @@ class GrammarCompiler:
                 del self._refused[key]
             return text
 
-    def _check_new(self, c: Constraint) -> llguidance.LLMatcher:
-        """Check `c` (not cached) and cache its text, or its refusal; returns the checked matcher."""
+    def _check_new(self, c: Constraint) -> str:
+        """Check `c` (not cached): by the checker, or here.  Caches and returns its grammar
+        text, or remembers and raises its refusal (a busy checker is not `c`'s fault: raised,
+        not remembered)."""
         key = (c.kind, c.spec)
         try:
-            if self.checker is not None:
-                self.checker(c)
-            text = grammar_text(c)
-            matcher = self._ready(c, text)
+            text = self.checker(c) if self.checker is not None else self.prepare(c)
         except CheckBusy:
             raise
         except ValueError as e:
@@ -224,7 +240,7 @@ class GrammarCompiler:
         self._remember(self._cache, key, text)
         with self._lock:
             self.compiled += 1
-        return matcher
+        return text
 
     def _remember(self, cache: OrderedDict, key: tuple[str, str], value: object) -> None:
         with self._lock:

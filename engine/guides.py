@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from engine.constraint import Constraint, GrammarCompiler
+from engine.constraint import CheckBusy, Constraint, GrammarCompiler
 from engine.grammar_check import checker_for
 from engine.guide import Guide
 from engine.tokenizer import Tokenizer
@@ -39,13 +39,15 @@ class Guides:
     def guide(self, constraint: Constraint | None, replay: Sequence[int] = ()) -> Guide | None:
         """A fresh grammar state for `constraint` (None without one), fed the tokens `replay`.
         Raises RequestError (INVALID_REQUEST) with the grammar engine's message when it cannot
-        be compiled or refuses one of those tokens."""
+        be compiled or refuses one of those tokens, or (BUSY) when no checker was free."""
         if constraint is None:
             return None
         gate = self.tokenizer.encode(constraint.after) if constraint.after else []
         try:
             guide = Guide(self.compiler.compile(constraint), constraint.kind, gate)
             guide.replay(replay)
+        except CheckBusy as e:         # the checkers' load, not the constraint: retryable
+            raise RequestError(Problem.BUSY, str(e)) from None
         except ValueError as e:
             raise RequestError(Problem.INVALID_REQUEST, str(e)) from None
         return guide

@@ -13,6 +13,9 @@ class Problem(enum.StrEnum):
     """What is wrong with a refused prompt (the same words as the worker's error codes)."""
     INVALID_REQUEST = "INVALID_REQUEST"      # empty, or a token id outside the vocabulary
     PROMPT_TOO_LONG = "PROMPT_TOO_LONG"      # prompt + max_tokens over the context or the KV capacity
+    # no room now, the request itself is fine: a worker's grammar checkers all busy (the caller
+    # waits and retries, as for a full KV cache)
+    BUSY = "KV_FULL"
 
 
 class RequestError(ValueError):

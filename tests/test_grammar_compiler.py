@@ -5,9 +5,14 @@ the compiler's parser limits; the cache keeps checked texts, not matchers."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import llguidance
 import pytest
@@ -139,3 +144,81 @@ def test_no_free_checker_within_the_budget_is_busy_not_a_refusal(pooled) -> None
         compiler.checker = pool
     compiler.check(Constraint.choice(["a"]))                   # busy was not remembered as a refusal
     assert compiler.compiled == 1
+
+
+def _children(pool: CheckerPool) -> list[int]:
+    with pool._lock:
+        return [c.proc.pid for c in (*pool._free, *pool._busy)]
+
+
+def test_a_child_that_dies_checking_is_a_refusal_and_one_dead_idle_is_replaced(pooled) -> None:
+    compiler, pool = pooled
+    compiler.checker = lambda c: pool.check(c, 60.0)
+    try:
+        slow = threading.Thread(target=lambda: pytest.raises(ValueError, compiler.check, SLOW))
+        slow.start()
+        for _ in range(100):                       # the child has SLOW (at most 10 s)
+            if _children(pool):
+                break
+            time.sleep(0.1)
+        os.kill(_children(pool)[0], signal.SIGKILL)
+        slow.join(30)
+        assert not slow.is_alive()
+        with pytest.raises(ValueError, match=r"json_schema constraint crashed the grammar engine \(signal 9\)"):
+            compiler.check(SLOW)                   # remembered: the same refusal, nothing runs
+        assert pool.killed == 1
+        compiler.check(Constraint.choice(["a"]))   # a new child
+        (idle,) = _children(pool)
+        os.kill(idle, signal.SIGKILL)
+        time.sleep(0.2)
+        compiler.check(Constraint.choice(["b"]))   # the dead one is dropped, a new child checks
+        assert compiler.compiled == 2 and len(_children(pool)) == 1 and _children(pool) != [idle]
+    finally:
+        compiler.checker = pool
+
+
+def test_a_child_dies_with_its_parent(tmp_path) -> None:
+    """A parent killed (SIGKILL: no cleanup runs) while its child compiles: the child is killed
+    too (PR_SET_PDEATHSIG), not left compiling for minutes."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys, threading, time\n"
+        "from engine.config import SHIPPED_MODEL, ModelConfig\n"
+        "from engine.constraint import INITIAL_LEXER_FUEL\n"
+        "from engine.grammar_check import CheckerPool\n"
+        "from engine.tokenizer import Tokenizer\n"
+        "from tests.test_grammar_compiler import SLOW\n"
+        "tok, cfg = Tokenizer(SHIPPED_MODEL), ModelConfig.from_path(SHIPPED_MODEL)\n"
+        "pool = CheckerPool(tok.backend.to_str(), cfg.vocab_size, [0], INITIAL_LEXER_FUEL, timeout_s=600)\n"
+        "threading.Thread(target=pool, args=(SLOW,), daemon=True).start()\n"
+        "while not pool._busy: time.sleep(0.05)\n"
+        "print(next(iter(pool._busy)).proc.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    root = Path(__file__).resolve().parent.parent
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=root,
+                              env={**os.environ, "PYTHONPATH": str(root)})
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait()
+        for _ in range(100):                       # at most 10 s
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(child, signal.SIGKILL)
+            pytest.fail("the checker child outlived its parent")
+    finally:
+        parent.kill()
+
+
+def test_a_grammar_of_too_many_rules_is_refused_before_any_compile() -> None:
+    chain = "start: r0\n" + "\n".join(f'r{i}: r{i + 1} | "x"' for i in range(3000)) + '\nr3000: "y"'
+    with pytest.raises(ValueError, match="the grammar defines 3002 rules; at most 1000 are allowed"):
+        Constraint("grammar", chain)
+    gbnf = "root ::= r0\n" + "\n".join(f'r{i} ::= r{i + 1} | "x"' for i in range(1200)) + '\nr1200 ::= "y"'
+    with pytest.raises(ValueError, match="the grammar defines 1202 rules"):
+        Constraint("grammar", gbnf)
