@@ -4,7 +4,9 @@ Bounded in all (`max_pending`, GatewayConfig.grammar_max_pending) and per tenant
 (`tenant_max_pending`, grammar_tenant_max_pending), counting those waiting and those running:
 past either bound a request is refused at once with 429 and Retry-After, naming the limit.
 Waiting compilations start in turn across tenants (round robin), so a tenant's burst of
-schemas delays another tenant's next compilation by at most one compilation per thread.  A
+schemas delays another tenant's next compilation by at most one compilation per thread; and a
+full queue makes room for a tenant holding fewer than the largest holder (whose newest waiting
+compilation is refused with 429), so a few tenants cannot lock the others out.  A
 request's time budget starts when its compilation starts, never while it waits.
 
 All the bookkeeping runs on the event loop; the threads only run the compilations."""
@@ -47,6 +49,7 @@ class _Job(Generic[T]):
     done: asyncio.Event = field(default_factory=asyncio.Event)
     started_at: float = 0.0
     outcome: Future[T] | None = None     # the thread's result, once done
+    shed: Busy | None = None             # dropped while it waited, to make room for another tenant
 
 
 class CompileQueue:
@@ -76,6 +79,8 @@ class CompileQueue:
         self._dispatch()
         try:
             await job.started.wait()
+            if job.shed is not None:
+                raise job.shed
         except asyncio.CancelledError:
             if not job.started.is_set():    # the client left while it waited: it never runs
                 self._waiting[tenant].remove(job)
@@ -94,9 +99,30 @@ class CompileQueue:
             raise Busy("grammar_tenant_limit", f"this client has {mine} structured-output compilations "
                        f"pending; at most {self.tenant_max_pending} are allowed (grammar_tenant_max_pending); "
                        f"retry when earlier ones have finished")
-        if total >= self.max_pending:
+        if total >= self.max_pending and not self._shed_for(mine):
             raise Busy("grammar_queue_full", f"{total} structured-output compilations are pending, the most "
                        f"this server queues (grammar_max_pending={self.max_pending}); retry shortly")
+
+    def _shed_for(self, mine: int) -> bool:
+        """Make room in a full queue for a tenant with `mine` pending: the newest waiting job of
+        the tenant with the most pending is refused (429), when that tenant holds more than
+        mine + 1 (a few tenants may not lock the others out).  Returns whether it made room."""
+        waiting = [t for t, jobs in self._waiting.items() if jobs]
+        if not waiting:
+            return False
+        victim = max(waiting, key=lambda t: self._pending.get(t, 0))
+        if self._pending.get(victim, 0) <= mine + 1:
+            return False
+        jobs = self._waiting[victim]
+        job = jobs.pop()
+        if not jobs:
+            del self._waiting[victim]
+        self._release(victim)
+        job.shed = Busy("grammar_queue_full", f"the structured-output compilation queue is full "
+                        f"(grammar_max_pending={self.max_pending}) and this client holds the most of it; "
+                        "retry shortly")
+        job.started.set()
+        return True
 
     def _dispatch(self) -> None:
         """Start waiting jobs while threads are free, taking tenants in turn."""

@@ -116,11 +116,17 @@ def test_the_queue_is_bounded_per_tenant_and_in_all(structured):
         assert e.value.status == 429 and e.value.reason == "grammar_tenant_limit"
         assert "at most 2" in e.value.message and "grammar_tenant_max_pending" in e.value.message
         assert e.value.headers == {"Retry-After": "1"}
+        # full: a newcomer gets the newest waiting place of the largest holder (a: 2), once
+        d = asyncio.create_task(so.constraint(body(guided_regex="held-d1"), SETTINGS, "d"))
         with pytest.raises(Busy) as e:
-            await so.constraint(body(guided_regex="x"), SETTINGS, "d")
+            await tasks[1]
+        assert e.value.reason == "grammar_queue_full" and "holds the most" in e.value.message
+        await started(so, 4)
+        with pytest.raises(Busy) as e:            # now no one holds more than one beyond a newcomer
+            await so.constraint(body(guided_regex="x"), SETTINGS, "e")
         assert e.value.reason == "grammar_queue_full" and "grammar_max_pending=4" in e.value.message
         held.release.set()
-        assert [(await t).spec for t in tasks] == ["held-a1", "held-a2", "held-b1", "held-c1"]
+        assert [(await t).spec for t in (tasks[0], *tasks[2:], d)] == ["held-a1", "held-b1", "held-c1", "held-d1"]
         assert so.queue.pending == 0
         assert (await so.constraint(body(guided_regex="x"), SETTINGS, "a")).spec == "x"
 
