@@ -47,11 +47,14 @@ def decode(text: str, at: int | None = None) -> tuple[Any, int]:
 
 def encode(value: Any) -> str | None:
     """`value` as JSON text, or None when it cannot be written as JSON: a number that decoded
-    to infinity (`1e999`), or nesting too deep to write."""
+    to infinity (`1e999`), nesting too deep to write, or a string with a lone surrogate
+    (`"\\ud800"` decodes to one; UTF-8 cannot carry it, and the response would fail to encode)."""
     try:
-        return json.dumps(value, ensure_ascii=False, allow_nan=False)
-    except (ValueError, RecursionError):
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        text.encode("utf-8")
+    except (ValueError, RecursionError):       # UnicodeEncodeError is a ValueError
         return None
+    return text
 
 
 def call_arguments(value: Any) -> str | None:

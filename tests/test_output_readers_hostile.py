@@ -64,11 +64,12 @@ def test_deeply_nested_json_in_glm45_values_and_required_calls() -> None:
 
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("payload", ['{"days": NaN}', '{"days": Infinity}', '{"a": [-Infinity]}', '{"a": 1e999}',
-                                     json.dumps('{"days": NaN}')])
+                                     json.dumps('{"days": NaN}'), '{"city": "\\ud800"}'])
 def test_nan_and_infinity_are_not_json_arguments(block: tuple[str, str], payload: str) -> None:
     """Python's json takes NaN and ±Infinity (and writes them back, also for 1e999, which it
     reads as infinity); RFC 8259 and clients' parsers (JSON.parse) do not: such a block is not a
-    call, it stays content."""
+    call, it stays content.  So is one whose string holds a lone surrogate (`\\ud800` decodes
+    to one, which UTF-8 cannot carry: the response failed to encode, a 500)."""
     parser, template = block
     text = template.replace("{}", payload)
     msg = read(parser, text)
