@@ -20,7 +20,10 @@ import pytest
 from engine.config import SHIPPED_MODEL, ModelConfig
 from engine.constraint import INITIAL_LEXER_FUEL, CheckBusy, CheckTimeout, Constraint, GrammarCompiler
 from engine.grammar_check import CheckerPool
+from engine.guides import Guides
 from engine.tokenizer import Tokenizer
+from engine.validate import Problem, RequestError
+from worker.types import ErrorCode
 
 # A pattern whose first branch exhausts llguidance's lexer (it refuses `aa` with "too many
 # expressions constructed") while its second is harmless.
@@ -222,3 +225,22 @@ def test_a_grammar_of_too_many_rules_is_refused_before_any_compile() -> None:
     gbnf = "root ::= r0\n" + "\n".join(f'r{i} ::= r{i + 1} | "x"' for i in range(1200)) + '\nr1200 ::= "y"'
     with pytest.raises(ValueError, match="the grammar defines 1202 rules"):
         Constraint("grammar", gbnf)
+
+
+def test_a_busy_checker_is_a_retryable_refusal_on_a_worker(tokenizer: Tokenizer) -> None:
+    """A worker's guide maps no free checker to BUSY (KV_FULL on the wire: the gateway waits and
+    retries), a constraint's own refusal to INVALID_REQUEST."""
+    config = ModelConfig.from_path(SHIPPED_MODEL)
+    guides = Guides(tokenizer, config.vocab_size, tokenizer.end_ids(config.eos_token_ids), None)
+
+    def busy(c: Constraint) -> str:
+        raise CheckBusy("no grammar checker was free within 1 s (all busy compiling); try again")
+    guides.compiler.checker = busy
+    with pytest.raises(RequestError, match="no grammar checker was free") as e:
+        guides.guide(Constraint.choice(["a"]))
+    assert e.value.code == Problem.BUSY and ErrorCode(e.value.code.value) == ErrorCode.KV_FULL
+    guides.compiler.checker = None
+    with pytest.raises(RequestError, match="regex cannot be used") as e:
+        guides.guide(Constraint("regex", "a(b"))
+    assert e.value.code == Problem.INVALID_REQUEST
+    assert guides.guide(Constraint.choice(["a"])) is not None               # busy was not remembered
