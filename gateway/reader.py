@@ -65,10 +65,10 @@ class ChoiceReader:
         stream shape: a call's first delta has its index, id, type and name)."""
         out, delta = self.out, dict[str, Any]()
         if len(out.reasoning) > self._sent_reasoning:
-            delta["reasoning_content"] = out.reasoning[self._sent_reasoning:]
+            delta["reasoning_content"] = out.reasoning.since(self._sent_reasoning)
             self._sent_reasoning = len(out.reasoning)
         if len(out.content) > self._sent_content:
-            delta["content"] = out.content[self._sent_content:]
+            delta["content"] = out.content.since(self._sent_content)
             self._sent_content = len(out.content)
         calls, made = [], self.calls
         # only the last call sent may still grow (the stages add calls whole, or grow the last):
@@ -77,19 +77,19 @@ class ChoiceReader:
             call = made[i]
             if i == len(self._sent_args):
                 calls.append({"index": i, "id": call.id, "type": "function",
-                              "function": {"name": call.name, "arguments": call.arguments}})
+                              "function": {"name": call.name, "arguments": str(call.arguments)}})
                 self._sent_args.append(len(call.arguments))
             elif len(call.arguments) > self._sent_args[i]:
-                calls.append({"index": i, "function": {"arguments": call.arguments[self._sent_args[i]:]}})
+                calls.append({"index": i, "function": {"arguments": call.arguments.since(self._sent_args[i])}})
                 self._sent_args[i] = len(call.arguments)
         if calls:
             delta["tool_calls"] = calls
         return delta
 
     def message(self) -> dict[str, Any]:
-        msg: dict[str, Any] = {"role": "assistant", "content": self.out.content or None}
+        msg: dict[str, Any] = {"role": "assistant", "content": str(self.out.content) or None}
         if self.reasoning:
-            msg["reasoning_content"] = self.out.reasoning or None
+            msg["reasoning_content"] = str(self.out.reasoning) or None
         if self.calls:
             msg["tool_calls"] = [c.as_openai() for c in self.calls]
         return msg

@@ -23,7 +23,7 @@ import re
 from typing import Protocol
 
 from gateway.tool_parsers import call_arguments
-from gateway.tools import ContentSink, Output, ToolCall, call_id, held_suffix
+from gateway.tools import ContentSink, Output, Text, ToolCall, call_id, held_suffix
 
 REASONING_PARSERS = ("think", "harmony")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -179,7 +179,7 @@ class HarmonySplitter:
         (name, pieces), self.call = self.call, None
         body = "".join(pieces)
         if name and (args := call_arguments(body)) is not None:
-            self.out.calls.append(ToolCall(call_id(), name, args))
+            self.out.calls.append(ToolCall(call_id(), name, Text(args)))
         else:
             self.then.feed(body)
 

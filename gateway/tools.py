@@ -11,6 +11,7 @@ A block whose call does not parse as strict JSON (RFC 8259: no NaN or Infinity) 
 from __future__ import annotations
 
 import uuid
+from bisect import bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,21 +21,63 @@ from gateway.tool_parsers import SYNTAXES, Schemas, Syntax, call_arguments, deco
 TOOL_PARSERS = (*SYNTAXES, "harmony")
 
 
+class Text:
+    """Append-only text: `+=` a piece costs the piece (`+=` on a str attribute copies the whole
+    string: a stream of 128k tokens cost 7.3 s of the event loop), `since(n)` the text after
+    character n costs the pieces after it, `str()` joins once."""
+
+    __slots__ = ("_pieces", "_starts", "_len")
+
+    def __init__(self, text: str = "") -> None:
+        self._pieces: list[str] = []
+        self._starts: list[int] = []      # where each piece starts
+        self._len = 0
+        self += text
+
+    def __iadd__(self, piece: str) -> Text:
+        if piece:
+            self._starts.append(self._len)
+            self._pieces.append(piece)
+            self._len += len(piece)
+        return self
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __str__(self) -> str:
+        if len(self._pieces) > 1:
+            self._pieces, self._starts = ["".join(self._pieces)], [0]
+        return self._pieces[0] if self._pieces else ""
+
+    def since(self, n: int) -> str:
+        """The text from character `n` on."""
+        if n >= self._len:
+            return ""
+        i = max(bisect_right(self._starts, n) - 1, 0)
+        return self._pieces[i][n - self._starts[i]:] + "".join(self._pieces[i + 1:])
+
+    def __eq__(self, other: object) -> bool:
+        return str(self) == (str(other) if isinstance(other, Text) else other)
+
+    def __repr__(self) -> str:
+        return f"Text({str(self)!r})"
+
+
 @dataclass
 class ToolCall:
     id: str
     name: str
-    arguments: str = ""               # a JSON object's text; grows while the call streams
+    arguments: Text = field(default_factory=Text)   # a JSON object's text; grows while the call streams
 
     def as_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": str(self.arguments)}}
 
 
 @dataclass
 class Output:
     """What a choice's output has produced so far: only what is final (never taken back)."""
-    reasoning: str = ""
-    content: str = ""
+    reasoning: Text = field(default_factory=Text)
+    content: Text = field(default_factory=Text)
     calls: list[ToolCall] = field(default_factory=list)
 
 
@@ -117,7 +160,7 @@ class BlockCalls:
             end = (self.syntax.end or "") if closed else ""
             self.content.feed(self.syntax.start + text + end)
             return
-        self.out.calls += [ToolCall(ident or call_id(), name, args) for name, args, ident in calls]
+        self.out.calls += [ToolCall(ident or call_id(), name, Text(args)) for name, args, ident in calls]
 
     def finish(self) -> None:
         if self.inside:
@@ -193,7 +236,7 @@ class RequiredCalls:
         if args is None or stop != end:
             self.failed = True            # not a call: the rest stays content
             return
-        self.out.calls.append(ToolCall(call_id(), item["name"], args))
+        self.out.calls.append(ToolCall(call_id(), item["name"], Text(args)))
         self.done = end
 
     def finish(self) -> None:
