@@ -116,6 +116,8 @@ class _Common(BaseModel):
         `stream_options.x`, `messages[].x`): ignored, and named back to the client."""
         out = [k for k in self.model_extra or {} if k not in UNHONOURED and k not in NO_EFFECT]
         if self.stream_options is not None:
+            if not self.stream:            # OpenAI's options of a stream: without one they change nothing
+                out.append("stream_options")
             out += [f"stream_options.{k}" for k in self.stream_options.model_extra or {}]
         return out
 
