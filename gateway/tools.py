@@ -160,7 +160,11 @@ class BlockCalls:
             end = (self.syntax.end or "") if closed else ""
             self.content.feed(self.syntax.start + text + end)
             return
-        self.out.calls += [ToolCall(ident or call_id(), name, Text(args)) for name, args, ident in calls]
+        taken = {c.id for c in self.out.calls}      # a model-given id (kimi_k2's) once per message
+        for name, args, ident in calls:
+            ident = ident if ident and ident not in taken else call_id()
+            taken.add(ident)
+            self.out.calls.append(ToolCall(ident, name, Text(args)))
 
     def finish(self) -> None:
         if self.inside:

@@ -164,6 +164,10 @@ def test_kimi_k2_keeps_its_call_ids() -> None:
     msg = whole(reader("kimi_k2"), out)
     assert calls(msg) == [("get_weather", {"city": "Kyoto"}), ("get_time", {})]
     assert [c["id"] for c in msg["tool_calls"]] == ["functions.get_weather:0", "functions.get_time:1"]
+    # an id the model repeats is given once: clients match tool results to calls by id
+    twice = out.replace("functions.get_time:1", "functions.get_weather:0")
+    ids = [c["id"] for c in whole(reader("kimi_k2"), twice)["tool_calls"]]
+    assert ids[0] == "functions.get_weather:0" and ids[1].startswith("call_")
 
 
 def test_named_and_required_grammar_outputs() -> None:
