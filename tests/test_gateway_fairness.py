@@ -15,9 +15,10 @@ import pytest
 from starlette.requests import Request
 
 from gateway.admission import AdmissionQueue, Rejected
-from gateway.completions import DEFAULT_COMPLETION_TOKENS, CompletionHandler
+from gateway.completions import CompletionHandler
 from gateway.config import GatewayConfig
 from gateway.fairness import ADDRESS_LABELS, ClusterKv, share_key, tenant_label
+from gateway.jobs import DEFAULT_COMPLETION_TOKENS
 from gateway.metrics import Metrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routing import WorkerPool
