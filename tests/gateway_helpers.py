@@ -93,6 +93,22 @@ def gateway_cluster(decode_config, prefill_config, **gateway):
             prefill.stop()
 
 
+@contextlib.contextmanager
+def fake_cluster(**gateway):
+    """A ready gateway in front of a scripted decode worker and its prefill peer (FakeWorker);
+    yields (gateway, decode)."""
+    prefill, decode = FakeWorker("prefill"), FakeWorker()
+    decode.peer = prefill
+    gw = start_gateway([decode.address], [prefill.address], **gateway)
+    try:
+        wait_ready(gw.url)
+        yield gw, decode
+    finally:
+        gw.stop()
+        decode.stop()
+        prefill.stop()
+
+
 # ---- fake workers: the gateway's side of the protocol, scripted --------------------------------
 class FakeCache:
     """A fake worker's prefix cache: page keys, published to every CacheEvents subscriber (the

@@ -19,22 +19,14 @@ from gateway.fields import (
     MAX_WARNED_FIELDS,
     IgnoredFields,
 )
-from tests.gateway_helpers import FakeWorker, start_gateway, wait_ready
+from tests.gateway_helpers import FakeWorker, fake_cluster
 from tests.test_gateway_structured import MSG, SCHEMA, TOOLS, WEATHER, call, chat, sent_constraint
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[object, FakeWorker]]:
-    prefill, decode = FakeWorker("prefill"), FakeWorker()
-    decode.peer = prefill
-    gw = start_gateway([decode.address], [prefill.address])
-    try:
-        wait_ready(gw.url)
-        yield gw, decode
-    finally:
-        gw.stop()
-        decode.stop()
-        prefill.stop()
+    with fake_cluster() as c:
+        yield c
 
 
 # ---- fields Tandem cannot honour: 400 naming them, no worker called ----------------------------

@@ -16,7 +16,7 @@ import pytest
 
 from engine.constraint import MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS
 from gateway.fields import IGNORED_HEADER
-from tests.gateway_helpers import API_KEY, FakeWorker, connection, get, start_gateway, wait_ready
+from tests.gateway_helpers import API_KEY, FakeWorker, connection, fake_cluster, get
 
 MSG = [{"role": "user", "content": "Give me a JSON object"}]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -29,16 +29,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[object, FakeWorker]]:
-    prefill, decode = FakeWorker("prefill"), FakeWorker()
-    decode.peer = prefill
-    gw = start_gateway([decode.address], [prefill.address], grammar_max_pending=100, grammar_tenant_max_pending=30)
-    try:
-        wait_ready(gw.url)
-        yield gw, decode
-    finally:
-        gw.stop()
-        decode.stop()
-        prefill.stop()
+    with fake_cluster(grammar_max_pending=100, grammar_tenant_max_pending=30) as c:
+        yield c
 
 
 def call(gw, body: dict, path: str = "/v1/chat/completions") -> tuple[int, dict | list, str | None]:
