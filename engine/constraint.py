@@ -184,9 +184,10 @@ class GrammarCompiler:
         first step that masks the request).  Raises ValueError with the grammar engine's
         message when `c` cannot be used (see `check`)."""
         text = self._checked(c)
-        if text is None:
-            text = self._check_new(c)
-        return self._ready(c, text)
+        if text is not None:
+            return self._ready(c, text)
+        text, matcher = self._check_new(c)
+        return matcher if matcher is not None else self._ready(c, text)
 
     def check(self, c: Constraint) -> None:
         """Raise ValueError, naming the problem, unless `c` compiles and its first mask can be
@@ -198,9 +199,11 @@ class GrammarCompiler:
     def prepare(self, c: Constraint) -> str:
         """`c`'s grammar text once it compiled here and its first mask was computed (nothing
         cached: what a checker process runs).  Raises ValueError as `check`."""
+        return self._prepared(c)[0]
+
+    def _prepared(self, c: Constraint) -> tuple[str, llguidance.LLMatcher]:
         text = grammar_text(c)
-        self._ready(c, text)
-        return text
+        return text, self._ready(c, text)
 
     def close(self) -> None:
         """Stop the checker's children (when it has any)."""
@@ -223,13 +226,17 @@ class GrammarCompiler:
                 del self._refused[key]
             return text
 
-    def _check_new(self, c: Constraint) -> str:
-        """Check `c` (not cached): by the checker, or here.  Caches and returns its grammar
-        text, or remembers and raises its refusal (a busy checker is not `c`'s fault: raised,
-        not remembered)."""
+    def _check_new(self, c: Constraint) -> tuple[str, llguidance.LLMatcher | None]:
+        """Check `c` (not cached): by the checker, or here (then with the matcher it made).
+        Caches and returns its grammar text, or remembers and raises its refusal (a busy
+        checker is not `c`'s fault: raised, not remembered)."""
         key = (c.kind, c.spec)
+        matcher = None
         try:
-            text = self.checker(c) if self.checker is not None else self.prepare(c)
+            if self.checker is not None:
+                text = self.checker(c)
+            else:
+                text, matcher = self._prepared(c)
         except CheckBusy:
             raise
         except ValueError as e:
@@ -240,7 +247,7 @@ class GrammarCompiler:
         self._remember(self._cache, key, text)
         with self._lock:
             self.compiled += 1
-        return text
+        return text, matcher
 
     def _remember(self, cache: OrderedDict, key: tuple[str, str], value: object) -> None:
         with self._lock:
