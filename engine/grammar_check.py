@@ -223,13 +223,14 @@ class CheckerPool:
 
 
 def checker_for(tokenizer_json: str, vocab_size: int, eos_ids: list[int],
-                timeout_s: float | None) -> CheckerPool | None:
-    """A `GrammarCompiler` checker: constraints checked by a pool of children within
+                timeout_s: float | None, processes: int = 2) -> CheckerPool | None:
+    """A `GrammarCompiler` checker: constraints checked by up to `processes` children within
     `timeout_s` (None: no checker, every constraint compiles in-process without a budget, as
     the single-process `engine.LLM` does)."""
     if timeout_s is None:
         return None
-    return CheckerPool(tokenizer_json, vocab_size, eos_ids, INITIAL_LEXER_FUEL, timeout_s=timeout_s)
+    return CheckerPool(tokenizer_json, vocab_size, eos_ids, INITIAL_LEXER_FUEL, processes=processes,
+                       timeout_s=timeout_s)
 
 
 def _guard(parent: int) -> None:

@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from engine.config import ModelConfig
-from engine.constraint import INITIAL_LEXER_FUEL, MAX_SPEC_CHARS, CheckBusy, CheckTimeout, Constraint, GrammarCompiler
-from engine.grammar_check import CheckerPool
+from engine.constraint import MAX_SPEC_CHARS, CheckBusy, CheckTimeout, Constraint, GrammarCompiler
+from engine.grammar_check import checker_for
 from engine.tokenizer import Tokenizer
 from gateway.admission import InvalidField, Rejected
 from gateway.chat import OutputSettings, reasoning_end
@@ -183,8 +183,7 @@ class StructuredOutputs:
             text = tokenizer.backend.to_str()
             # a constraint not seen before is checked first in a child process, killed past the budget:
             # some small schemas compile for minutes, and a thread cannot be stopped (engine/grammar_check.py)
-            checker = CheckerPool(text, model_config.vocab_size, sorted(eos), INITIAL_LEXER_FUEL, processes=threads,
-                                  timeout_s=timeout_s)
+            checker = checker_for(text, model_config.vocab_size, sorted(eos), timeout_s, processes=threads)
             self.compiler = GrammarCompiler(text, model_config.vocab_size, sorted(eos), checker=checker)
         except Exception as e:  # the model still serves free output; constraints are refused by name
             self.unavailable = f"structured outputs are not available for this model's tokenizer: {e}"
