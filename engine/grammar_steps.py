@@ -27,6 +27,9 @@ import llguidance
 
 WALK_TOKENS = 16              # tokens of output a check walks past the first mask
 MAX_REF_WALKS = 16            # a JSON schema's $ref targets walked as roots of their own, at most
+# ... and fewer for a large schema: each walk compiles what its target reaches (up to the whole
+# schema: 70 ms for 26 KB here), so the walks compile at most about this many characters in all
+REF_WALK_CHARS = 128 << 10
 # how llguidance words a token its grammar does not allow (every other error is the grammar's own:
 # a parser or lexer limit, or a grammar that cannot go on); its stop reason is "InternalError" for both
 REFUSED_TOKEN = "doesn't satisfy the grammar"
@@ -83,18 +86,19 @@ def walk(matcher: llguidance.LLMatcher, eos_ids: Iterable[int], limits: llguidan
 
 def ref_roots(schema_text: str) -> list[str]:
     """JSON schemas that start where each local `$ref` of `schema_text` points (the first
-    MAX_REF_WALKS of them), every reference still valid: the schema moves whole under
+    `ref_walks` of them), every reference still valid: the schema moves whole under
     `$defs/__root`, and its references with it.  An output that can never end forces bytes only
     inside a cycle of references, so walking from each target meets what a walk from the root
     may pass by (an optional property whose schema recurses without end)."""
     root = json.loads(schema_text)
+    most = ref_walks(len(schema_text))
     targets: dict[str, None] = {}
     stack = [root]
     while stack:
         v = stack.pop()
         if isinstance(v, dict):
             ref = v.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#/") and len(targets) < MAX_REF_WALKS:
+            if isinstance(ref, str) and ref.startswith("#/") and len(targets) < most:
                 targets[ref] = None
             stack.extend(v.values())
         elif isinstance(v, list):
@@ -104,6 +108,11 @@ def ref_roots(schema_text: str) -> list[str]:
     moved = _moved(root)
     return [json.dumps({"$defs": {"__root": moved}, "$ref": "#/$defs/__root" + t[1:]}, separators=(",", ":"))
             for t in targets]
+
+
+def ref_walks(schema_chars: int) -> int:
+    """How many $ref targets of a schema this long are walked."""
+    return max(1, min(MAX_REF_WALKS, REF_WALK_CHARS // max(schema_chars, 1)))
 
 
 def _moved(root: Any) -> Any:

@@ -17,7 +17,7 @@ import pytest
 from engine.config import SHIPPED_MODEL, ModelConfig
 from engine.constraint import Constraint, GrammarCompiler, default_limits, grammar_text
 from engine.grammar_check import CheckerPool, checker_for
-from engine.grammar_steps import grammar_fault, limits_setup
+from engine.grammar_steps import MAX_REF_WALKS, grammar_fault, limits_setup, ref_roots, ref_walks
 from engine.params import SamplingParams
 from engine.tokenizer import Tokenizer
 from proto import worker_pb2 as wpb
@@ -79,6 +79,18 @@ def test_what_the_check_refused_fails_in_the_workers_steps() -> None:
     assert "Too many items" in matcher.get_error() and grammar_fault(matcher)
     refused = c.compile(Constraint.choice(["yes", "no"]))
     assert not refused.consume_token(TOK.encode("maybe")[0]) and not grammar_fault(refused)
+
+
+def test_the_walks_from_references_are_bounded_by_the_schemas_size() -> None:
+    """Each walk from a $ref target compiles up to the whole schema: a large one is walked
+    from fewer targets (the check stays within its budget), a small one from MAX_REF_WALKS."""
+    defs = {f"d{i}": {"type": "object", "properties": {"a": {"type": "string", "maxLength": 20},
+                                                        "next": {"$ref": f"#/$defs/d{(i + 1) % 300}"}}}
+            for i in range(300)}
+    big = json.dumps({"$defs": defs, "$ref": "#/$defs/d0"})
+    assert len(ref_roots(big)) == ref_walks(len(big)) < MAX_REF_WALKS
+    assert len(ref_roots(json.dumps(NEVER_ENDS["optional_def"]))) == 1
+    compiler().check(Constraint.json_schema(json.loads(big)))
 
 
 def test_the_checker_children_run_under_every_limit_of_the_workers() -> None:
