@@ -210,21 +210,21 @@ class GrammarCompiler:
         matcher = self._ready(c, text)
         why = walk(matcher, self.eos_ids, self.limits)
         if why is None and c.kind == "json_schema":
-            why = self._walk_refs(c.spec)
+            why = self._walk_refs(c)
         if why is not None:
             raise ValueError(f"the {_what(c.kind)} cannot be used: {why}")
         return text, matcher
 
-    def _walk_refs(self, spec: str) -> str | None:
-        """Walk from each $ref target (`engine.grammar_steps.ref_roots`); why one met a limit,
-        or None.  A target that is no schema of its own is not the walk's business (the root's
-        grammar is what a request runs)."""
-        for probe in ref_roots(spec):
-            m = llguidance.LLMatcher(self.tokenizer, llguidance.LLMatcher.grammar_from_json_schema(
-                probe, defaults=JSON_DEFAULTS), log_level=0, limits=self.limits)
-            if not m.is_error():
-                m.compute_bitmask()
-            why = walk(m, self.eos_ids, self.limits) if not m.is_error() else None
+    def _walk_refs(self, c: Constraint) -> str | None:
+        """Walk from each $ref target of `c`'s schema (`engine.grammar_steps.ref_roots`), each
+        a matcher made as a request's is; why one met a limit, or None.  A target that is no
+        schema of its own is not the walk's business (the root's grammar is what a request runs)."""
+        for probe in ref_roots(c.spec):
+            try:
+                m = self._ready(c, llguidance.LLMatcher.grammar_from_json_schema(probe, defaults=JSON_DEFAULTS))
+            except ValueError:
+                continue
+            why = walk(m, self.eos_ids, self.limits)
             if why is not None and grammar_fault(m):
                 return f"where it refers to {_target(probe)!r}, {why}"
         return None
