@@ -243,8 +243,10 @@ class DecodeEngine:
         if event.finish_reason == "error":
             assert req.stopper.error is not None
             # the grammar refused a token (the first one came from the prefill peer): a fault on
-            # the serving side, never the client's; a stop check past its budget: the client's
-            refused = req.guide is not None and req.guide.error is not None
+            # the serving side, never the client's; the grammar past one of its limits (a schema
+            # whose recursion cannot end) and a stop check past its budget: the client's
+            g = req.guide
+            refused = g is not None and g.error is not None and not g.grammar_fault
             code = ErrorCode.INTERNAL if refused else ErrorCode.INVALID_REQUEST
             self._ended(dreq, WorkerError(code, req.stopper.error))
             return

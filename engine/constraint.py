@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING, Any
 
 import llguidance
 
+from engine.grammar_steps import grammar_fault, ref_roots, walk
+
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
@@ -169,7 +171,7 @@ class GrammarCompiler:
                  cache_size: int = DEFAULT_CACHE_SIZE, limits: llguidance.LLParserLimits | None = None,
                  checker: Callable[[Constraint], str] | None = None):
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_ids))
-        self.vocab_size = vocab_size
+        self.vocab_size, self.eos_ids = vocab_size, sorted(eos_ids)
         self.limits = limits if limits is not None else default_limits()
         self.checker = checker
         self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()   # (kind, spec) -> grammar text
@@ -190,20 +192,42 @@ class GrammarCompiler:
         return matcher if matcher is not None else self._ready(c, text)
 
     def check(self, c: Constraint) -> None:
-        """Raise ValueError, naming the problem, unless `c` compiles and its first mask can be
-        computed within the limits (by the checker when there is one: then nothing of `c` is
-        compiled in this process); remembers the outcome."""
+        """Raise ValueError, naming the problem, unless `c` compiles, its first mask can be
+        computed and a worker's first steps taken (`engine.grammar_steps.walk`) within the
+        limits (by the checker when there is one: then nothing of `c` is compiled in this
+        process); remembers the outcome."""
         if self._checked(c) is None:
             self._check_new(c)
 
     def prepare(self, c: Constraint) -> str:
-        """`c`'s grammar text once it compiled here and its first mask was computed (nothing
-        cached: what a checker process runs).  Raises ValueError as `check`."""
+        """`c`'s grammar text once it compiled here, its first mask was computed and the
+        walk passed (nothing cached: what a checker process runs).  Raises ValueError as `check`."""
         return self._prepared(c)[0]
 
     def _prepared(self, c: Constraint) -> tuple[str, llguidance.LLMatcher]:
+        """The check: a matcher as a request gets it (`_ready`), walked and put back at its start."""
         text = grammar_text(c)
-        return text, self._ready(c, text)
+        matcher = self._ready(c, text)
+        why = walk(matcher, self.eos_ids, self.limits)
+        if why is None and c.kind == "json_schema":
+            why = self._walk_refs(c)
+        if why is not None:
+            raise ValueError(f"the {_what(c.kind)} cannot be used: {why}")
+        return text, matcher
+
+    def _walk_refs(self, c: Constraint) -> str | None:
+        """Walk from each $ref target of `c`'s schema (`engine.grammar_steps.ref_roots`), each
+        a matcher made as a request's is; why one met a limit, or None.  A target that is no
+        schema of its own is not the walk's business (the root's grammar is what a request runs)."""
+        for probe in ref_roots(c.spec):
+            try:
+                m = self._ready(c, llguidance.LLMatcher.grammar_from_json_schema(probe, defaults=JSON_DEFAULTS))
+            except ValueError:
+                continue
+            why = walk(m, self.eos_ids, self.limits)
+            if why is not None and grammar_fault(m):
+                return f"where it refers to {_target(probe)!r}, {why}"
+        return None
 
     def close(self) -> None:
         """Stop the checker's children (when it has any)."""
@@ -264,6 +288,11 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ValueError(f"the {_what(c.kind)} cannot be used: {matcher.get_error()}")
         return matcher
+
+
+def _target(probe: str) -> str:
+    """The reference a `ref_roots` schema starts at, as the client wrote it."""
+    return "#" + json.loads(probe)["$ref"][len("#/$defs/__root"):]
 
 
 def _what(kind: str) -> str:

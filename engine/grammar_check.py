@@ -4,11 +4,12 @@ Compiling some small grammars costs llguidance minutes of CPU that none of its p
 bound (the emptiness check of a string schema's `allOf` of ~30 regex patterns: under 1 KB of
 schema, over 60 s here), and a thread cannot be stopped.  So the gateway and the workers check
 a constraint they have not seen in a child process (`python -m engine.grammar_check`) that does
-the same compile and first mask (`GrammarCompiler.check`); past the budget the child is killed
+the same compile, first mask and first steps (`GrammarCompiler.check`); past the budget the child is killed
 and the constraint refused.  Only a constraint that passed is then compiled in-process.
 
     CheckerPool.check(c, timeout_s)    a free child (none free within the budget: CheckBusy)
-        ── frame: {"kind", "spec"} ──▶  child: grammar text, compile, first mask (GrammarCompiler.prepare)
+        ── frame: {"kind", "spec"} ──▶  child: grammar text, compile, first mask, the worker's first
+                                         steps (GrammarCompiler.prepare)
         ◀── frame: {"text"} | {"error"}  or nothing before the deadline: kill, CheckTimeout
                                          or the child died checking it: a refusal ("crashed")
 
@@ -16,7 +17,7 @@ The child answers with the grammar text it checked (for a GBNF grammar, the Lark
 llguidance's Python converter made: the parent never converts it again).  Frames are a 4-byte
 big-endian length and UTF-8 JSON, on a copy of the child's stdout: its fd 1 goes to stderr, so
 nothing a library prints can break a frame.  The first frame a child reads is its setup
-(tokenizer JSON, vocabulary size, EOS ids, initial lexer fuel).  A child starts at the first
+(tokenizer JSON, vocabulary size, EOS ids, every field of the parser limits).  A child starts at the first
 check that finds none free (about 0.1 s: Python, llguidance, the tokenizer; not counted in the
 budget), dies with its parent (Linux: PR_SET_PDEATHSIG) and may use at most
 CHILD_MEMORY_BYTES.  Torch-free (the gateway uses it).
@@ -35,7 +36,10 @@ import threading
 import time
 from typing import IO, Any
 
-from engine.constraint import INITIAL_LEXER_FUEL, CheckBusy, CheckTimeout, Constraint, GrammarCompiler
+import llguidance
+
+from engine.constraint import CheckBusy, CheckTimeout, Constraint, GrammarCompiler, default_limits
+from engine.grammar_steps import limits_from, limits_setup
 
 _LEN = struct.Struct(">I")
 MAX_FRAME = 16 << 20                 # a frame's length past this is not a frame: the protocol broke
@@ -132,11 +136,12 @@ class CheckerPool:
     with a constraint, it checks it within `timeout_s` and returns its grammar text (a
     `GrammarCompiler`'s checker)."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int], initial_lexer_fuel: int,
-                 processes: int = 2, timeout_s: float = 10.0):
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int],
+                 limits: llguidance.LLParserLimits | None = None, processes: int = 2, timeout_s: float = 10.0):
         self.timeout_s = timeout_s
+        # the children check under every one of the limits the workers' matchers run under
         self.setup = {"tokenizer": tokenizer_json, "vocab_size": vocab_size, "eos_ids": list(eos_ids),
-                      "fuel": initial_lexer_fuel}
+                      "limits": limits_setup(limits if limits is not None else default_limits())}
         self._free: list[_Child] = []
         self._busy: set[_Child] = set()
         self._slots = threading.Semaphore(processes)
@@ -229,7 +234,7 @@ def checker_for(tokenizer_json: str, vocab_size: int, eos_ids: list[int],
     the single-process `engine.LLM` does)."""
     if timeout_s is None:
         return None
-    return CheckerPool(tokenizer_json, vocab_size, eos_ids, INITIAL_LEXER_FUEL, processes=processes,
+    return CheckerPool(tokenizer_json, vocab_size, eos_ids, default_limits(), processes=processes,
                        timeout_s=timeout_s)
 
 
@@ -250,10 +255,9 @@ def _guard(parent: int) -> None:
 
 def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
     """The child: checks each constraint it reads, answers with its grammar text or the refusal."""
-    import llguidance
     setup = _read(stdin)
     compiler = GrammarCompiler(setup["tokenizer"], setup["vocab_size"], setup["eos_ids"], cache_size=0,
-                               limits=llguidance.LLParserLimits(initial_lexer_fuel=setup["fuel"]))
+                               limits=limits_from(setup["limits"]))
     while True:
         try:
             message = _read(stdin)

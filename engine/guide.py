@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 import llguidance
 
+from engine.grammar_steps import grammar_fault
+
 
 class Guide:
     """One request's grammar state.  `kind`: the constraint's kind (for messages); `gate`: the
@@ -37,6 +39,8 @@ class Guide:
         self.consumed = 0                     # tokens the matcher consumed
         self.seen = 0                         # tokens accepted in all (gate closed or open)
         self.error: str | None = None         # why a token was refused (then nothing more is accepted)
+        # the refusal was the grammar's own (a parser limit: the constraint's fault), not the token's
+        self.grammar_fault = False
 
     @property
     def masks(self) -> bool:
@@ -66,6 +70,7 @@ class Guide:
             self.consumed += 1
             return True
         reason = self.matcher.get_error().splitlines()
+        self.grammar_fault = grammar_fault(self.matcher)
         self.error = (f"output token {position} (id {token}) is not allowed by the request's {self.kind} "
                       f"constraint" + (f": {reason[0]}" if reason and reason[0] else ""))
         return False

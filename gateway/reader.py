@@ -141,7 +141,7 @@ def _tool_stage(settings: OutputSettings, body: ChatCompletionRequest, out: Outp
     if mode == "named":
         return NamedCall(out, named_tool(body) or "")
     if mode == "required":
-        return RequiredCalls(out)
+        return RequiredCalls(out, [t.function.name for t in body.tools or ()])
     if mode == "auto" and settings.tool_parser in SYNTAXES:
         schemas = {t.function.name: t.function.parameters or {} for t in body.tools or ()}
         return BlockCalls(out, SYNTAXES[settings.tool_parser], schemas)

@@ -10,9 +10,11 @@ A block whose call does not parse as strict JSON (RFC 8259: no NaN or Infinity) 
 
 from __future__ import annotations
 
+import json
+import re
 import uuid
 from bisect import bisect_right
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,12 +197,15 @@ class NamedCall:
 
 class RequiredCalls:
     """tool_choice "required": the content is a JSON array of {"name", "parameters"} (the
-    grammar's shape); each element becomes a call when it is complete.  What does not parse
-    (an output cut short) stays content.  Each character is scanned once (braces counted
-    outside strings); an element is decoded once, when its braces close."""
+    grammar's shape); each element becomes a call when it is complete.  An element cut short
+    (max_tokens) becomes a call at the end, as a named function's does: its name (complete, or
+    the one tool of `names` its start can be), its parameters' text so far as the arguments;
+    one cut before its name is known is dropped; neither is ever content.  What does not have
+    the shape stays content.  Each character is scanned once (braces counted outside strings);
+    an element is decoded once, when its braces close."""
 
-    def __init__(self, out: Output) -> None:
-        self.out, self.buf = out, ""
+    def __init__(self, out: Output, names: Sequence[str] = ()) -> None:
+        self.out, self.buf, self.names = out, "", tuple(names)
         self.done = 0                     # buf[:done] became calls
         self.depth, self.in_string, self.escaped, self.failed = 0, False, False, False
 
@@ -245,6 +250,64 @@ class RequiredCalls:
 
     def finish(self) -> None:
         rest = self.buf[self.done:].strip().lstrip(",").strip()
+        if not self.failed and rest != "]":
+            ours, cut = partial_call(rest[1:] if rest.startswith("[") else rest, self.names)
+            if cut is not None:
+                self.out.calls.append(cut)
+            rest = "" if ours else rest
         if rest and rest != "]":
             self.out.content += rest
         self.buf, self.done = "", 0
+
+
+_HEAD = '{"name":"'
+_PARAMETERS = re.compile(r'\s*,\s*"(?:parameters|arguments)"\s*:\s*')
+_KEYS = (',"parameters":', ',"arguments":')
+
+
+def partial_call(text: str, names: Sequence[str]) -> tuple[bool, ToolCall | None]:
+    """What an element of a required tool_choice's array that was cut short (`text`: from its
+    `{`) begins: (whether it is the start of `{"name": N, "parameters": ...`, the call when N
+    is known: complete, or the one of `names` its start can be)."""
+    text = text.lstrip()
+    head = re.match(r'\{\s*"name"\s*:\s*"', text)
+    if head is None:                                   # nothing, or cut before the name's first character
+        return len(text) < 4 * len(_HEAD) and _HEAD.startswith(re.sub(r"\s+", "", text)), None
+    end = _string_end(text, head.end())
+    raw = text[head.end():end]
+    if end == len(text):                               # cut inside the name
+        prefix = _decoded(raw)
+        fits = [n for n in names if prefix is not None and n.startswith(prefix)]
+        return True, ToolCall(call_id(), fits[0]) if len(fits) == 1 else None
+    name, after = _decoded(raw), text[end + 1:]
+    params = _PARAMETERS.match(after)
+    if name is None:
+        return False, None
+    if params is not None:
+        return True, ToolCall(call_id(), name, Text(after[params.end():]))
+    shown = re.sub(r"\s+", "", after) if len(after) < 64 else after
+    return (True, ToolCall(call_id(), name)) if any(k.startswith(shown) for k in _KEYS) else (False, None)
+
+
+def _string_end(text: str, start: int) -> int:
+    """Where the JSON string whose characters start at `start` closes (len(text): it does not)."""
+    k = start
+    while k < len(text):
+        if text[k] == "\\":
+            k += 2
+        elif text[k] == '"':
+            return k
+        else:
+            k += 1
+    return len(text)
+
+
+def _decoded(raw: str) -> str | None:
+    """The characters of a JSON string's body (a cut escape at its end dropped); None: not JSON."""
+    for cut in range(min(6, len(raw)) + 1):
+        try:
+            value = json.loads('"' + raw[:len(raw) - cut] + '"')
+        except ValueError:
+            continue
+        return value if isinstance(value, str) else None
+    return None

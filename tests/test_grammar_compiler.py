@@ -25,9 +25,10 @@ from engine.tokenizer import Tokenizer
 from engine.validate import Problem, RequestError
 from worker.types import ErrorCode
 
-# A pattern whose first branch exhausts llguidance's lexer (it refuses `aa` with "too many
-# expressions constructed") while its second is harmless.
-HOSTILE = Constraint("regex", "(a{1000}){1000}|b+")
+# A pattern whose second branch exhausts llguidance's lexer (it refuses `zz` with "too many
+# expressions constructed") while its first is harmless; the check's walk takes the lowest token
+# ids ("b" before "z"), so the check passes it and only an output of z's meets the limit.
+HOSTILE = Constraint("regex", "b+|(z{1000}){1000}")
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,7 @@ def _walk(matcher: llguidance.LLMatcher, ids: list[int]) -> str:
 
 def test_one_requests_lexer_failure_does_not_reach_the_next(tokenizer: Tokenizer) -> None:
     compiler = _compiler(tokenizer)
-    first = _walk(compiler.compile(HOSTILE), tokenizer.encode("aaaa"))
+    first = _walk(compiler.compile(HOSTILE), tokenizer.encode("zzzz"))
     assert first.startswith("refused token"), first                     # the lexer's limit, for this request
     for _ in range(2):                                                   # the same constraint, from the cache
         assert _walk(compiler.compile(HOSTILE), tokenizer.encode("bbbb")) == "ok"
@@ -104,7 +105,7 @@ SLOW = Constraint.json_schema({"type": "string", "allOf": [{"pattern": f"^(.*a.{
 def pooled(tokenizer: Tokenizer) -> Iterator[tuple[GrammarCompiler, CheckerPool]]:
     config = ModelConfig.from_path(SHIPPED_MODEL)
     eos = sorted(tokenizer.end_ids(config.eos_token_ids))
-    pool = CheckerPool(tokenizer.backend.to_str(), config.vocab_size, eos, INITIAL_LEXER_FUEL, processes=1,
+    pool = CheckerPool(tokenizer.backend.to_str(), config.vocab_size, eos, processes=1,
                        timeout_s=1.0)
     compiler = GrammarCompiler(tokenizer.backend.to_str(), config.vocab_size, eos, checker=pool)
     yield compiler, pool
@@ -187,12 +188,11 @@ def test_a_child_dies_with_its_parent(tmp_path) -> None:
     script.write_text(
         "import sys, threading, time\n"
         "from engine.config import SHIPPED_MODEL, ModelConfig\n"
-        "from engine.constraint import INITIAL_LEXER_FUEL\n"
         "from engine.grammar_check import CheckerPool\n"
         "from engine.tokenizer import Tokenizer\n"
         "from tests.test_grammar_compiler import SLOW\n"
         "tok, cfg = Tokenizer(SHIPPED_MODEL), ModelConfig.from_path(SHIPPED_MODEL)\n"
-        "pool = CheckerPool(tok.backend.to_str(), cfg.vocab_size, [0], INITIAL_LEXER_FUEL, timeout_s=600)\n"
+        "pool = CheckerPool(tok.backend.to_str(), cfg.vocab_size, [0], timeout_s=600)\n"
         "threading.Thread(target=pool, args=(SLOW,), daemon=True).start()\n"
         "while not pool._busy: time.sleep(0.05)\n"
         "print(next(iter(pool._busy)).proc.pid, flush=True)\n"
