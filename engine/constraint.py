@@ -95,7 +95,7 @@ class Constraint:
         elif self.kind == "json_schema":
             schema = _json(self.spec, "the json_schema")
             _check(isinstance(schema, (dict, bool)), "a JSON schema must be an object (or true/false)")
-            depth = _depth(schema)
+            depth = schema_depth(schema)
             _check(depth <= MAX_SCHEMA_DEPTH,
                    f"the JSON schema nests {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed")
         elif self.kind == "choice":
@@ -309,18 +309,38 @@ def _json(text: str, what: str) -> Any:
         raise ValueError(f"{what} is not valid JSON: {e}") from None
 
 
-def _depth(value: Any) -> int:
-    """How deeply JSON containers nest in `value` (iteratively: a hostile schema cannot
-    exhaust the stack)."""
-    deepest, stack = 0, [(value, 1)]
+# keywords whose value holds subschemas by name or position: that map or list is no level of
+# its own (a property's schema sits one level below the object's schema, as its value does)
+SUBSCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+SUBSCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
+
+
+def schema_depth(schema: Any) -> int:
+    """How many levels a JSON schema nests, as the values it describes do: the root schema is
+    level 1 and each subschema (a property's, `items`, `additionalProperties`, each branch of an
+    `anyOf`, ...) one level below its parent, so 31 nested objects are 31 levels.  The maps and
+    lists that hold subschemas (`properties`, `anyOf`, ...) add none; any other container
+    (an `enum`'s or `const`'s value, an unknown keyword's) counts one level each.  Iterative:
+    a hostile schema cannot exhaust the stack."""
+    deepest, stack = 0, [(schema, 1, True)]        # (value, its level, whether it is a schema)
     while stack:
-        v, d = stack.pop()
-        if isinstance(v, dict):
-            deepest = max(deepest, d)
-            stack.extend((x, d + 1) for x in v.values())
-        elif isinstance(v, list):
-            deepest = max(deepest, d)
-            stack.extend((x, d + 1) for x in v)
+        v, d, is_schema = stack.pop()
+        if not isinstance(v, (dict, list)):
+            continue
+        deepest = max(deepest, d)
+        if not is_schema:
+            stack.extend((x, d + 1, False) for x in (v.values() if isinstance(v, dict) else v))
+            continue
+        if isinstance(v, list):                    # a schema where one was expected is data
+            stack.extend((x, d + 1, False) for x in v)
+            continue
+        for key, x in v.items():
+            if key in SUBSCHEMA_MAPS and isinstance(x, dict):
+                stack.extend((s, d + 1, True) for s in x.values())
+            elif key in SUBSCHEMA_LISTS and isinstance(x, list):
+                stack.extend((s, d + 1, True) for s in x)
+            else:
+                stack.append((x, d + 1, isinstance(x, dict)))
     return deepest
 
 

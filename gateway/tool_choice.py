@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.constraint import MAX_SCHEMA_DEPTH
+from engine.constraint import MAX_SCHEMA_DEPTH, schema_depth
 from gateway.admission import InvalidField
 from gateway.chat import OutputSettings
 from gateway.protocol import ChatCompletionRequest
@@ -25,9 +25,10 @@ if TYPE_CHECKING:
 TOOL_CHOICES = ("none", "auto", "required")
 MAX_TOOLS = 128                     # tools one request may offer (OpenAI's limit)
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
-# how far down the required schema puts each tool's parameters: array -> items -> anyOf ->
-# [call] -> properties -> parameters, 5 levels that count in MAX_SCHEMA_DEPTH
-CALLS_DEPTH = 5
+# how far down the required schema puts each tool's parameters, as engine/constraint.py
+# schema_depth counts: the array's schema, its items' (the anyOf adds none), the call object's
+# (its properties map adds none), then the parameters: 3 levels above the tool's own
+CALLS_DEPTH = 3
 
 
 def tool_mode(body: Body) -> str:
@@ -131,22 +132,10 @@ def _hoist_defs(name: str, schema: dict[str, Any], defs: dict[str, dict[str, Any
 def _check_depth(name: str, schema: dict[str, Any], limit: int, why: str) -> None:
     """Refuses a tool whose own parameters nest deeper than `limit`, naming it (engine/constraint.py
     counts the depth of the whole schema, where a required tool_choice adds its wrapper's)."""
-    depth = _depth(schema)
+    depth = schema_depth(schema)
     if depth > limit:
         raise InvalidField("tools", f"tool {name[:64]!r}: its parameters nest {depth} levels deep; at most {limit} "
                            f"are allowed{why}", "invalid_constraint")
-
-
-def _depth(value: Any) -> int:
-    """How deeply JSON containers nest in `value`, counted as engine/constraint.py does
-    (iteratively)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, (dict, list)):
-            deepest = max(deepest, d)
-            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
-    return deepest
 
 
 def _refs(value: Any) -> list[str]:

@@ -14,8 +14,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.constraint import MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS
+from engine.constraint import MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS, Constraint, schema_depth
 from gateway.fields import IGNORED_HEADER
+from gateway.tool_choice import CALLS_DEPTH
 from tests.gateway_helpers import API_KEY, FakeWorker, connection, fake_cluster, get
 
 MSG = [{"role": "user", "content": "Give me a JSON object"}]
@@ -187,18 +188,33 @@ def test_refusals_name_the_problem_and_call_no_worker(cluster, extra, code, word
 
 
 def nested(depth: int) -> dict:
-    """An object schema that nests `depth` levels (as engine/constraint.py counts)."""
+    """A schema of objects nested `depth` levels: `depth - 1` objects around a string (the
+    levels of the value it describes, as engine/constraint.py schema_depth counts)."""
     schema: dict = {"type": "string"}
-    for _ in range((depth - 1) // 2):
-        schema = {"type": "object", "properties": {"a": schema}}
-    return schema if depth % 2 else {"type": "array", "items": schema}
+    for _ in range(depth - 1):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
 
 
-@pytest.mark.parametrize("depth, required_ok", [(MAX_SCHEMA_DEPTH - 5, True), (MAX_SCHEMA_DEPTH - 4, False),
+def test_schema_depth_counts_the_levels_of_the_value_described():
+    """31 nested objects are 31 levels (the document nests 62 containers: each object's schema
+    and its properties map); maps and lists of subschemas add none, data containers one each."""
+    assert schema_depth(nested(31)) == 31
+    assert schema_depth({"type": "array", "items": {"anyOf": [{"type": "integer"}, nested(3)]}}) == 5
+    assert schema_depth({"type": "object", "properties": {"properties": {"type": "object", "properties": {}}}}) == 2
+    assert schema_depth({"enum": [[[1]]]}) == 4          # the schema, then three nested arrays of data
+    assert schema_depth({"$defs": {"d": nested(4)}, "$ref": "#/$defs/d"}) == 5
+    Constraint("json_schema", json.dumps(nested(MAX_SCHEMA_DEPTH)))
+    with pytest.raises(ValueError, match=f"nests {MAX_SCHEMA_DEPTH + 1} levels deep; at most {MAX_SCHEMA_DEPTH}"):
+        Constraint("json_schema", json.dumps(nested(MAX_SCHEMA_DEPTH + 1)))
+
+
+@pytest.mark.parametrize("depth, required_ok", [(MAX_SCHEMA_DEPTH - CALLS_DEPTH, True),
+                                                (MAX_SCHEMA_DEPTH - CALLS_DEPTH + 1, False),
                                                 (MAX_SCHEMA_DEPTH, False), (MAX_SCHEMA_DEPTH + 1, False)])
 def test_a_tool_too_deep_is_refused_by_name_and_its_own_depth(cluster, depth, required_ok):
     """Each tool's own parameters are checked, and the refusal names the tool and its depth,
-    not that of the list of calls a required tool_choice wraps it in (5 levels more)."""
+    not that of the list of calls a required tool_choice wraps it in (CALLS_DEPTH levels more)."""
     gw, decode = cluster
     tools = [TOOLS[0], {"type": "function", "function": {"name": "deep", "parameters": nested(depth)}}]
     for tc, ok in (("required", required_ok),
