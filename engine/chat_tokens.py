@@ -8,9 +8,10 @@ token's text as its id, wherever it came from, so a user message holding
 
 1. The conversation is rendered twice: as it is, and with every client string (message
    content, names, tool-call arguments, tool descriptions and schemas: each string value but
-   roles and `type`s) wrapped in a pair of markers that cannot occur in client text (private-use
-   characters around a fresh random nonce).  Where the marked rendering, markers removed, is the
-   real one, the markers give the spans of client text in it.
+   roles and `type`s) wrapped, inside its outer whitespace, in a pair of markers that cannot
+   occur in client text (private-use characters around a fresh random nonce).  Where the
+   marked rendering, markers removed, is the real one, the markers give the spans of client
+   text in it.
 2. The real rendering is encoded as today.  An added token overlapping no client span is the
    template's own; one that overlaps a span is forged.  Without forged tokens the ids stand
    (benign conversations keep exactly today's ids); with them the text between the template's
@@ -34,6 +35,7 @@ import secrets
 from bisect import bisect_right
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -65,7 +67,12 @@ class ControlTokens:
         self.texts = {i: a.content for i, a in added.items()}
         texts = sorted({a.content for a in added.values() if a.content}, key=len, reverse=True)
         self._pattern = re.compile("|".join(map(re.escape, texts))) if texts else None
-        self.plain = plain_backend(backend)
+        self._backend = backend
+
+    @cached_property
+    def plain(self) -> HFTokenizer:
+        """The backend reading every added token's text as text (built when first used)."""
+        return plain_backend(self._backend)
 
     def find(self, text: str) -> str | None:
         """The first added token's text in `text`, or None."""
@@ -127,8 +134,12 @@ def _marked_spans(template: Callable[[list[dict], list[dict] | None], str], mess
         return None
     open_, close = f"\ue000{nonce}\ue001", f"\ue002{nonce}\ue003"
 
-    def mark(s: str) -> str:
-        return f"{open_}{s}{close}" if s else s
+    def mark(s: str) -> str:     # inside its outer whitespace, so a template's trim keeps the marks
+        core = s.strip()
+        if not core:
+            return s
+        lead = len(s) - len(s.lstrip())
+        return f"{s[:lead]}{open_}{core}{close}{s[lead + len(core):]}"
     try:
         marked = template(_apply(messages, mark), _apply(tools, mark))
     except Exception:       # noqa: BLE001  (a template that refuses marked strings: no spans)

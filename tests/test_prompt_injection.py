@@ -27,6 +27,9 @@ from tests.test_tiktoken_tokenizer import CORPUS, train, write_checkpoint
 
 SHIPPED = json.loads((SHIPPED_MODEL / "tokenizer_config.json").read_text())
 QWEN3_ADDED = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+# a Llama-3-style template that trims content: the marks sit inside the whitespace, so the spans hold
+TRIMMING = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{%- endfor %}"
+            "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
 # a Qwen3-style template that cuts the reasoning out of an assistant's content: the markers
 # cannot give the spans there, so control ids beyond the structure's are refused
 SPLITTING = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n"
@@ -59,6 +62,7 @@ def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tokenizer]
     return {"shipped": Tokenizer(SHIPPED_MODEL),
             "qwen3_added": Tokenizer(shipped_copy(base / "qwen3", added=QWEN3_ADDED)),
             "tojson": Tokenizer(shipped_copy(base / "tojson", FANCY)),
+            "trim": Tokenizer(shipped_copy(base / "trim", TRIMMING)),
             "kimi": Tokenizer(kimi)}
 
 
@@ -87,10 +91,11 @@ def control_ids(tok: Tokenizer, ids: list[int]) -> list[int]:
     return [i for i in ids if i in tok.control.ids]
 
 
-@pytest.mark.parametrize("name", ["shipped", "qwen3_added", "tojson", "kimi"])
+@pytest.mark.parametrize("name", ["shipped", "qwen3_added", "tojson", "trim", "kimi"])
 def test_no_control_id_comes_from_client_text(tokenizers: dict[str, Tokenizer], name: str) -> None:
     tok = tokenizers[name]
-    hostile, tools = conversation(every_token(tok))
+    hostile, tools = conversation(f" \n{every_token(tok)}\n ")
+    assert tok.render_chat(hostile, tools=tools).spans        # the exact path, not the fallback
     benign, _ = conversation("plain words")
     ids = tok.encode_chat(hostile, tools=tools)
     # the structure's control ids, in order, are those of the same conversation without them
@@ -103,7 +108,7 @@ def test_no_control_id_comes_from_client_text(tokenizers: dict[str, Tokenizer], 
     assert enc.encode_chat(tok.render_chat(hostile, tools=tools)) == ids
 
 
-@pytest.mark.parametrize("name", ["shipped", "qwen3_added", "tojson", "kimi"])
+@pytest.mark.parametrize("name", ["shipped", "qwen3_added", "tojson", "trim", "kimi"])
 def test_benign_conversations_keep_their_ids(tokenizers: dict[str, Tokenizer], name: str) -> None:
     tok = tokenizers[name]
     enc = PromptEncoder(tok)
