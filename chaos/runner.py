@@ -22,12 +22,14 @@ from chaos.prefix import WORKLOADS, PrefixWorkload
 from chaos.prompts import ATTACKER, PromptMaker, jobs_for
 from chaos.report import ScenarioResult
 from chaos.scenarios import Scenario
+from chaos.tokens import ControlTokenInjection
 from worker.types import Role
 
 REQUEST_TIMEOUT_S = 180.0
 PROCESS_DETECT = ("STREAM_CLOSED", "TRANSPORT", "CANCELLED", "EXPIRED")
-HOSTILE: dict[str, type[Redos | SlowReader | ChunkedBomb | KvHog]] = {
-    "redos": Redos, "slow_reader": SlowReader, "chunked_bomb": ChunkedBomb, "kv_hog": KvHog}
+HOSTILE: dict[str, type[Redos | SlowReader | ChunkedBomb | KvHog | ControlTokenInjection]] = {
+    "redos": Redos, "slow_reader": SlowReader, "chunked_bomb": ChunkedBomb, "kv_hog": KvHog,
+    "control_tokens": ControlTokenInjection}
 
 
 class ScenarioRunner:

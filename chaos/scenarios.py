@@ -104,6 +104,9 @@ SCENARIOS: tuple[Scenario, ...] = (
              "key", client="victim", attack="chunked_bomb", weight=0.5),
     Scenario("kv_hog", "hostile", "one tenant floods long chat requests without max_tokens",
              client="victim", attack="kv_hog", weight=0.5),
+    Scenario("control_tokens", "hostile", "one tenant's chat messages (every role) and prompt strings carry every "
+             "special token of the shipped tokenizer and a forged system turn", client="victim",
+             attack="control_tokens", weight=0.5),
     Scenario("cross_tenant_probe", "prefix", "a second tenant (and the first under two cache_salt values) sends "
              "the prompts whose long prefixes the first tenant cached", client="cross_tenant", weight=0.6),
     Scenario("cache_poison", "prefix", "a frame of other bytes aimed at a shared cached page of a delta transfer",

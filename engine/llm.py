@@ -40,13 +40,16 @@ class LLM:
                  max_prefill_tokens: int = 2048, seed: int = 0, attention: str | None = None,
                  paged_experts_num_resident: int | None = None, paged_experts_prefetch: bool | None = None,
                  enable_prefix_cache: bool = True, kv_audit: bool = False, compile: bool | None = None,
-                 compile_buckets: Sequence[int] | None = None):
+                 compile_buckets: Sequence[int] | None = None, prompt_special_tokens: bool = False):
         """`enable_prefix_cache`: requests share the KV pages of a common prompt prefix (the
         outputs do not change); `kv_audit`: hash every cached page when it is published, so
         `pool.check_integrity(contents=True)` can prove none was written afterwards (tests);
         `compile`: decode steps run as compiled graphs, one per batch bucket, compiled now
         (default: on, unless TANDEM_COMPILE=0); `compile_buckets`: those batch sizes (default 1,
-        2, 4, ... up to max_num_seqs)."""
+        2, 4, ... up to max_num_seqs); `prompt_special_tokens`: a prompt string's added tokens'
+        text (`<|im_end|>`) reads as their control ids, as the gateway's flag of that name (default:
+        a prompt string is text; token-id prompts are taken as they are)."""
+        self.prompt_special_tokens = prompt_special_tokens
         config = EngineConfig(model=str(Path(model) if model is not None else SHIPPED_MODEL),
                               dtype=parse_dtype(dtype), device=device, page_size=page_size,
                               kv_cache_tokens=kv_cache_tokens, max_model_len=max_model_len,
@@ -131,9 +134,10 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              params: SamplingParams | Sequence[SamplingParams] | None = None,
              cache_salt: str = "") -> list[RequestOutput]:
-        """Apply the chat template (with the generation prompt) and generate."""
+        """Apply the chat template (with the generation prompt) and generate: the messages' text
+        is text (control ids come from the template's structure only, as in the gateway)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]  # type: ignore[arg-type]
+        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt=True) for c in convs]  # type: ignore[arg-type]
         return self.generate(prompts, params, cache_salt)
 
     def step(self) -> list[RequestOutput]:
@@ -176,9 +180,13 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         text = prompt if isinstance(prompt, str) else None
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
         # one process, one tenant: no secret; `cache_salt` splits the cache further
         return self.core.make_request(ids, params, prompt=text, salt=derive_salt(b"", "", cache_salt))
+
+    def _encode(self, text: str) -> list[int]:
+        tok = self.tokenizer
+        return tok.encode(text) if self.prompt_special_tokens else tok.encode_plain(text)
 
     def _output(self, req: Request) -> RequestOutput:
         assert req.stopper is not None and req.finish_reason is not None

@@ -14,8 +14,9 @@ It renders as transformers renders it: a sandbox with trim_blocks/lstrip_blocks,
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -24,6 +25,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
+from engine.chat_tokens import ControlTokens, RenderedChat, encode_rendered, render
 from engine.tokenizer_tiktoken import (
     KIMI_BOS,
     KIMI_EOS,
@@ -75,8 +77,21 @@ class Tokenizer:
         reads the tokenizer's spec or encodes off the GIL uses it, not tokenizer.json."""
         return self._tok
 
+    @cached_property
+    def control(self) -> ControlTokens:
+        """The added tokens (control ids) and the encoding that reads their text as text."""
+        return ControlTokens(self._tok)
+
     def encode(self, text: str) -> list[int]:
+        """`text`'s ids as the tokenizer reads it: an added token's text is its control id.  For
+        text the server wrote (a rendered template's structure, a marker); client text goes
+        through `encode_plain` or `encode_chat`."""
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """`text`'s ids with every character read as text: `<|im_end|>` is the ids of its
+        characters, never the control id (client text).  ValueError if a control id results."""
+        return self.control.encode_plain([text])[0]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -103,6 +118,35 @@ class Tokenizer:
         Raises ValueError when the checkpoint has no template, a message is malformed, or a
         keyword would replace one of the variables set here.
         """
+        return self._renderer(messages, add_generation_prompt, kwargs)(messages, tools)
+
+    def render_chat(self, messages: list[dict], /, add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None, **kwargs: Any) -> RenderedChat:
+        """`apply_chat_template`'s text with the spans of client text in it (engine/chat_tokens.py).
+        Raises ValueError as it does, and where client text holds an added token's text that
+        cannot be kept as text."""
+        template = self._renderer(messages, add_generation_prompt, kwargs)
+        return render(template, messages, tools, kwargs, self.control)
+
+    def encode_chat(self, messages: list[dict], /, add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None, **kwargs: Any) -> list[int]:
+        """The conversation's token ids: control ids only from the template's own structure,
+        client text (every message, tool and call) encoded as text.  Raises as `render_chat`."""
+        rendered = self.render_chat(messages, add_generation_prompt, tools, **kwargs)
+        return self.encode_rendered(rendered)
+
+    def encode_rendered(self, rendered: RenderedChat) -> list[int]:
+        """The token ids of a rendered conversation (see `encode_chat`)."""
+        return encode_rendered(rendered, self._encode_offsets, self.control)
+
+    def _encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
+    def _renderer(self, messages: list[dict], add_generation_prompt: bool,
+                  kwargs: dict[str, Any]) -> Callable[[list[dict], list[dict] | None], str]:
+        """The template as a function of (messages, tools), the other variables fixed, once
+        `messages` and `kwargs` are checked (ValueError)."""
         if self._template is None:
             raise ValueError(f"this checkpoint has no chat template ({TEMPLATE_FILE}, or chat_template in "
                              f"tokenizer_config.json)")
@@ -111,11 +155,15 @@ class Tokenizer:
                     or not isinstance(m.get("content"), str | None) \
                     or not isinstance(m.get("tool_calls", []), list):
                 raise ValueError(f"message {i} must be a dict with string 'role' and 'content'")
-        fixed = {"messages": messages, "add_generation_prompt": add_generation_prompt, "tools": tools,
+        fixed = {"add_generation_prompt": add_generation_prompt,
                  "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
-        if clash := sorted(set(kwargs) & set(fixed)):
+        if clash := sorted(set(kwargs) & {*fixed, "messages", "tools"}):
             raise ValueError(f"chat template variables cannot replace {', '.join(clash)}")
-        return self._template.render(**kwargs, **fixed)
+        template = self._template
+
+        def run(msgs: list[dict], tools: list[dict] | None) -> str:
+            return template.render(**kwargs, **fixed, messages=msgs, tools=tools)
+        return run
 
 
 class IncrementalDetokenizer:

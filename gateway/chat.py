@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from engine.chat_tokens import RenderedChat
 from engine.tokenizer import Tokenizer
 from gateway.reasoning import (
     HARMONY_FINAL,
@@ -124,6 +125,15 @@ def render_chat(tok: Tokenizer, body: ChatCompletionRequest) -> str:
     tools = offered_tools(body)
     return tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools or None,
                                    **template_kwargs(body))
+
+
+def chat_prompt(tok: Tokenizer, body: ChatCompletionRequest) -> RenderedChat:
+    """`render_chat`'s text with the spans of the client's text in it, for encoding it as text
+    (engine/chat_tokens.py).  Raises ValueError, also for a control token's text in client text
+    that the template cannot keep apart from its own structure."""
+    messages = [_message(m) for m in body.messages]
+    tools = offered_tools(body)
+    return tok.render_chat(messages, add_generation_prompt=True, tools=tools or None, **template_kwargs(body))
 
 
 def _message(m: ChatMessage) -> dict[str, Any]:

@@ -78,6 +78,10 @@ class GatewayConfig:
     # "auto" (from the chat template's markers)
     reasoning_parser: str = "auto"
     tool_call_parser: str = "auto"
+    # a /v1/completions `prompt` string whose added tokens' text (<|im_end|>, ...) reads as their
+    # control ids, as the tokenizer alone reads it; off: every prompt string is text (token-id
+    # prompts are taken as they are either way; chat messages are always text)
+    prompt_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         if not (self.decode_workers or self.colocated_workers):

@@ -15,7 +15,7 @@ from engine.constraint import Constraint
 from engine.params import SamplingParams
 from gateway.admission import InvalidField, Rejected
 from gateway.cache_view import PrefixKeys
-from gateway.chat import render_chat
+from gateway.chat import chat_prompt
 from gateway.choice import Prompt
 from gateway.fields import IgnoredFields
 from gateway.openai_format import ChoiceState
@@ -115,9 +115,9 @@ class RequestPlanner:
     def _prompts(self, body: Body, context: int) -> list[list[int]]:
         tok, enc = self.gw.tokenizer, self.gw.encoder
         if isinstance(body, ChatCompletionRequest):
-            text = render_chat(tok, body)
-            enc.check(text, context, "conversation")
-            return [enc.encode(text)]
+            rendered = chat_prompt(tok, body)
+            enc.check(rendered.text, context, "conversation")
+            return [enc.encode_chat(rendered)]
         p = body.prompt
         items: list[str | list[int]]
         if isinstance(p, str):
@@ -127,10 +127,11 @@ class RequestPlanner:
         else:
             items = [x for x in p if not isinstance(x, int)]
         out = []
+        text = enc.encode if self.gw.config.prompt_special_tokens else enc.encode_plain
         for x in items:
             if isinstance(x, str):
                 enc.check(x, context)
-                out.append(enc.encode(x))
+                out.append(text(x))
             else:
                 out.append(list(x))         # its length is checked with max_tokens (_max_tokens)
         return out

@@ -13,7 +13,9 @@ Hangul jamo, 9 bytes, into a 3-byte syllable), so with one the bound is B / 4L. 
 of more than `context x L` (x4 with a normalizer) bytes cannot fit, and is refused before it
 is tokenised.  Any other tokenizer (a pre-tokenizer that drops whitespace, an unknown token
 that fuses a run of characters, a normalizer that replaces text) has no such bound: for it
-the check is off and the body limit alone caps the prompt.
+the check is off and the body limit alone caps the prompt.  The bound holds for the text
+encodings too (`encode_plain`, `encode_chat`: the same model over pieces of the text, each
+token still covering at most L of its bytes).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.chat_tokens import ControlTokens, RenderedChat, Span, encode_rendered
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("tandem.gateway")
@@ -38,15 +41,16 @@ class PromptTooLong(ValueError):
 
 
 class PromptEncoder:
-    """Encodes text as `Tokenizer.encode` does (no special tokens added), releasing the GIL
-    while it works (`encode_batch` runs outside it); `check(text, context)` raises
-    PromptTooLong for a text that cannot fit in `context` tokens."""
+    """Encodes text as `Tokenizer.encode`, `encode_plain` and `encode_rendered` do (no special
+    tokens added), releasing the GIL while it works (`encode_batch` runs outside it);
+    `check(text, context)` raises PromptTooLong for a text that cannot fit in `context` tokens."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         # an independent copy of the engine tokenizer's backend (tokenizer.json, or the one built
         # from a TikToken checkpoint's tiktoken.model), so the gateway reads any checkpoint it does
         spec_text = tokenizer.backend.to_str()
         self._tok = HFTokenizer.from_str(spec_text)
+        self.control = ControlTokens(self._tok)
         spec = json.loads(spec_text)
         self.max_token_bytes = max(len(tokenizer.decode([i], skip_special_tokens=False).encode())
                                    for i in range(self._tok.get_vocab_size(with_added_tokens=True)))
@@ -55,8 +59,21 @@ class PromptEncoder:
             log.info("this tokenizer has no byte-length bound: prompts are capped by the body limit only")
 
     def encode(self, text: str) -> list[int]:
+        """`text` as the tokenizer reads it: an added token's text is its control id."""
         ids: list[int] = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         return ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """`text` read as text: no control id from it (`Tokenizer.encode_plain`; ValueError)."""
+        return self.control.encode_plain([text])[0]
+
+    def encode_chat(self, rendered: RenderedChat) -> list[int]:
+        """A rendered conversation's ids, client text as text (`Tokenizer.encode_rendered`)."""
+        return encode_rendered(rendered, self._with_offsets, self.control)
+
+    def _with_offsets(self, text: str) -> tuple[list[int], list[Span]]:
+        enc = self._tok.encode_batch([text], add_special_tokens=False)[0]
+        return enc.ids, enc.offsets
 
     def check(self, text: str, context: int, what: str = "prompt") -> None:
         """Raises PromptTooLong naming the limit when `text` has more bytes than `context`

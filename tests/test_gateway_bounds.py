@@ -183,14 +183,14 @@ def test_tokenising_runs_off_the_event_loop(gateway_of):
     """While one request's prompt is being tokenised, the gateway answers others."""
     gw, _ = gateway_of()
     encoder = gw.app.state.gateway.encoder
-    inner, entered, release = encoder.encode, threading.Event(), threading.Event()
+    inner, entered, release = encoder.encode_plain, threading.Event(), threading.Event()   # a prompt string is text
 
     def slow(text):
         entered.set()
         assert release.wait(60)
         return inner(text)
 
-    encoder.encode = slow
+    encoder.encode_plain = slow
     result = []
     slow_request = threading.Thread(target=lambda: result.append(post(gw.url, "/v1/completions", {
         "model": "tiny-moe", "prompt": "x = ", "max_tokens": 2})))
@@ -218,7 +218,9 @@ def test_the_byte_bound_never_refuses_a_prompt_that_fits(text):
     texts longer than the context."""
     enc = _shipped_encoder()
     assert enc.bytes_per_token is not None
-    assert len(enc.encode(text)) * enc.bytes_per_token >= len(text.encode("utf-8", "surrogatepass"))
+    size = len(text.encode("utf-8", "surrogatepass"))
+    assert len(enc.encode(text)) * enc.bytes_per_token >= size
+    assert len(enc.encode_plain(text)) * enc.bytes_per_token >= size        # a prompt string's text encoding
 
 
 _ENCODER: list[PromptEncoder] = []
