@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import types
-import typing
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 from engine.config import SHIPPED_MODEL, ModelConfig
 from engine.tokenizer import Tokenizer
 from gateway.admission import AdmissionQueue, Rejected
-from gateway.body_errors import refusal
+from gateway.body_errors import refusal, union_fields
 from gateway.chat import output_settings
 from gateway.completions import CompletionHandler
 from gateway.config import GatewayConfig, KeyTable
@@ -156,7 +154,9 @@ def create_app(config: GatewayConfig, discover: Discover | None = None) -> FastA
         model = BODY_MODELS.get(request.url.path)
         code, message, param = refusal(e.errors(), e.body, request.headers.get("content-type"),
                                        union_fields(model) if model is not None else frozenset())
-        return _rejected(gw, _with_param(Rejected(400, code, message), param))
+        refused = Rejected(400, code, message)
+        refused.param = param
+        return _rejected(gw, refused)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> Response:
@@ -260,20 +260,6 @@ def cache_info(w: Worker) -> dict[str, Any] | None:
 
 BODY_MODELS: dict[str, type[BaseModel]] = {"/v1/chat/completions": ChatCompletionRequest,
                                            "/v1/completions": CompletionRequest}
-
-
-def union_fields(model: type[BaseModel]) -> frozenset[str]:
-    """The fields of `model` whose type is a union of more than one type besides None."""
-    def members(annotation: Any) -> list[Any]:
-        if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-            return [a for a in typing.get_args(annotation) if a is not type(None)]
-        return [annotation]
-    return frozenset(name for name, f in model.model_fields.items() if len(members(f.annotation)) > 1)
-
-
-def _with_param(e: Rejected, param: str | None) -> Rejected:
-    e.param = param
-    return e
 
 
 def _rejected(gw: Gateway, e: Rejected) -> JSONResponse:

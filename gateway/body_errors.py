@@ -14,8 +14,13 @@ Client-supplied names in a field's path (a dict key) are cut (gateway/errors.py 
 
 from __future__ import annotations
 
+import functools
+import types
+import typing
 from collections.abc import Sequence
 from typing import Any
+
+from pydantic import BaseModel
 
 from gateway.errors import MAX_SHOWN_CHARS, shown
 
@@ -96,3 +101,13 @@ def _got_suffix(error: Any) -> str:
     if error.get("type") == "missing" or "input" not in error:
         return ""
     return f" (got {_got(error)})"
+
+
+@functools.cache
+def union_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of `model` whose type is a union of more than one type besides None."""
+    def members(annotation: Any) -> list[Any]:
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+            return [a for a in typing.get_args(annotation) if a is not type(None)]
+        return [annotation]
+    return frozenset(name for name, f in model.model_fields.items() if len(members(f.annotation)) > 1)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import http.client
 import json
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlparse
 
 import openai
 import pytest
@@ -250,3 +252,18 @@ def test_a_workers_code_is_answered_in_the_tables_spelling(stream, after_token):
         error = got["error"]
     assert error["code"] == "invalid_request" and error["type"] == "invalid_request_error", error
     assert error["message"] == "scripted refusal"
+
+
+def test_the_frameworks_own_refusals_use_the_table_too():
+    """No such route, a method the route does not take (before: `http_404`, `http_405`)."""
+    with fake_cluster() as (gw, decode):
+        u = urlparse(gw.url)
+        for method, path, status, code in (("GET", "/v1/nothing", 404, "not_found"),
+                                           ("GET", "/v1/chat/completions", 405, "method_not_allowed")):
+            conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+            conn.request(method, path, headers={"Authorization": f"Bearer {API_KEY}"})
+            resp = conn.getresponse()
+            got = json.loads(resp.read())
+            conn.close()
+            assert resp.status == status and got["error"]["code"] == code == ERRORS[code].code, got
+            assert ERRORS[code].status == status
