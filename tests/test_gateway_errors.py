@@ -267,3 +267,26 @@ def test_the_frameworks_own_refusals_use_the_table_too():
             conn.close()
             assert resp.status == status and got["error"]["code"] == code == ERRORS[code].code, got
             assert ERRORS[code].status == status
+
+
+@pytest.mark.parametrize("code, retry", [(ErrorCode.DECODE_FAILED, True), (ErrorCode.UNKNOWN_PEER, False)])
+def test_a_failure_past_the_gateway_says_whether_to_retry(code, retry):
+    prefill, decode = FakeWorker("prefill"), FailingDecode(code, after_token=False)
+    decode.peer = prefill
+    gw = start_gateway([decode.address], [prefill.address], max_attempts=1)
+    try:
+        wait_ready(gw.url)
+        u = urlparse(gw.url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        conn.request("POST", "/v1/completions", body=json.dumps({"model": "tiny-moe", "prompt": "x", "max_tokens": 2}),
+                     headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+        resp = conn.getresponse()
+        got = json.loads(resp.read())
+        conn.close()
+    finally:
+        gw.stop()
+        decode.stop()
+        prefill.stop()
+    assert resp.status == ERRORS[code.value.lower()].status == 502, got
+    assert got["error"]["code"] == code.value.lower() and got["error"]["type"] == "server_error"
+    assert resp.getheader("Retry-After") == (str(RETRY_AFTER_S) if retry else None)
