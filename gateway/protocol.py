@@ -1,5 +1,6 @@
-"""The OpenAI request bodies the gateway accepts (pydantic: schema violations answer 422),
-and their translation into the engine's sampling parameters (bad values answer 400).
+"""The OpenAI request bodies the gateway accepts (pydantic, strict: schema violations answer
+400 `schema`, gateway/body_errors.py), and their translation into the engine's sampling
+parameters (bad values answer 400).
 
 No field is dropped silently (gateway/fields.py): a field OpenAI or a vendor defines that
 Tandem cannot honour is refused with 400 naming it (`unsupported`); a field nobody defines is
