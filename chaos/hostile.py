@@ -74,7 +74,7 @@ def judge_redos(reply: Reply, expect: str, names: tuple[str, ...]) -> tuple[bool
     """(detected, violation or None) for one attacker request."""
     # the per-token budget ("exceeded the stop-check budget of 50 ms per token") or the mean one
     # ("the stop checks ... cost 6.8 ms per token ..., over the limit of 5 ms per token on average")
-    budget = reply.code == "INVALID_REQUEST" and ("stop-check budget" in reply.message or (
+    budget = reply.code == "invalid_request" and ("stop-check budget" in reply.message or (
         "stop checks" in reply.message and "per token on average" in reply.message))
     if reply.ended != "answered":
         return False, f"{reply.show()}: no answer (a hang is what redos must never cause)"
@@ -137,9 +137,9 @@ def _redos_end(r: Reply) -> str:
     """How a redos request ended, in a word or three."""
     if r.completed:
         return "completed"
-    if r.code == "INVALID_REQUEST" and "stop-check budget" in r.message:
+    if r.code == "invalid_request" and "stop-check budget" in r.message:
         return "budget (per token)"
-    if r.code == "INVALID_REQUEST" and "per token on average" in r.message:
+    if r.code == "invalid_request" and "per token on average" in r.message:
         return "budget (mean)"
     if r.ended == "answered" and r.status == 400:
         return "400"
@@ -195,7 +195,8 @@ class KvHog(HostileAttack):
         elif not refused and not peaks.queued:
             res.violations.append("kv_hog: the flood was neither queued nor refused: no limit held it")
         bad = [r for r in self.replies if _end(r) not in ("completed", "hung up", "429 tenant_limit",
-                                                          "429 kv_budget", "429 queue_full", "503 queue_timeout")]
+                                                          "429 kv_budget_in_use", "429 queue_full",
+                                                          "503 queue_timeout")]
         for r in bad[:5]:
             res.violations.append(f"kv_hog: a hog request ended otherwise than completed, limited or hung up by "
                                   f"us: {r.show()}")

@@ -27,11 +27,15 @@ RECHECK_S = 1.0          # a waiting request re-reads the limits this often (wor
 
 
 class Rejected(Exception):
-    """A request refused by the gateway: HTTP status, reason code, message."""
+    """A request refused by the gateway: HTTP status, reason code (one of gateway/errors.py
+    ERRORS, whose status it has), message; `param` names the field at fault, `headers` go
+    with the answer (a retryable code's Retry-After when None)."""
 
     def __init__(self, status: int, reason: str, message: str) -> None:
         super().__init__(message)
         self.status, self.reason, self.message = status, reason, message
+        self.param: str | None = None
+        self.headers: dict[str, str] | None = None
 
 
 class InvalidField(Rejected):
@@ -103,8 +107,10 @@ class AdmissionQueue:
     @asynccontextmanager
     async def admit(self, tenant: str, kv_tokens: int = 0) -> AsyncIterator[None]:
         """Hold a running slot and `kv_tokens` of the tenant's KV budget for the body of the
-        `async with`.  Raises Rejected: 429 queue_full, tenant_limit or kv_budget at once, 503
-        queue_timeout after waiting too long (the request then leaves the queue)."""
+        `async with`.  Raises Rejected at once: 400 kv_budget or kv_capacity for a request that
+        can never be admitted, 429 queue_full or tenant_limit; after waiting `timeout_s` (the
+        request then leaves the queue): 429 kv_budget_in_use when the tenant's own requests hold
+        its budget, else 503 queue_timeout."""
         self._check(tenant, kv_tokens)
         load = self.tenants.setdefault(tenant, TenantLoad())
         waiter = Waiter(tenant, kv_tokens, asyncio.get_running_loop().create_future())
@@ -124,18 +130,24 @@ class AdmissionQueue:
             self._leave(waiter)
 
     def _check(self, tenant: str, kv_tokens: int) -> None:
+        """Refuses at once what can never be admitted (400) and what waiting for others may
+        fix (429: the queue or the tenant's share of it is full)."""
+        budget, cluster = self.limits.tenant_tokens(), self.limits.cluster_tokens()
+        if budget and kv_tokens > budget:
+            raise self._reject(tenant, 400, "kv_budget", f"this request reserves {kv_tokens} KV tokens (prompt + "
+                               f"max_tokens, for each choice), more than the tenant's whole KV budget of {budget} "
+                               f"tokens (tenant_max_kv_tokens): it can never be admitted; lower max_tokens or n")
+        if cluster and kv_tokens > cluster:
+            raise self._reject(tenant, 400, "kv_capacity", f"this request reserves {kv_tokens} KV tokens (prompt + "
+                               f"max_tokens, for each choice), more than the decode workers hold together "
+                               f"({cluster} tokens): it can never be admitted; lower max_tokens or n")
         if self.total >= self.max_queue:
             raise self._reject(tenant, 429, "queue_full", f"the server's queue is full ({self.max_queue} "
                                f"requests); retry later")
         load = self.tenants.get(tenant)
         if load is not None and load.in_flight >= self.tenant_limit:
             raise self._reject(tenant, 429, "tenant_limit", f"tenant has {load.in_flight} requests in flight, "
-                               f"the limit is {self.tenant_limit}")
-        budget = self.limits.tenant_tokens()
-        if budget and kv_tokens > budget:
-            raise self._reject(tenant, 429, "kv_budget", f"this request reserves {kv_tokens} KV tokens (prompt + "
-                               f"max_tokens, for each choice), over the tenant's KV budget of {budget} tokens "
-                               f"(tenant_max_kv_tokens); lower max_tokens or n")
+                               f"the limit is {self.tenant_limit} (tenant_max_concurrency); retry when one ends")
 
     async def _wait(self, waiter: Waiter) -> None:
         loop = asyncio.get_running_loop()
@@ -143,10 +155,21 @@ class AdmissionQueue:
         while not waiter.admitted.done():
             left = deadline - loop.time()
             if left <= 0:
-                raise self._reject(waiter.tenant, 503, "queue_timeout", f"waited {self.timeout_s}s in the queue "
-                                   f"without a free slot; retry later")
+                raise self._timed_out(waiter)
             await asyncio.wait([waiter.admitted], timeout=min(left, RECHECK_S))
             self._dispatch()                 # a worker may have joined since
+
+    def _timed_out(self, waiter: Waiter) -> Rejected:
+        """The refusal of a request that waited `timeout_s`: 429 when its tenant's own requests
+        hold the KV budget it needs, else 503 (no slot or KV room freed in time)."""
+        held, budget = self.tenants[waiter.tenant].kv_reserved, self.limits.tenant_tokens()
+        if budget and held + waiter.kv_tokens > budget:
+            return self._reject(waiter.tenant, 429, "kv_budget_in_use", f"waited {self.timeout_s}s in the queue: "
+                                f"this request reserves {waiter.kv_tokens} KV tokens and the tenant's other requests "
+                                f"hold {held} of its KV budget of {budget} tokens (tenant_max_kv_tokens); retry when "
+                                f"they end")
+        return self._reject(waiter.tenant, 503, "queue_timeout", f"waited {self.timeout_s}s in the queue without a "
+                            f"free slot or KV room; retry later")
 
     def _reject(self, tenant: str, status: int, reason: str, message: str) -> Rejected:
         if self.on_reject is not None:

@@ -16,20 +16,22 @@ from typing import Any, TypeVar
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from engine.config import SHIPPED_MODEL, ModelConfig
 from engine.tokenizer import Tokenizer
 from gateway.admission import AdmissionQueue, Rejected
+from gateway.body_errors import refusal, union_fields
 from gateway.chat import output_settings
 from gateway.completions import CompletionHandler
 from gateway.config import GatewayConfig, KeyTable
+from gateway.errors import HTTP_CODES, error_body, public, shown
 from gateway.fairness import ClusterKv
 from gateway.fields import IGNORED_HEADER
 from gateway.limits import ABORT, BodyLimit, SendDeadline, connection_abort, quiet_idle_closes
 from gateway.metrics import Metrics
-from gateway.openai_format import error_body
 from gateway.prompts import PromptEncoder
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routing import Worker, WorkerPool
@@ -148,25 +150,26 @@ def create_app(config: GatewayConfig, discover: Discover | None = None) -> FastA
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError) -> Response:
-        gw.metrics.rejected.labels("schema").inc()
-        gw.metrics.requests.labels("rejected").inc()
-        first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        return JSONResponse(error_body(f"{where}: {first.get('msg', 'invalid request')}", "invalid_request_error",
-                                       "schema", where or None), status_code=422)
+        # a body FastAPI could not read as the endpoint's model: 400, saying what was wrong
+        model = BODY_MODELS.get(request.url.path)
+        code, message, param = refusal(e.errors(), e.body, request.headers.get("content-type"),
+                                       union_fields(model) if model is not None else frozenset())
+        refused = Rejected(400, code, message)
+        refused.param = param
+        return _rejected(gw, refused)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> Response:
         # the framework's own refusals (no such route, a body it could not read) in the OpenAI shape
-        return JSONResponse(error_body(str(e.detail), "invalid_request_error", f"http_{e.status_code}"),
-                            status_code=e.status_code, headers=e.headers)
+        code = HTTP_CODES.get(e.status_code, "invalid_request" if e.status_code < 500 else "internal")
+        return JSONResponse(error_body(code, str(e.detail), status=e.status_code), status_code=e.status_code,
+                            headers=e.headers)
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, e: Exception) -> Response:
         error_id = uuid.uuid4().hex
         log.exception("unhandled error %s in %s %s", error_id, request.method, request.url.path)
-        body = error_body(f"internal error in the gateway (error id {error_id})", "server_error",
-                          ErrorCode.INTERNAL)
+        body = error_body(ErrorCode.INTERNAL, f"internal error in the gateway (error id {error_id})")
         return JSONResponse(body, status_code=500)
 
     def tenant(request: Request) -> str:
@@ -180,10 +183,21 @@ def create_app(config: GatewayConfig, discover: Discover | None = None) -> FastA
     async def completions(body: CompletionRequest, request: Request, tenant: str = Depends(tenant)) -> Response:
         return await gw.completions.serve(body, request, tenant)
 
+    def model_card() -> dict[str, Any]:
+        return {"id": config.served_model_name, "object": "model", "created": 0, "owned_by": "tandem",
+                "max_model_len": gw.context_len()}
+
     @app.get("/v1/models", response_model=None)
     async def models(tenant: str = Depends(tenant)) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "created": 0,
-                                            "owned_by": "tandem", "max_model_len": gw.context_len()}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", response_model=None)
+    async def model(model_id: str, tenant: str = Depends(tenant)) -> dict[str, Any]:
+        """OpenAI's retrieve model (the openai client's `models.retrieve`)."""
+        if model_id != config.served_model_name:
+            raise Rejected(404, "model_not_found", f"the model {shown(model_id)} does not exist; this server "
+                           f"serves {config.served_model_name!r}")
+        return model_card()
 
     @app.get("/health", response_model=None)
     async def health() -> dict[str, str] | Response:
@@ -244,14 +258,18 @@ def cache_info(w: Worker) -> dict[str, Any] | None:
     return info
 
 
+BODY_MODELS: dict[str, type[BaseModel]] = {"/v1/chat/completions": ChatCompletionRequest,
+                                           "/v1/completions": CompletionRequest}
+
+
 def _rejected(gw: Gateway, e: Rejected) -> JSONResponse:
+    """The answer to a refusal: its code's spelling and type from the error table
+    (gateway/errors.py), a retryable one with Retry-After (unless the refusal sets its own)."""
     gw.metrics.rejected.labels(e.reason).inc()
     gw.metrics.requests.labels("rejected").inc()
-    kind = "invalid_request_error" if e.status < 500 else "server_error"
-    if e.status == 401:
-        kind = "authentication_error"
-    return JSONResponse(error_body(e.message, kind, e.reason, getattr(e, "param", None)), status_code=e.status,
-                        headers=getattr(e, "headers", None))     # a 429's Retry-After
+    entry = public(e.reason, e.status)
+    return JSONResponse(error_body(e.reason, e.message, e.param, e.status), status_code=e.status,
+                        headers=e.headers or entry.headers())
 
 
 def _bearer(request: Request) -> str:

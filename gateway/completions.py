@@ -17,12 +17,13 @@ from fastapi.responses import JSONResponse, Response
 
 from gateway.admission import Rejected
 from gateway.choice import ForwardError
+from gateway.errors import error_body, public
 from gateway.fairness import reserved_tokens, share_key
 from gateway.fields import IGNORED_HEADER
 from gateway.forward import cancelling
 from gateway.jobs import Body, Job, RequestPlanner
 from gateway.migration import forward
-from gateway.openai_format import Formatter, error_body, prompt_tokens, public_message
+from gateway.openai_format import Formatter, prompt_tokens, public_message
 from gateway.protocol import ChatCompletionRequest
 from gateway.streaming import DoneEvent, ErrorEvent, Event, EventStream, Generation, TokensEvent, sse
 from worker.types import ErrorCode
@@ -51,7 +52,7 @@ class CompletionHandler(RequestPlanner):
         self.check(body)
         context, capacity = gw.context_len(), gw.pool.capacity_tokens()
         if capacity == 0:
-            raise Rejected(503, "no_workers", "no decode worker is ready")
+            raise Rejected(503, "no_worker", "no decode worker is ready; retry later")
         share = share_key(request, tenant, bool(gw.keys))     # whom it counts against in the limits
         constraint = await gw.structured.constraint(body, gw.output_settings, share)
         jobs = await gw.prepare(self.jobs, body, context, capacity, tenant, frozenset(gw.pool.page_sizes()),
@@ -136,15 +137,16 @@ class CompletionHandler(RequestPlanner):
         m.generated.inc(sum(len(j.state.token_ids) for j in jobs))
 
     def _error_body(self, err: ForwardError, rid: str) -> dict[str, Any]:
-        """The client's view of a failed request (gateway/openai_format.py PUBLIC_MESSAGES);
-        the details go to the log under the request id."""
+        """The client's view of a failed request, as a response or a stream's last event: its
+        code as the error table spells it (gateway/errors.py), a public message
+        (gateway/openai_format.py PUBLIC_MESSAGES); the details go to the log under the request id."""
         self.gw.metrics.requests.labels("error").inc()
         log.warning("request %s failed: %s: %s", rid, err.code.value, err.message)
-        return error_body(public_message(err.code, err.message, rid),
-                          "server_error" if err.status >= 500 else "invalid_request_error", err.code.value)
+        return error_body(err.code, public_message(err.code, err.message, rid), status=err.status)
 
     def _error(self, err: ForwardError, rid: str) -> JSONResponse:
-        return JSONResponse(self._error_body(err, rid), status_code=err.status)
+        return JSONResponse(self._error_body(err, rid), status_code=err.status,
+                            headers=public(err.code).headers())
 
 
 async def _cancel(tasks: list[asyncio.Task[None]]) -> None:

@@ -66,9 +66,8 @@ class Choice(Protocol):
 
 def reserved_tokens(choices: Sequence[Choice]) -> int:
     """The KV tokens a request reserves on the decode workers: prompt + max_tokens for each
-    choice.  Each choice reserves pages of its own (there is no prefix cache: no page is ever
-    shared between requests), so the sum counts every page once; with shared pages, a page a
-    tenant already holds would count once."""
+    choice, the whole prompt even where a decode worker's prefix cache holds part of it (the
+    gateway admits before any worker says what it has cached): an upper bound."""
     return sum(len(c.ids) + c.params.max_tokens for c in choices)
 
 

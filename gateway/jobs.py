@@ -17,6 +17,7 @@ from gateway.admission import InvalidField, Rejected
 from gateway.cache_view import PrefixKeys
 from gateway.chat import chat_prompt
 from gateway.choice import Prompt
+from gateway.errors import shown
 from gateway.fields import IgnoredFields
 from gateway.openai_format import ChoiceState
 from gateway.prompts import PromptTooLong
@@ -55,7 +56,7 @@ class RequestPlanner:
         Rejected (404, 400 naming the field)."""
         gw = self.gw
         if body.model != gw.config.served_model_name:
-            raise Rejected(404, "model_not_found", f"the model {body.model!r} does not exist; this server "
+            raise Rejected(404, "model_not_found", f"the model {shown(body.model)} does not exist; this server "
                            f"serves {gw.config.served_model_name!r}")
         if (bad := body.out_of_range(gw.vocab_size)) is not None:
             raise InvalidField(bad[0], bad[1])

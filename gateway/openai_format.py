@@ -90,10 +90,6 @@ def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, 
     return out
 
 
-def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
 def public_message(code: ErrorCode, detail: str, request_id: str) -> str:
     """What the client is told of a failed request (see PUBLIC_MESSAGES), with its request id."""
     if code in CLIENT_CODES:

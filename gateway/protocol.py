@@ -1,5 +1,6 @@
-"""The OpenAI request bodies the gateway accepts (pydantic: schema violations answer 422),
-and their translation into the engine's sampling parameters (bad values answer 400).
+"""The OpenAI request bodies the gateway accepts (pydantic, strict: schema violations answer
+400 `schema`, gateway/body_errors.py), and their translation into the engine's sampling
+parameters (bad values answer 400).
 
 No field is dropped silently (gateway/fields.py): a field OpenAI or a vendor defines that
 Tandem cannot honour is refused with 400 naming it (`unsupported`); a field nobody defines is
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine.constraint import Constraint
 from engine.params import MAX_LOGPROBS, SamplingParams
 from gateway.chat import ChatMessage, Tool
+from gateway.errors import shown
 from gateway.fields import MESSAGE_NO_EFFECT, NO_EFFECT, UNHONOURED, neutral
 
 INT32_MAX, UINT32_MAX = 2**31 - 1, 2**32 - 1
@@ -30,14 +32,17 @@ INT_RANGES = {"max_tokens": (1, UINT32_MAX), "n": (1, INT32_MAX), "seed": (0, 2*
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     include_usage: bool = False
     include_obfuscation: bool | None = None   # OpenAI's padding of stream chunks: no effect here
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage in every chunk too
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")     # unknown fields: named, never dropped silently
+    # unknown fields: named, never dropped silently; strict: "10" or true is not an integer, nor
+    # "0.5" a number, nor 1 or "true" a boolean (an integer is a number); nested models (messages,
+    # tools) keep their own config
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str
     max_tokens: int | None = None
     temperature: float = Field(default=1.0, ge=0, le=2)
@@ -172,7 +177,7 @@ class ChatCompletionRequest(_Common):
     def out_of_range(self, vocab_size: int) -> tuple[str, str] | None:
         effort = self.reasoning_effort
         if effort is not None and effort not in REASONING_EFFORTS:
-            return "reasoning_effort", (f"reasoning_effort {effort[:40]!r} is not one of "
+            return "reasoning_effort", (f"reasoning_effort {shown(effort)} is not one of "
                                         f"{', '.join(REASONING_EFFORTS)}")
         return super().out_of_range(vocab_size)
 

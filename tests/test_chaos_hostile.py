@@ -40,13 +40,13 @@ def test_redos_rules_accept_only_the_expected_ends():
     refusal = Reply("x", 400, "invalid_request", "stop has 17 strings; at most 16 are allowed", ended="answered")
     assert judge_redos(refusal, "refused", ("stop", "16")) == (True, None)
     assert judge_redos(refusal, "refused", ("stop_regex", "4"))[1] is not None        # names another field
-    budget = Reply("x", 400, "INVALID_REQUEST", "stop_regex '(?:.|.)+(?!)' exceeded the stop-check budget of "
+    budget = Reply("x", 400, "invalid_request", "stop_regex '(?:.|.)+(?!)' exceeded the stop-check budget of "
                    "50 ms per token", ended="answered")
     assert judge_redos(budget, "budget", ()) == (True, None)
     done = Reply("x", 200, finish="length", ended="answered")
     assert judge_redos(done, "budget", ()) == (False, None) and judge_redos(done, "bounded", ()) == (True, None)
     assert judge_redos(Reply("x", ended="timeout"), "budget", ())[1] is not None     # a hang
-    assert judge_redos(Reply("x", 500, "INTERNAL", "boom", ended="answered"), "bounded", ())[1] is not None
+    assert judge_redos(Reply("x", 500, "internal", "boom", ended="answered"), "bounded", ())[1] is not None
     assert {expect for _, _, expect, _ in REDOS} == {"refused", "budget", "bounded"}
 
 
@@ -138,7 +138,7 @@ def test_kv_hog_flags_a_hog_over_its_budget_or_not_held_at_all():
     assert any("over its budget" in v for v in judged(Peaks(samples=5, kv_reserved=9000, kv_budget=8192)).violations)
     free = [Reply("hog", ended="hung up")] * 80
     assert any("neither queued nor refused" in v for v in judged(Peaks(samples=5, kv_budget=8192), free).violations)
-    broken = [Reply("hog", 500, "INTERNAL", "x", ended="answered")] + replies[1:]
+    broken = [Reply("hog", 500, "internal", "x", ended="answered")] + replies[1:]
     assert any("otherwise than completed" in v for v in judged(Peaks(samples=5, queued=3), broken).violations)
 
 

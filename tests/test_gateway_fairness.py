@@ -163,7 +163,7 @@ def test_a_request_alone_over_the_kv_budget_is_refused_naming_the_limit():
         return refused.value
 
     refused = run(main)
-    assert (refused.status, refused.reason) == (429, "kv_budget")
+    assert (refused.status, refused.reason) == (400, "kv_budget")        # it can never fit: not retryable
     assert "1001 KV tokens" in refused.message and "budget of 1000 tokens" in refused.message
     assert "tenant_max_kv_tokens" in refused.message
 
@@ -343,7 +343,7 @@ def test_the_budget_counts_against_the_client_address(keyless):
     assert tenant_label("addr:127.0.0.2") != tenant_label("addr:127.0.0.1")
     status, body = post_from("127.0.0.2", gw.url, "/v1/completions",
                              {"model": "tiny-moe", "prompt": [7] * 100, "max_tokens": 60, "n": 2})
-    assert status == 429 and body["error"]["code"] == "kv_budget", body
+    assert status == 400 and body["error"]["code"] == "kv_budget", body
     assert "reserves 320 KV tokens" in body["error"]["message"] and "budget of 300 tokens" in body["error"]["message"]
     status, text = get(gw.url, "/metrics", key=None)
     assert status == 200

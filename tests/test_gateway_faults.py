@@ -153,7 +153,7 @@ def test_a_decode_worker_killed_mid_stream_gives_an_error_event(cluster):
         assert events, rest
         last = events[-1][len("data: "):]
         assert last != "[DONE]" and "error" in json.loads(last), last     # explicit, not a truncated 200
-        assert json.loads(last)["error"]["code"] == "MIGRATION_FAILED"
+        assert json.loads(last)["error"]["code"] == "migration_failed"
     finally:
         proc.kill()
         proc.wait(10)

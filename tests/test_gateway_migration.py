@@ -288,14 +288,14 @@ def test_the_migration_bound_ends_the_stream_with_migration_failed(cluster):
     status, events = post(gw.url, "/v1/completions", body(GREEDY, True, max_tokens=24), timeout_s=120)
     assert status == 200 and events[-1] != "[DONE]"
     error = json.loads(events[-1])["error"]
-    assert error["code"] == "MIGRATION_FAILED" and "127.0.0.1" not in error["message"], error
+    assert error["code"] == "migration_failed" and "127.0.0.1" not in error["message"], error
     streamed = [t for e in events[:-1] for c in json.loads(e)["choices"] for t in c.get("token_ids") or []]
     assert len(streamed) == 2 * (MAX_MIGRATIONS + 1)      # every token before the last break, once
     assert len(plan.requests) == MAX_MIGRATIONS + 1
     assert metric(gw.url, "tandem_migrations_failed_total", reason="bound") == before + 1
     plan.reset(cuts=MAX_MIGRATIONS + 1, after=2)
     status, got = post(gw.url, "/v1/completions", body(GREEDY, False, max_tokens=24))
-    assert status == 502 and got["error"]["code"] == "MIGRATION_FAILED"    # the bound, as JSON
+    assert status == 502 and got["error"]["code"] == "migration_failed"    # the bound, as JSON
     plan.reset()
     wait_idle(*workers)
 
