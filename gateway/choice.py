@@ -10,14 +10,12 @@ from typing import Protocol
 
 from engine.params import SamplingParams
 from gateway.cache_view import PrefixKeys
+from gateway.errors import public
 from gateway.routing import WorkerPool
 from proto import worker_pb2 as wpb
 from worker.types import ErrorCode
 
-STATUS = {ErrorCode.INVALID_REQUEST: 400, ErrorCode.PROMPT_TOO_LONG: 400, ErrorCode.KV_FULL: 503,
-          ErrorCode.UNAVAILABLE: 503, ErrorCode.DRAINING: 503, ErrorCode.NO_WORKER: 503, ErrorCode.TIMEOUT: 408,
-          ErrorCode.INTERNAL: 500}
-UNKNOWN_STATUS = 502                  # any other code: the worker side failed the request
+UNKNOWN_STATUS = 502                  # a code this gateway does not know: the worker side failed it
 
 
 class ForwardError(Exception):
@@ -26,7 +24,7 @@ class ForwardError(Exception):
     def __init__(self, code: ErrorCode, message: str, status: int | None = None):
         super().__init__(f"{code.value}: {message}")
         self.code, self.message = code, message
-        self.status = status or STATUS.get(code, UNKNOWN_STATUS)
+        self.status = status or public(code).status      # gateway/errors.py, the one table
 
     @classmethod
     def from_proto(cls, error: wpb.Error, prefix: str = "") -> ForwardError:
