@@ -221,11 +221,13 @@ class Deployment:
 
     def _drain_and_stop(self) -> None:
         end = time.monotonic() + self.s.drain_timeout_s
-        if self.gateways:
-            left = sum(ray.get([g.drain.remote(self.s.drain_timeout_s) for g in self.gateways]))
-            if left:
-                self.say(f"tandem: {left} request(s) still running after the grace period: ending them")
-        finished = drained = 0
+        # requests that end while the gateways wait are counted there: the workers' drain
+        # that follows sees only what the grace period left running
+        finished = left = drained = 0
+        for counts in ray.get([g.drain.remote(self.s.drain_timeout_s) for g in self.gateways]):
+            finished, left = finished + counts["finished"], left + counts["left"]
+        if left:
+            self.say(f"tandem: {left} request(s) still running after the grace period: ending them")
         drains = {wid: a.drain.remote(max(0.0, end - time.monotonic())) for wid, a in self.workers.items()}
         for wid, ref in drains.items():
             try:
@@ -237,7 +239,7 @@ class Deployment:
                 ray.get(self.workers[wid].stop.remote(), timeout=60)
             except Exception as e:
                 log.warning("stopping %s: %s", wid, e)
-        self.say(f"tandem: drained: workers finished {finished} request(s) in the grace period and ended {drained}")
+        self.say(f"tandem: drained: {finished} request(s) finished in the grace period, {drained} ended by the drain")
         for g in self.gateways:
             ray.get(g.stop.remote(), timeout=30)
             ray.kill(g)
