@@ -56,6 +56,20 @@ def test_is_loopback_reads_every_form_of_a_loopback_address():
     assert not any(map(is_loopback, ("0.0.0.0", "::", "192.0.2.2", "::ffff:192.0.2.2", "10.0.0.1")))
 
 
+def test_keep_loopback_holds_for_a_loopback_address_only_and_is_undone():
+    from ray._private import ray_constants, services
+
+    from deploy.local_ray import keep_loopback
+    assert ray_constants.ENABLE_RAY_CLUSTER
+    assert keep_loopback("192.0.2.7:6379")() is None and ray_constants.ENABLE_RAY_CLUSTER   # another node: as Ray does
+    undo = keep_loopback("127.0.0.1:6379")
+    try:
+        assert services.canonicalize_bootstrap_address("127.0.0.1:6379") == "127.0.0.1:6379"
+    finally:
+        undo()
+    assert ray_constants.ENABLE_RAY_CLUSTER
+
+
 def test_a_local_tandem_serve_listens_on_loopback_only():
     port = _free_port("127.0.0.1")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
