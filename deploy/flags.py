@@ -83,73 +83,74 @@ class Flag:
         parser.add_argument(self.name, help=text, **options)
 
 
-def _r(name: str, setting: str | None, text: str, unset: bool = False, **options: Any) -> Flag:
+def _row(name: str, setting: str | None, text: str, unset: bool = False, **options: Any) -> Flag:
     return Flag(name, setting, text, options, unset)
 
 
 SERVE_FLAGS: tuple[Flag, ...] = (
-    _r("--address", "address", "join this Ray cluster (auto, or HOST:PORT) instead of starting one; default: start "
+    _row("--address", "address", "join this Ray cluster (auto, or HOST:PORT) instead of starting one; default: start "
        "one on 127.0.0.1, listening on loopback only. Joining needs RAY_AUTH_MODE=token here (Ray token "
        "authentication)"),
-    _r("--allow-insecure-ray", None, "join a Ray cluster without RAY_AUTH_MODE=token here (anyone reaching it runs "
+    _row("--allow-insecure-ray", None, "join a Ray cluster without RAY_AUTH_MODE=token here (anyone reaching it runs "
        "code on it)", action="store_true"),
-    _r("--model", "model", "HF checkpoint directory (the shipped tiny-moe unless given)"),
-    _r("--served-model-name", "served_model_name", "the model name clients use (default: the model directory's name)"),
-    _r("--prefill-workers", "prefill_workers", "prefill workers to start", unset=True, type=int),
-    _r("--decode-workers", "decode_workers", "decode workers to start", unset=True, type=int),
-    _r("--colocated", "colocated", "workers that do both prefill and decode (no KV transfer)", action="store_true"),
-    _r("--colocated-workers", "colocated_workers", "how many with --colocated", type=int),
-    _r("--host", "host", "the address the gateway listens on (0.0.0.0: every interface)"),
-    _r("--port", "port", "the gateway's port (0: a free one)", type=int),
-    _r("--api-key", None, "KEY or KEY:TENANT (repeatable; default: none, every request is let in; `ps` shows it: "
+    _row("--model", "model", "HF checkpoint directory (the shipped tiny-moe unless given)"),
+    _row("--served-model-name", "served_model_name", "the model name clients use (default: the model "
+         "directory's name)"),
+    _row("--prefill-workers", "prefill_workers", "prefill workers to start", unset=True, type=int),
+    _row("--decode-workers", "decode_workers", "decode workers to start", unset=True, type=int),
+    _row("--colocated", "colocated", "workers that do both prefill and decode (no KV transfer)", action="store_true"),
+    _row("--colocated-workers", "colocated_workers", "how many with --colocated", type=int),
+    _row("--host", "host", "the address the gateway listens on (0.0.0.0: every interface)"),
+    _row("--port", "port", "the gateway's port (0: a free one)", type=int),
+    _row("--api-key", None, "KEY or KEY:TENANT (repeatable; default: none, every request is let in; `ps` shows it: "
        "prefer TANDEM_API_KEYS or --api-keys-file)", action="append", default=[]),
-    _r("--api-keys-file", None, "JSON {key: tenant} or lines `KEY TENANT` (default: none)"),
-    _r("--dtype", "dtype", "the weights' and KV cache's floating point type", choices=DTYPES),
-    _r("--device", "device", "where the workers compute: cpu, cuda or cuda:N (cuda needs --gpus-per-worker)"),
-    _r("--max-model-len", "max_model_len", "the longest prompt + output, in tokens (default: the model's "
+    _row("--api-keys-file", None, "JSON {key: tenant} or lines `KEY TENANT` (default: none)"),
+    _row("--dtype", "dtype", "the weights' and KV cache's floating point type", choices=DTYPES),
+    _row("--device", "device", "where the workers compute: cpu, cuda or cuda:N (cuda needs --gpus-per-worker)"),
+    _row("--max-model-len", "max_model_len", "the longest prompt + output, in tokens (default: the model's "
        "max_position_embeddings)", type=int),
-    _r("--kv-cache-tokens", "kv_cache_tokens", "KV pool per worker, in tokens (default: the workers' own, "
+    _row("--kv-cache-tokens", "kv_cache_tokens", "KV pool per worker, in tokens (default: the workers' own, "
        f"{default_of(WorkerConfig, 'kv_cache_tokens')}, unless --mem-fraction)", type=int),
-    _r("--prefill-kv-cache-tokens", "prefill_kv_cache_tokens", "the prefill workers' KV pool (their prefix cache), "
+    _row("--prefill-kv-cache-tokens", "prefill_kv_cache_tokens", "the prefill workers' KV pool (their prefix cache), "
        "in tokens (default: as the others')", type=int),
-    _r("--mem-fraction", "mem_fraction", "KV pool as a share of free memory, instead of --kv-cache-tokens "
+    _row("--mem-fraction", "mem_fraction", "KV pool as a share of free memory, instead of --kv-cache-tokens "
        "(default: not used)", type=float),
-    _r("--paged-experts-num-resident", "paged_experts_num_resident", "keep K experts of each MoE layer on the "
+    _row("--paged-experts-num-resident", "paged_experts_num_resident", "keep K experts of each MoE layer on the "
        "device, the rest in host memory (default: all resident)", type=int),
-    _r("--verify-experts", "verify_experts", "check each resident expert slot against the host copy before use "
+    _row("--verify-experts", "verify_experts", "check each resident expert slot against the host copy before use "
        "(costs a read)", action="store_true"),
-    _r("--gpus-per-worker", "gpus_per_worker", "each worker's share of a GPU (Ray's num_gpus)", type=float),
-    _r("--placement-strategy", "placement_strategy", "Ray's placement of the workers (STRICT_PACK: one node, as "
+    _row("--gpus-per-worker", "gpus_per_worker", "each worker's share of a GPU (Ray's num_gpus)", type=float),
+    _row("--placement-strategy", "placement_strategy", "Ray's placement of the workers (STRICT_PACK: one node, as "
        "--transfer shm needs; STRICT_SPREAD: one worker per node)", choices=PLACEMENT_STRATEGIES),
-    _r("--transfer", "transfer", "how prefill reaches decode (shm: same node only)", choices=("grpc", "shm")),
-    _r("--worker-resources", None, 'extra Ray resources per role, JSON: {"decode": {"gpu_node": 1}} (default: none)'),
-    _r("--gateway-replicas", "gateway_replicas", "gateways on --port, --port+1, ...", type=int),
-    _r("--worker-cores", "worker_cores", "pin each worker to this many CPU cores of its own, round robin "
+    _row("--transfer", "transfer", "how prefill reaches decode (shm: same node only)", choices=("grpc", "shm")),
+    _row("--worker-resources", None, 'extra Ray resources per role, JSON: {"decode": {"gpu_node": 1}} (default: none)'),
+    _row("--gateway-replicas", "gateway_replicas", "gateways on --port, --port+1, ...", type=int),
+    _row("--worker-cores", "worker_cores", "pin each worker to this many CPU cores of its own, round robin "
        "(default: not pinned)", type=int),
-    _r("--default-max-tokens", "default_max_tokens", "a chat request's max_tokens when it sets none (clipped to the "
+    _row("--default-max-tokens", "default_max_tokens", "a chat request's max_tokens when it sets none (clipped to the "
        "context left)", type=int),
-    _r("--tenant-max-kv-tokens", "tenant_max_kv_tokens", "KV tokens one tenant may hold reserved at once (default: "
+    _row("--tenant-max-kv-tokens", "tenant_max_kv_tokens", "KV tokens one tenant may hold reserved at once (default: "
        "half the decode workers' KV; all of it when the API keys name one tenant)", type=int),
-    _r("--stream-idle-timeout", "stream_idle_timeout_s", "seconds a client may read nothing of its streamed response "
+    _row("--stream-idle-timeout", "stream_idle_timeout_s", "seconds a client may read nothing of its streamed response "
        "before it is reset", type=float),
-    _r("--tls", "tls", "mutual TLS between workers and gateway with a new cluster CA (auto: when they span more "
+    _row("--tls", "tls", "mutual TLS between workers and gateway with a new cluster CA (auto: when they span more "
        "than one node)", choices=TLS_MODES),
-    _r("--ssl-certfile", "ssl_certfile", "the gateway serves HTTPS with this certificate, PEM (default: plain HTTP)"),
-    _r("--ssl-keyfile", "ssl_keyfile", "... and this private key, PEM (default: none)"),
-    _r("--no-prefix-cache", "prefix_cache", "no prefix cache on any worker: every prompt is computed and its KV "
+    _row("--ssl-certfile", "ssl_certfile", "the gateway serves HTTPS with this certificate, PEM (default: plain HTTP)"),
+    _row("--ssl-keyfile", "ssl_keyfile", "... and this private key, PEM (default: none)"),
+    _row("--no-prefix-cache", "prefix_cache", "no prefix cache on any worker: every prompt is computed and its KV "
        "moved in full", action="store_false", dest="prefix_cache"),
-    _r("--routing", "routing", "how the gateway picks a request's workers: prefix weighs the prompt's prefix each "
+    _row("--routing", "routing", "how the gateway picks a request's workers: prefix weighs the prompt's prefix each "
        "worker caches against its load; load takes the least loaded", choices=ROUTING_MODES),
-    _r("--drain-grace-s", "drain_timeout_s", "on shutdown (SIGINT/SIGTERM), scale-down or a worker's SIGTERM: "
+    _row("--drain-grace-s", "drain_timeout_s", "on shutdown (SIGINT/SIGTERM), scale-down or a worker's SIGTERM: "
        "seconds in-flight requests may finish before they are ended (a decode worker's streams then continue on "
        "another)", type=float),
-    _r("--max-migrations", "max_migrations", "how many times one response may move to another decode worker (its "
+    _row("--max-migrations", "max_migrations", "how many times one response may move to another decode worker (its "
        "worker died or drained) before it ends with an error", type=int),
-    _r("--reasoning-parser", "reasoning_parser", "how the gateway splits reasoning from the answer "
+    _row("--reasoning-parser", "reasoning_parser", "how the gateway splits reasoning from the answer "
        "(reasoning_content); auto: from the chat template's markers, none: off", choices=REASONING_CHOICES),
-    _r("--tool-call-parser", "tool_call_parser", "the model's tool-call syntax, read into tool_calls; auto: from the "
+    _row("--tool-call-parser", "tool_call_parser", "the model's tool-call syntax, read into tool_calls; auto: from the "
        "chat template's markers, none: tool_choice auto is refused", choices=TOOL_CALL_CHOICES),
-    _r("--log-level", "log_level", "the driver's and workers' log level", choices=LOG_LEVELS),
+    _row("--log-level", "log_level", "the driver's and workers' log level", choices=LOG_LEVELS),
 )
 
 
