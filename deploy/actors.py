@@ -180,9 +180,15 @@ class GatewayActor:
     def url(self) -> str:
         return self.server.url
 
-    def drain(self, timeout_s: float) -> int:
-        """Stop admitting; wait up to `timeout_s` for in-flight requests.  Returns how many are left."""
-        return self.server.drain(timeout_s)
+    def drain(self, timeout_s: float) -> dict[str, int]:
+        """Stop admitting (503 draining); wait up to `timeout_s` for the requests in flight.
+        Returns {"finished": those that ended meanwhile, "left": those still running}: a
+        stream that ends here ends before any worker drains, so only the gateway saw it finish."""
+        gateway = self.server.app.state.gateway
+        gateway.draining = True           # (server.drain sets it too) nothing is admitted after this count
+        began = gateway.queue.total       # admitted and not ended: waiting for a slot or running
+        left = self.server.drain(timeout_s)
+        return {"finished": max(0, began - left), "left": left}
 
     def stop(self) -> None:
         self.server.stop()

@@ -25,14 +25,10 @@ from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING
 
-from deploy.settings import (
-    PLACEMENT_STRATEGIES,
-    REASONING_CHOICES,
-    ROUTING_MODES,
-    TOOL_CALL_CHOICES,
-    ServeSettings,
-    add_compile_flags,
-)
+from deploy.flags import DTYPES, DefaultsShown, add_serve_flags, default_of, settings_fields
+from deploy.settings import ServeSettings, add_compile_flags
+from kv_transfer.tls import SERVER_NAME
+from worker.config import WorkerConfig
 
 if TYPE_CHECKING:
     from engine import LLM
@@ -100,58 +96,77 @@ def _certs(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every command's options, each with its help and (in --help) its default."""
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated MoE serving")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="run the single-process engine on a few chat prompts")
-    gen.add_argument("--model", default=None, help="HF checkpoint directory (default: the shipped tiny-moe)")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    gen.add_argument("--device", default="cpu")
-    gen.add_argument("--kv-cache-tokens", type=int, default=16384)
-    gen.add_argument("--max-model-len", type=int, default=None)
-    gen.add_argument("--paged-experts-num-resident", type=int, default=None,
-                     help="keep K experts of each MoE layer on the device (default: all)")
-    add_compile_flags(gen)
-    gen.add_argument("--max-tokens", type=int, default=48)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--prompt", action="append", help="a user message (repeatable)")
-    gen.set_defaults(func=_generate)
+    add_generate_parser(sub)
     add_serve_parser(sub)
-    st = sub.add_parser("status", help="the workers of a running deployment")
-    st.add_argument("--address", default="auto", help="the Ray cluster (default: auto)")
+    st = sub.add_parser("status", help="the workers of a running deployment", formatter_class=DefaultsShown)
+    st.add_argument("--address", default="auto", help="the Ray cluster: auto (the one on this machine) or HOST:PORT")
     st.add_argument("--json", action="store_true", help="every worker as JSON (for scripts)")
     st.set_defaults(func=lambda a: __import__("deploy.status", fromlist=["status"]).status(a.address, a.json))
     add_drain_parser(sub)
-    pre = sub.add_parser("preflight", help="what paged experts cost and buy on a device")
-    pre.add_argument("--model", default=None, help="HF checkpoint directory (default: the shipped tiny-moe)")
-    pre.add_argument("--memory-gib", type=float, required=True, help="device memory budget for the model")
-    pre.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    pre.add_argument("--device", default="cpu", help="where to measure the host-to-device link")
-    pre.add_argument("--target-tok-s", type=float, default=50.0)
-    pre.add_argument("--concurrency", type=int, default=8)
-    pre.add_argument("--link-gbps", type=float, default=None, help="use this link speed instead of measuring")
-    pre.add_argument("--json", action="store_true")
-    pre.set_defaults(func=_preflight)
+    add_preflight_parser(sub)
     ct = sub.add_parser("certs", help="a cluster CA and one certificate per process, for workers run as plain "
-                        "processes (python -m deploy.worker --tls-dir DIR/NAME)")
+                        "processes (python -m deploy.worker --tls-dir DIR/NAME)", formatter_class=DefaultsShown)
     ct.add_argument("dir", help="where to write NAME/{ca,cert,key}.pem (files 0600, directories 0700)")
     ct.add_argument("names", nargs="+", help="one per process: decode-0 prefill-0 gateway ...")
-    ct.add_argument("--host", action="append", default=[], help="an IP or DNS name every certificate names too")
-    ct.add_argument("--days", type=float, default=30.0, help="how long the certificates are valid")
+    ct.add_argument("--host", action="append", default=[],
+                    help=f"an IP or DNS name every certificate names too (repeatable; default: none, only "
+                    f"{SERVER_NAME})")
+    ct.add_argument("--days", type=float, default=30.0, help="how long the certificates are valid, in days")
     ct.set_defaults(func=_certs)
     add_plugin_parsers(sub)
     return parser
 
 
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    gen = sub.add_parser("generate", help="run the single-process engine on a few chat prompts",
+                         formatter_class=DefaultsShown)
+    gen.add_argument("--model", default=None, help="HF checkpoint directory (default: the shipped tiny-moe)")
+    gen.add_argument("--dtype", default=default_of(WorkerConfig, "dtype"), choices=DTYPES,
+                     help="the weights' and KV cache's floating point type")
+    gen.add_argument("--device", default=default_of(WorkerConfig, "device"), help="cpu, cuda or cuda:N")
+    gen.add_argument("--kv-cache-tokens", type=int, default=default_of(WorkerConfig, "kv_cache_tokens"),
+                     help="the KV pool, in tokens")
+    gen.add_argument("--max-model-len", type=int, default=None,
+                     help="the longest prompt + output, in tokens (default: the model's max_position_embeddings)")
+    gen.add_argument("--paged-experts-num-resident", type=int, default=None,
+                     help="keep K experts of each MoE layer on the device (default: all)")
+    add_compile_flags(gen)
+    gen.add_argument("--max-tokens", type=int, default=48, help="tokens to generate per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    gen.add_argument("--seed", type=int, default=None, help="the sampling seed (default: none, not reproducible)")
+    gen.add_argument("--prompt", action="append",
+                     help="a user message (repeatable; default: three demo prompts)")
+    gen.set_defaults(func=_generate)
+
+
+def add_preflight_parser(sub: argparse._SubParsersAction) -> None:
+    pre = sub.add_parser("preflight", help="what paged experts cost and buy on a device", formatter_class=DefaultsShown)
+    pre.add_argument("--model", default=None, help="HF checkpoint directory (default: the shipped tiny-moe)")
+    pre.add_argument("--memory-gib", type=float, required=True,
+                     help="device memory budget for the model, in GiB (required, no default)")
+    pre.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="the weights' floating point type")
+    pre.add_argument("--device", default=default_of(WorkerConfig, "device"),
+                     help="where to measure the host-to-device link")
+    pre.add_argument("--target-tok-s", type=float, default=50.0, help="the decode speed to size K for, tokens/s")
+    pre.add_argument("--concurrency", type=int, default=8, help="the concurrent requests to size K for")
+    pre.add_argument("--link-gbps", type=float, default=None,
+                     help="use this link speed, in Gbit/s, instead of measuring (default: measured)")
+    pre.add_argument("--json", action="store_true", help="the report as JSON")
+    pre.set_defaults(func=_preflight)
+
+
 def add_drain_parser(sub: argparse._SubParsersAction) -> None:
     dr = sub.add_parser("drain", help="drain one worker of a running deployment: it admits nothing new, its "
-                        "requests finish or move to another worker")
+                        "requests finish or move to another worker", formatter_class=DefaultsShown)
     dr.add_argument("worker", help="the worker's id, as `tandem status` shows it (decode-0, prefill-1, ...)")
-    dr.add_argument("--grace-s", type=float, default=30.0,
-                    help="seconds its live requests may finish before they are ended and moved (default 30)")
+    dr.add_argument("--grace-s", type=float, default=default_of(ServeSettings, "drain_timeout_s"),
+                    help="seconds its live requests may finish before they are ended and moved")
     dr.add_argument("--restart", action="store_true", help="then restart it (a fresh worker registers)")
     dr.add_argument("--undo", action="store_true", help="admit new requests again (a drained worker not restarted)")
-    dr.add_argument("--address", default="auto", help="the Ray cluster (default: auto)")
+    dr.add_argument("--address", default="auto", help="the Ray cluster: auto (the one on this machine) or HOST:PORT")
     dr.set_defaults(func=lambda a: __import__("deploy.drain", fromlist=["drain"]).drain(
         a.address, a.worker, a.grace_s, restart=a.restart, undo=a.undo))
 
@@ -174,81 +189,16 @@ def _run_plugin(ep: EntryPoint, argv: list[str]) -> int:
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    sv = sub.add_parser("serve", help="serve the model: Ray workers and the OpenAI-compatible gateway")
-    sv.add_argument("--address", default=None, help="join a Ray cluster (auto, or HOST:PORT); default: start one "
-                    "on 127.0.0.1. Needs RAY_AUTH_MODE=token in this environment (Ray token authentication)")
-    sv.add_argument("--allow-insecure-ray", action="store_true",
-                    help="join a Ray cluster without RAY_AUTH_MODE=token here (anyone reaching it runs code on it)")
-    sv.add_argument("--model", default=None, help="HF checkpoint directory (default: the shipped tiny-moe)")
-    sv.add_argument("--served-model-name", default=None, help="the model name clients use (default: the directory's)")
-    sv.add_argument("--prefill-workers", type=int, default=None)
-    sv.add_argument("--decode-workers", type=int, default=None)
-    sv.add_argument("--colocated", action="store_true", help="workers that do both prefill and decode")
-    sv.add_argument("--colocated-workers", type=int, default=1)
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--api-key", action="append", default=[],
-                    help="KEY or KEY:TENANT (repeatable; `ps` shows it: prefer TANDEM_API_KEYS or --api-keys-file)")
-    sv.add_argument("--api-keys-file", default=None, help="JSON {key: tenant} or lines `KEY TENANT`")
-    sv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    sv.add_argument("--device", default="cpu")
-    sv.add_argument("--max-model-len", type=int, default=None)
-    sv.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool per worker, in tokens")
-    sv.add_argument("--prefill-kv-cache-tokens", type=int, default=None,
-                    help="the prefill workers' KV pool (their prefix cache), in tokens; default: as the others")
-    sv.add_argument("--mem-fraction", type=float, default=None, help="KV pool as a share of free memory")
-    sv.add_argument("--paged-experts-num-resident", type=int, default=None)
+    sv = sub.add_parser("serve", help="serve the model: Ray workers and the OpenAI-compatible gateway",
+                        formatter_class=DefaultsShown)
+    add_serve_flags(sv)            # deploy/flags.py: one row per flag, its default the setting's
     add_compile_flags(sv)
-    sv.add_argument("--verify-experts", action="store_true",
-                    help="check each resident expert slot against the host copy before use (costs a read)")
-    sv.add_argument("--gpus-per-worker", type=float, default=0.0)
-    sv.add_argument("--placement-strategy", default="PACK", choices=PLACEMENT_STRATEGIES,
-                    help="Ray's placement of the workers (STRICT_PACK: one node, as --transfer shm needs; "
-                    "STRICT_SPREAD: one worker per node)")
-    sv.add_argument("--transfer", default="grpc", choices=["grpc", "shm"],
-                    help="how prefill reaches decode (shm: same node only)")
-    sv.add_argument("--worker-resources", default=None, help='extra Ray resources per role, JSON: '
-                    '{"decode": {"gpu_node": 1}}')
-    sv.add_argument("--gateway-replicas", type=int, default=1, help="gateways on --port, --port+1, ...")
-    sv.add_argument("--worker-cores", type=int, default=None,
-                    help="pin each worker to this many CPU cores of its own (round robin)")
-    sv.add_argument("--default-max-tokens", type=int, default=1024,
-                    help="a chat request's max_tokens when it sets none (clipped to the context left)")
-    sv.add_argument("--tenant-max-kv-tokens", type=int, default=None,
-                    help="KV tokens one tenant may hold reserved at once (default: half the decode workers' KV; "
-                    "all of it when the API keys name one tenant)")
-    sv.add_argument("--stream-idle-timeout", type=float, default=30.0,
-                    help="seconds a client may read nothing of its streamed response before it is reset")
-    sv.add_argument("--tls", default="auto", choices=["auto", "on", "off"],
-                    help="mutual TLS between workers and gateway with a new cluster CA (auto: when they span "
-                    "more than one node)")
-    sv.add_argument("--ssl-certfile", default=None, help="the gateway serves HTTPS with this certificate (PEM)")
-    sv.add_argument("--ssl-keyfile", default=None, help="... and this private key (PEM)")
-    sv.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
-                    help="no prefix cache on any worker: every prompt is computed and its KV moved in full")
-    sv.add_argument("--routing", default="prefix", choices=ROUTING_MODES,
-                    help="how the gateway picks a request's workers: prefix weighs the prompt's prefix each "
-                    "worker caches against its load; load takes the least loaded (default: prefix)")
-    sv.add_argument("--drain-grace-s", type=float, default=30.0,
-                    help="on shutdown (SIGINT/SIGTERM), scale-down or a worker's SIGTERM: seconds in-flight requests "
-                    "may finish before they are ended (a decode worker's streams then continue on another)")
-    sv.add_argument("--max-migrations", type=int, default=3,
-                    help="how many times one response may move to another decode worker (its worker died or "
-                    "drained) before it ends with an error")
-    sv.add_argument("--reasoning-parser", default="auto", choices=REASONING_CHOICES,
-                    help="how the gateway splits reasoning from the answer (reasoning_content); auto: from the "
-                    "chat template's markers, none: off")
-    sv.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_CHOICES,
-                    help="the model's tool-call syntax, read into tool_calls; auto: from the chat template's "
-                    "markers, none: tool_choice auto is refused")
-    sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sv.set_defaults(func=_serve)
 
 
 def serve_settings(args: argparse.Namespace) -> ServeSettings:
     """The flags as ServeSettings; raises ValueError on a conflict or a missing model."""
     from deploy.settings import check_ray_auth, parse_resources
-    from engine.config import SHIPPED_MODEL
     from gateway.config import api_keys
     if args.colocated and (args.prefill_workers is not None or args.decode_workers is not None):
         raise ValueError("--colocated workers do both prefill and decode: drop --prefill-workers/--decode-workers "
@@ -256,23 +206,8 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
     keys = api_keys(args.api_keys_file, args.api_key, os.environ.get(API_KEYS_ENV))
     if warning := check_ray_auth(args.address, os.environ.get("RAY_AUTH_MODE"), args.allow_insecure_ray):
         print(warning, file=sys.stderr)
-    return ServeSettings(
-        address=args.address, model=args.model or str(SHIPPED_MODEL), served_model_name=args.served_model_name,
-        prefill_workers=1 if args.prefill_workers is None else args.prefill_workers,
-        decode_workers=1 if args.decode_workers is None else args.decode_workers,
-        colocated=args.colocated, colocated_workers=args.colocated_workers, host=args.host, port=args.port,
-        api_keys=keys, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-        kv_cache_tokens=args.kv_cache_tokens, prefill_kv_cache_tokens=args.prefill_kv_cache_tokens,
-        mem_fraction=args.mem_fraction, paged_experts_num_resident=args.paged_experts_num_resident,
-        compile=args.compile, compile_buckets=args.compile_buckets, gpus_per_worker=args.gpus_per_worker,
-        placement_strategy=args.placement_strategy, log_level=args.log_level, transfer=args.transfer,
-        worker_resources=parse_resources(args.worker_resources), gateway_replicas=args.gateway_replicas,
-        worker_cores=args.worker_cores, verify_experts=args.verify_experts, tls=args.tls,
-        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, default_max_tokens=args.default_max_tokens,
-        tenant_max_kv_tokens=args.tenant_max_kv_tokens, stream_idle_timeout_s=args.stream_idle_timeout,
-        admin_keys=admin_keys(os.environ.get(ADMIN_KEYS_ENV)), prefix_cache=args.prefix_cache,
-        routing=args.routing, drain_timeout_s=args.drain_grace_s, max_migrations=args.max_migrations,
-        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
+    return ServeSettings(**settings_fields(args), api_keys=keys, admin_keys=admin_keys(os.environ.get(ADMIN_KEYS_ENV)),
+                         worker_resources=parse_resources(args.worker_resources))
 
 
 def admin_keys(env: str | None) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ from typing import Any
 import ray
 
 from deploy import registry as reg
+from deploy.local_ray import keep_loopback
 
 RESTART_WAIT_S = 120.0      # how long `--restart` waits for the fresh worker to register
 
@@ -31,6 +32,7 @@ def drain(address: str, worker_id: str, grace_s: float, restart: bool = False, u
         raise ValueError(f"--grace-s must be >= 0, got {grace_s}")
     if restart and undo:
         raise ValueError("--restart and --undo contradict each other: give one")
+    undo_loopback = keep_loopback(address)     # a local `tandem serve`'s Ray listens on loopback only
     ray.init(address=address, namespace=reg.NAMESPACE, log_to_driver=False,
              logging_level="ERROR")  # type: ignore[arg-type]  # ray takes a level name too
     try:
@@ -55,6 +57,7 @@ def drain(address: str, worker_id: str, grace_s: float, restart: bool = False, u
         return _wait_restarted(worker_id, before)
     finally:
         ray.shutdown()
+        undo_loopback()
 
 
 def _address_of(worker_id: str) -> str | None:

@@ -30,7 +30,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from deploy import registry as reg
 from deploy.actors import GatewayActor, WorkerActor
-from deploy.local_ray import LocalRay
+from deploy.local_ray import LocalRay, keep_loopback
 from deploy.settings import ServeSettings
 from kv_transfer.frame import new_cluster_secret
 from kv_transfer.tls import ClusterCA, TlsIdentity
@@ -52,6 +52,7 @@ class Deployment:
         self.pg: PlacementGroup | None = None
         self.urls: list[str] = []          # one per gateway replica, once started
         self._local_ray: LocalRay | None = None   # the Ray this deployment started (no --address)
+        self._undo_loopback: Callable[[], None] = lambda: None   # keep_loopback's, once joined
         self._secret = new_cluster_secret()  # handed to every worker and gateway through Ray, never logged
         self.ca: ClusterCA | None = None     # this start's cluster CA, when TLS is on (made in start)
 
@@ -134,11 +135,12 @@ class Deployment:
             return
         address = s.address
         if address is None:
-            # a Ray of our own, in a session of its own (deploy/local_ray.py says why), with
-            # enough logical CPUs for every worker (they share the real cores)
+            # a Ray of our own, in a session of its own and on loopback only (deploy/local_ray.py
+            # says why), with enough logical CPUs for every worker (they share the real cores)
             self._local_ray = LocalRay(num_cpus=max(os.cpu_count() or 1, len(s.roles()) + 1),
                                        object_store_memory=200 * 1024 * 1024).start()
             address = self._local_ray.address
+        self._undo_loopback = keep_loopback(address)
         # logging_level: a level name, which ray accepts though its annotation says int
         ray.init(address=address, namespace=reg.NAMESPACE, logging_level=s.log_level.upper(),  # type: ignore[arg-type]
                  log_to_driver=s.log_level.lower() == "debug")
@@ -215,14 +217,17 @@ class Deployment:
             if self._local_ray is not None:
                 ray.shutdown()
                 self._local_ray.stop()
+            self._undo_loopback()
 
     def _drain_and_stop(self) -> None:
         end = time.monotonic() + self.s.drain_timeout_s
-        if self.gateways:
-            left = sum(ray.get([g.drain.remote(self.s.drain_timeout_s) for g in self.gateways]))
-            if left:
-                self.say(f"tandem: {left} request(s) still running after the grace period: ending them")
-        finished = drained = 0
+        # requests that end while the gateways wait are counted there: the workers' drain
+        # that follows sees only what the grace period left running
+        finished = left = drained = 0
+        for counts in ray.get([g.drain.remote(self.s.drain_timeout_s) for g in self.gateways]):
+            finished, left = finished + counts["finished"], left + counts["left"]
+        if left:
+            self.say(f"tandem: {left} request(s) still running after the grace period: ending them")
         drains = {wid: a.drain.remote(max(0.0, end - time.monotonic())) for wid, a in self.workers.items()}
         for wid, ref in drains.items():
             try:
@@ -234,7 +239,7 @@ class Deployment:
                 ray.get(self.workers[wid].stop.remote(), timeout=60)
             except Exception as e:
                 log.warning("stopping %s: %s", wid, e)
-        self.say(f"tandem: drained: workers finished {finished} request(s) in the grace period and ended {drained}")
+        self.say(f"tandem: drained: {finished} request(s) finished in the grace period, {drained} ended by the drain")
         for g in self.gateways:
             ray.get(g.stop.remote(), timeout=30)
             ray.kill(g)

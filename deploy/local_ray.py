@@ -13,11 +13,25 @@ cluster's address and holds the cluster until SIGTERM.  Signals to the driver's 
 do not reach it; it dies with the driver all the same (PR_SET_PDEATHSIG: SIGTERM when the
 driver exits, however it exits), and `stop()` ends it once the deployment is down.  (`ray start
 --head` would do as well but always adds a Ray client server on a fixed port.)
+
+Every socket of that Ray listens on loopback only.  Ray binds its core gRPC servers (GCS,
+raylet, object manager, each worker's) to every interface unless the node's IP is a loopback
+address, and the Python agents (runtime env agent, autoscaler monitor's metrics) to the node's
+IP; but `ray.init(_node_ip_address="127.0.0.1")` swaps a loopback address for the machine's
+outward IP (ray/_private/services.py `resolve_ip_for_localhost`), unless Ray is told the node
+is not part of a cluster: RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (ray_constants.ENABLE_RAY_CLUSTER,
+read by `get_node_ip_address`).  The holder runs with it set, in its own environment only (every
+Ray process it starts inherits it), and checks the node's IP before it reports ready: it
+refuses to hold a Ray reachable from outside.  A process joining that Ray (the driver, `tandem
+status`, `tandem drain`) would swap the loopback address it is given the same way and miss the
+cluster: `keep_loopback(address)` makes Ray take a loopback address as given, in that process,
+for as long as it is joined.
 """
 
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import os
 import re
 import signal
@@ -25,9 +39,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 READY = "tandem-local-ray"
+LOOPBACK = "127.0.0.1"
+# ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR: "0" makes Ray use the loopback address as the node's
+# IP (not the outward one), so that every Ray server binds loopback only
+LOCAL_ONLY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
@@ -46,7 +65,8 @@ class LocalRay:
         holder's log when it exits or Ray does not come up within `timeout_s`."""
         _token_auth_as_ray_init_does()
         self.proc = subprocess.Popen(self._cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
+                                     env={**os.environ, **LOCAL_ONLY_ENV}, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         end = time.monotonic() + timeout_s
         while not (found := re.search(rf"^{READY} (\S+)$", self.log(), re.M)):
             if self.proc.poll() is not None or time.monotonic() > end:
@@ -73,13 +93,41 @@ class LocalRay:
         Path(self._log.name).unlink(missing_ok=True)
 
 
+def keep_loopback(address: str) -> Callable[[], None]:
+    """Before `ray.init(address=address)` in this process: when `address` ("auto" read as Ray
+    reads it: RAY_ADDRESS, then the Ray running on this machine) is a loopback address,
+    have Ray connect to it as given instead of swapping it for this machine's outward IP (what
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 does at Ray's import).  Returns the undo, to call after
+    `ray.shutdown()`; it does nothing when nothing was changed."""
+    from ray._common.network_utils import is_localhost, parse_address
+    from ray._private import ray_constants, services
+    try:
+        found = services.get_ray_address_from_environment(address, None) if address == "auto" else address
+    except Exception:        # no Ray to find: ray.init says so itself
+        return lambda: None
+    host_port = parse_address(found) if found not in (None, "auto", "local") else None
+    if host_port is None or not is_localhost(host_port[0]) or not ray_constants.ENABLE_RAY_CLUSTER:
+        return lambda: None
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+    def undo() -> None:
+        ray_constants.ENABLE_RAY_CLUSTER = True
+    return undo
+
+
 def hold(num_cpus: int, object_store_memory: int) -> int:
-    """(The holder process) start Ray, print its address, hold it until SIGTERM, shut it down."""
+    """(The holder process) start Ray on loopback, print its address, hold it until SIGTERM, shut
+    it down.  Raises RuntimeError (and shuts Ray down) when Ray took a node IP that is not loopback."""
     import threading
 
     import ray
     ray.init(address="local", num_cpus=num_cpus, object_store_memory=object_store_memory,
-             include_dashboard=False, log_to_driver=False)
+             _node_ip_address=LOOPBACK, include_dashboard=False, log_to_driver=False)
+    if not ipaddress.ip_address(node_ip := ray.util.get_node_ip_address()).is_loopback:
+        ray.shutdown()
+        setting = " ".join(f"{k}={v}" for k, v in LOCAL_ONLY_ENV.items())
+        raise RuntimeError(f"the local Ray took the node IP {node_ip}, not {LOOPBACK}: its ports would listen "
+                           f"beyond this machine (this Ray does not honour {setting})")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -28,6 +28,7 @@ import grpc
 import ray
 
 from deploy import registry as reg
+from deploy.local_ray import keep_loopback
 from proto import worker_pb2 as wpb
 
 WorkerReport = dict[str, Any]
@@ -35,6 +36,7 @@ ReadStats = Callable[[dict], dict[str, Any]]     # a registry entry -> its live 
 
 
 def status(address: str, as_json: bool = False) -> int:
+    undo_loopback = keep_loopback(address)     # a local `tandem serve`'s Ray listens on loopback only
     ray.init(address=address, namespace=reg.NAMESPACE, log_to_driver=False,
              logging_level="ERROR")  # type: ignore[arg-type]  # ray takes a level name too (its default is "info")
     try:
@@ -48,6 +50,7 @@ def status(address: str, as_json: bool = False) -> int:
         return 0
     finally:
         ray.shutdown()
+        undo_loopback()
 
 
 def worker_report(w: dict, stats: ReadStats) -> WorkerReport:

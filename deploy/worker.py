@@ -26,6 +26,7 @@ import sys
 import threading
 from collections.abc import Callable
 
+from deploy.flags import DTYPES, DefaultsShown, default_of
 from deploy.settings import add_compile_flags
 from kv_transfer.tls import TlsIdentity
 from worker.config import WorkerConfig
@@ -37,30 +38,41 @@ DRAIN_GRACE_S = 30.0     # how long a signalled worker lets its live requests fi
 
 
 def parser(prog: str = "python -m deploy.worker") -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog)
-    ap.add_argument("--role", required=True, choices=[r.value for r in Role])
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--kv-cache-tokens", type=int, default=16384)
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--paged-experts-num-resident", type=int, default=None)
+    """The worker's options, their defaults WorkerConfig's."""
+    ap = argparse.ArgumentParser(prog=prog, formatter_class=DefaultsShown)
+    ap.add_argument("--role", required=True, choices=[r.value for r in Role], help="what this worker does (required)")
+    ap.add_argument("--host", default=_default("host"), help="the address its RPC and transfer servers listen on")
+    ap.add_argument("--port", type=int, default=_default("port"), help="its RPC port (0: a free one)")
+    ap.add_argument("--model", default=None, help="HF checkpoint directory (default: the shipped tiny-moe)")
+    ap.add_argument("--dtype", default=_default("dtype"), choices=DTYPES,
+                    help="the weights' and KV cache's floating point type")
+    ap.add_argument("--device", default=_default("device"), help="cpu, cuda or cuda:N")
+    ap.add_argument("--kv-cache-tokens", type=int, default=_default("kv_cache_tokens"), help="the KV pool, in tokens")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="the longest prompt + output, in tokens (default: the model's max_position_embeddings)")
+    ap.add_argument("--paged-experts-num-resident", type=int, default=None,
+                    help="keep K experts of each MoE layer on the device (default: all)")
     add_compile_flags(ap)
-    ap.add_argument("--transfer", default="grpc", choices=["grpc", "shm"])
-    ap.add_argument("--transfer-port", type=int, default=0, help="the decode worker's KV transfer port (0: free)")
-    ap.add_argument("--advertise-host", default=None, help="the address others reach this worker at")
+    ap.add_argument("--transfer", default=_default("transfer"), choices=["grpc", "shm"],
+                    help="how prefill reaches decode (shm: same node only)")
+    ap.add_argument("--transfer-port", type=int, default=_default("transfer_port"),
+                    help="the decode worker's KV transfer port (0: a free one)")
+    ap.add_argument("--advertise-host", default=None, help="the address others reach this worker at (default: --host)")
     ap.add_argument("--decode-peer", action="append", default=[],
-                    help="(prefill) a decode worker's transfer endpoint it may push to (repeatable)")
+                    help="(prefill) a decode worker's transfer endpoint it may push to (repeatable; a prefill "
+                    "worker needs one; default: none)")
     ap.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                     help="compute and transfer every prompt in full (no prefix cache)")
-    ap.add_argument("--tls-dir", default=None,
-                    help="ca.pem, cert.pem, key.pem (0600) of the cluster CA: serve and call over mutual TLS")
+    ap.add_argument("--tls-dir", default=None, help="ca.pem, cert.pem, key.pem (0600) of the cluster CA: serve and "
+                    "call over mutual TLS (default: plaintext)")
     ap.add_argument("--drain-grace-s", type=float, default=DRAIN_GRACE_S,
                     help="on SIGTERM/SIGINT: seconds the live requests may finish in before they are ended "
                     "with DRAINING (a second signal ends them at once)")
     return ap
+
+
+def _default(name: str) -> object:
+    return default_of(WorkerConfig, name)
 
 
 def config_from(args: argparse.Namespace) -> WorkerConfig:

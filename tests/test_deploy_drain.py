@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -32,6 +33,7 @@ from engine.params import SamplingParams
 from gateway.server import _free_port
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
+from tests.gateway_helpers import connection
 from tests.workers import SECRET, channel
 from worker.client import generate
 from worker.types import ErrorCode
@@ -156,3 +158,27 @@ def test_worker_actors_restart_from_plain_arguments_drain_and_scale_down(capfd):
         _serves(d.url)                                         # on the restarted decode-1
     finally:
         d.stop()
+
+
+def test_the_shutdown_log_counts_a_stream_that_finished_during_the_drain():
+    """Deployment.stop drains the gateways first: a stream in flight finishes there, before any
+    worker drains, and the log counts it (it said "workers finished 0 request(s)")."""
+    said: list[str] = []
+    settings = ServeSettings(port=_free_port("127.0.0.1"), colocated=True, kv_cache_tokens=4096, compile=False,
+                             drain_timeout_s=60.0, log_level="warning")
+    d = Deployment(settings, say=said.append)
+    try:
+        d.start(timeout_s=180)
+        conn = connection(d.url)
+        conn.request("POST", "/v1/completions", body='{"model": "tiny-moe", "prompt": "x", "max_tokens": 48, '
+                     '"ignore_eos": true, "stream": true}', headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+        body: list[str] = []
+        reader = threading.Thread(target=lambda: body.append(resp.read().decode()), daemon=True)
+        reader.start()
+    finally:
+        d.stop()
+    reader.join(30)
+    assert body and body[0].rstrip().endswith("data: [DONE]"), body      # it finished in the grace period
+    assert "tandem: drained: 1 request(s) finished in the grace period, 0 ended by the drain" in said, said
