@@ -9,7 +9,10 @@ hostile client (`FrontDoorProtocol`, bound to one server by `protocol_for`).
   `max_header_bytes` is 431, ambiguous framing 400; the connection is closed and nothing after
   the refused head is read as a request.
 - `ConnectionTable` counts open connections per client address (`max_connections_per_client`;
-  one more is answered 429) and in all (`max_connections`): a new connection past the total
+  one more is held unread and answered 429 after 1-2 x `header_timeout_s`, spread at random,
+  so that a client reconnecting as fast as it is refused does not keep the gateway busy
+  refusing in bursts; past half the process's open-file limit of those held, answered at once)
+  and in all (`max_connections`): a new connection past the total
   takes the slot of the connection idle longest (no request in flight: a half-sent head, or a
   kept-alive connection between requests), which is closed; only when every connection has a
   request in flight is the new one answered 503 `server_overloaded`.  Half-open connections
@@ -28,6 +31,8 @@ import asyncio
 import ipaddress
 import json
 import logging
+import random
+import resource
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -89,8 +94,10 @@ class ConnectionTable:
     request in flight), the longest idle first.  One owner: the protocol instances call
     `admit` when a connection opens, `mark` as requests come and go, `release` when it ends."""
 
-    def __init__(self, limits: ConnectionLimits) -> None:
+    def __init__(self, limits: ConnectionLimits, tarpit_max: int | None = None) -> None:
         self.limits = limits
+        self.tarpit_max = _half_the_open_files() if tarpit_max is None else tarpit_max
+        self._tarpitted: set[Slot] = set()
         self._client: dict[Slot, str] = {}
         self._count: dict[str, int] = {}
         self._idle: dict[Slot, None] = {}          # insertion order: idle longest first
@@ -121,6 +128,19 @@ class ConnectionTable:
         self._idle[slot] = None
         return None
 
+    def tarpit(self, slot: Slot) -> bool:
+        """Whether a connection refused 429 may be held (unread, answered later) rather than
+        answered at once: an attacker reconnecting as fast as it is refused would make the
+        gateway spend its time accepting and refusing.  At most `tarpit_max` are held (they
+        cost a file descriptor each, and no work)."""
+        if len(self._tarpitted) >= self.tarpit_max:
+            return False
+        self._tarpitted.add(slot)
+        return True
+
+    def untarpit(self, slot: Slot) -> None:
+        self._tarpitted.discard(slot)
+
     def mark(self, slot: Slot, busy: bool) -> None:
         """A request is in flight on `slot` (busy) or not; idle ones queue up for eviction."""
         if slot not in self._client:
@@ -143,6 +163,11 @@ class ConnectionTable:
             del self._count[client]
 
 
+def _half_the_open_files() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(0, soft // 2) if soft != resource.RLIM_INFINITY else 1 << 14
+
+
 class FrontDoorProtocol(H11Protocol):
     """uvicorn's h11 protocol with the limits above.  `protocol_for` makes the subclass of one
     server (its `limits` and `table`); uvicorn constructs it per connection."""
@@ -159,6 +184,7 @@ class FrontDoorProtocol(H11Protocol):
         self._admitted = self._refused = False
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._tarpit: asyncio.TimerHandle | None = None
         self._moved = 0.0                          # loop time of the last byte received
         self._dropped = 0
 
@@ -168,7 +194,12 @@ class FrontDoorProtocol(H11Protocol):
         if refusal is not None:
             self.transport = transport
             log.debug("refused a connection from %s: %s", remote, refusal)
-            self._linger(refusal)
+            if refusal.status == 429 and self.table.tarpit(self):
+                transport.pause_reading()          # held unread: answered when a head would have timed out
+                held = self.limits.header_timeout_s * (1 + random.random())
+                self._tarpit = self.loop.call_later(held, self._linger, refusal)
+            else:
+                self._linger(refusal)
             return
         self._admitted = True
         super().connection_made(transport)
@@ -268,6 +299,8 @@ class FrontDoorProtocol(H11Protocol):
         self._refused = True
         self._stop_timers()
         self.table.release(self)
+        if not self.transport.is_reading():
+            self.transport.resume_reading()        # read and drop from now on
         self.transport.write(refusal.response())
         if not self.transport.can_write_eof():     # TLS: no half-close
             self.transport.close()
@@ -276,6 +309,9 @@ class FrontDoorProtocol(H11Protocol):
         self.loop.call_later(LINGER_S, self.transport.close)
 
     def _stop_timers(self) -> None:
+        if self._tarpit is not None:
+            self._tarpit = _cancelled(self._tarpit)
+            self.table.untarpit(self)
         self._head_timer = _cancelled(self._head_timer)
         self._body_timer = _cancelled(self._body_timer)
 

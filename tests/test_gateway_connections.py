@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import ssl
 import time
 from collections.abc import Iterator
 
@@ -19,6 +20,7 @@ import pytest
 
 from gateway.connections import ConnectionLimits, ConnectionTable, client_key
 from gateway.framing import StrictConnection, framing_problem
+from kv_transfer.tls import ClusterCA
 from tests.gateway_helpers import API_KEY, start_gateway
 
 MODELS = f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n\r\n".encode()
@@ -215,16 +217,19 @@ def test_a_stalled_body_is_408_and_a_slow_moving_one_is_read():
 # -- connection caps ---------------------------------------------------------------------
 
 def test_one_address_past_its_cap_gets_429_and_another_address_is_served():
-    with gateway(max_connections_per_client=3, header_timeout_s=30) as addr:
+    with gateway(max_connections_per_client=3, header_timeout_s=2) as addr:
         held = [connect(addr, "127.0.0.2") for _ in range(3)]
         try:
             time.sleep(0.2)                                            # accepted by the server
-            error = one_refusal(exchange(addr, MODELS, "127.0.0.2"), 429, "too_many_connections")
-            assert "limit is 3" in error["message"]
             assert responses(exchange(addr, CLOSING, "127.0.0.1"))[0][0] == 200
             held.pop().close()
             time.sleep(0.2)
             assert responses(exchange(addr, CLOSING, "127.0.0.2"))[0][0] == 200   # the slot came back
+            held.append(connect(addr, "127.0.0.2"))
+            time.sleep(0.2)
+            # held unread for 1-2 x header_timeout_s, then answered
+            error = one_refusal(exchange(addr, MODELS, "127.0.0.2"), 429, "too_many_connections")
+            assert "limit is 3" in error["message"]
         finally:
             for s in held:
                 s.close()
@@ -288,6 +293,14 @@ def test_the_table_evicts_the_longest_idle_and_counts_per_client():
     assert len(table) == 2 and table.admit(FakeSlot(), "x") is None
 
 
+def test_connections_held_before_their_429_are_bounded():
+    table = ConnectionTable(ConnectionLimits(3, 2, 1024, 1.0, 1.0), tarpit_max=2)
+    a, b = FakeSlot(), FakeSlot()
+    assert table.tarpit(a) and table.tarpit(b) and not table.tarpit(FakeSlot())
+    table.untarpit(a)
+    assert table.tarpit(FakeSlot())
+
+
 def test_client_keys():
     assert client_key("10.1.2.3") == "10.1.2.3" and client_key("::ffff:10.1.2.3") == "10.1.2.3"
     assert client_key("2001:db8::1") == client_key("2001:db8::ffff") == "2001:db8::/64"
@@ -307,3 +320,23 @@ def test_the_strict_connection_reads_h11s_own_buffer():
     assert conn.next_event() is h11.NEED_DATA and bytes(conn._receive_buffer._data) == b"GET / HT"
     conn.receive_data(b"TP/1.1\r\nHost: x\r\n\r\n")
     assert isinstance(conn.next_event(), h11.Request) and conn.pending == 0
+
+
+def test_over_https_requests_are_served_and_refusals_are_answered(tmp_path):
+    web = ClusterCA().issue("web", hosts=["127.0.0.1"]).write(tmp_path / "web")
+    context = ssl.create_default_context(cafile=str(web / "ca.pem"))
+    with gateway(ssl_certfile=str(web / "cert.pem"), ssl_keyfile=str(web / "key.pem"),
+                 header_timeout_s=0.5) as addr:
+        def tls() -> ssl.SSLSocket:
+            return context.wrap_socket(connect(addr), server_hostname="127.0.0.1")
+
+        with tls() as sock:
+            sock.sendall(CLOSING)
+            assert responses(read_to_end(sock))[0][0] == 200
+        with tls() as sock:
+            sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"0\r\n\r\n" + MODELS)
+            one_refusal(read_to_end(sock), 400, "ambiguous_framing")
+        with tls() as sock:
+            sock.sendall(MODELS[:20])
+            one_refusal(read_to_end(sock), 408, "request_timeout")
