@@ -104,6 +104,12 @@ SCENARIOS: tuple[Scenario, ...] = (
              "key", client="victim", attack="chunked_bomb", weight=0.5),
     Scenario("kv_hog", "hostile", "one tenant floods long chat requests without max_tokens",
              client="victim", attack="kv_hog", weight=0.5),
+    Scenario("slow_connections", "hostile", "one address keeps thousands of connections that never finish a "
+             "request: silent, half-sent and trickled heads, stalled bodies", client="victim",
+             attack="slow_connections", weight=0.5),
+    Scenario("smuggling", "hostile", "ambiguous framings over raw sockets (Content-Length beside "
+             "Transfer-Encoding, odd codings, two lengths, folded and bare-LF heads), each followed by a request",
+             client="victim", attack="smuggling", weight=0.5),
     Scenario("cross_tenant_probe", "prefix", "a second tenant (and the first under two cache_salt values) sends "
              "the prompts whose long prefixes the first tenant cached", client="cross_tenant", weight=0.6),
     Scenario("cache_poison", "prefix", "a frame of other bytes aimed at a shared cached page of a delta transfer",
