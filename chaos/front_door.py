@@ -72,6 +72,7 @@ async def read_to_end(reader: asyncio.StreamReader, timeout_s: float) -> tuple[b
 
 class SlowConnections(HostileAttack):
     name = "slow_connections"
+    finish_wait_s = 120.0              # > the longest deadline (a stalled body's) + GRACE_S
     CONNECTIONS = 2000
     OPENING = 64                       # connections being opened at once
 
@@ -100,8 +101,8 @@ class SlowConnections(HostileAttack):
             await asyncio.sleep(0.1)
         self.launched.set()
         await self.halt.wait()
-        for t in tasks:
-            t.cancel()
+        # no connection is reopened now; each one open waits for the gateway to end it (or for
+        # its deadline and the grace to pass: then it was held), so every one is judged
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _keep(self, host: str, port: int, kind: str, opening: asyncio.Semaphore) -> None:

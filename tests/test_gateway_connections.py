@@ -8,6 +8,7 @@ request these tests make is one the gateway answers itself (/v1/models, a refusa
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import socket
@@ -18,10 +19,13 @@ from collections.abc import Iterator
 import h11
 import pytest
 
+from gateway.config import GatewayConfig
 from gateway.connections import ConnectionLimits, ConnectionTable, client_key
 from gateway.framing import StrictConnection, framing_problem
+from gateway.server import _front_door_flags
 from kv_transfer.tls import ClusterCA
 from tests.gateway_helpers import API_KEY, start_gateway
+from tests.workers import SECRET
 
 MODELS = f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n\r\n".encode()
 CLOSING = MODELS.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n")     # the server closes after it
@@ -340,3 +344,14 @@ def test_over_https_requests_are_served_and_refusals_are_answered(tmp_path):
         with tls() as sock:
             sock.sendall(MODELS[:20])
             one_refusal(read_to_end(sock), 408, "request_timeout")
+
+
+def test_the_limits_are_validated_and_have_flags_defaulted_from_the_config():
+    for bad in ({"header_timeout_s": 0}, {"body_timeout_s": -1.0}, {"max_connections_per_client": 0}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))}=.* must be"):
+            GatewayConfig(colocated_workers=NO_WORKER, cluster_secret=SECRET, **bad)
+    ap = argparse.ArgumentParser()
+    _front_door_flags(ap)
+    args = ap.parse_args(["--header-timeout", "2.5", "--max-connections-per-client", "7"])
+    assert (args.header_timeout_s, args.max_connections_per_client, args.body_timeout_s) == (2.5, 7, 10.0)
+    assert "(default 5.0)" in ap.format_help() and "(default 16384)" in ap.format_help()
