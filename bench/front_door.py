@@ -1,9 +1,10 @@
 """What a hostile client's half-open connections cost the other clients: the latency of a cheap
-authenticated request (GET /v1/models, a new connection each) with the gateway idle, then
-while one attacker address tries to hold `--connections` connections that never finish a
-request (half-sent heads, reconnecting as the gateway closes them), and the ratio.
+authenticated request (GET /v1/models, on a new connection each and on one kept alive) with
+the gateway idle (before and after the attack), then while one attacker address tries to hold
+`--connections` connections that never finish a request (half-sent heads, reopened as the
+gateway closes them), and the ratios.
 
-    python -m bench.front_door [--connections 5000] [--requests 400]
+    python -m bench.front_door [--connections 5000] [--requests 2000]
 
 The gateway (`python -m gateway.server`, no worker behind it: /v1/models needs none) and the
 attacker (its own process, from 127.0.0.2) run apart from the victims (this process, from
@@ -56,33 +57,46 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def victim_request(port: int) -> float | None:
-    """Seconds for one GET /v1/models on a new connection from VICTIM; None unless 200."""
+def victim_request(port: int, conn: http.client.HTTPConnection | None = None) -> float | None:
+    """Seconds for one GET /v1/models from VICTIM, on `conn` (kept alive) or a new connection;
+    None unless 200."""
     t0 = time.perf_counter()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30, source_address=(VICTIM, 0))
+    own = conn is None
+    if conn is None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30, source_address=(VICTIM, 0))
     try:
         conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
         resp = conn.getresponse()
         resp.read()
         return time.perf_counter() - t0 if resp.status == 200 else None
     finally:
-        conn.close()
+        if own:
+            conn.close()
 
 
 def measure(port: int, requests: int) -> dict[str, Any]:
-    times, failed = [], 0
-    for _ in range(requests):
-        try:
-            took = victim_request(port)
-        except OSError:
-            took = None
-        if took is None:
-            failed += 1
-        else:
-            times.append(took)
-    qs = statistics.quantiles(times, n=100) if len(times) > 1 else [float("nan")] * 99
-    return {"requests": requests, "failed": failed, "p50_ms": round(qs[49] * 1e3, 3),
-            "p99_ms": round(qs[98] * 1e3, 3)}
+    """Victims' latency: `requests` on a new connection each, then as many on one kept alive."""
+    out: dict[str, Any] = {}
+    for mode in ("new_connection", "keep_alive"):
+        conn = None if mode == "new_connection" else http.client.HTTPConnection(
+            "127.0.0.1", port, timeout=30, source_address=(VICTIM, 0))
+        times, failed = [], 0
+        for _ in range(requests):
+            try:
+                took = victim_request(port, conn)
+            except (OSError, http.client.HTTPException):
+                took, conn = None, conn and http.client.HTTPConnection("127.0.0.1", port, timeout=30,
+                                                                       source_address=(VICTIM, 0))
+            if took is None:
+                failed += 1
+            else:
+                times.append(took)
+        if conn is not None:
+            conn.close()
+        qs = statistics.quantiles(times, n=100) if len(times) > 1 else [float("nan")] * 99
+        out[mode] = {"requests": requests, "failed": failed, "p50_ms": round(qs[49] * 1e3, 3),
+                     "p99_ms": round(qs[98] * 1e3, 3)}
+    return out
 
 
 def _add(counter: Any, n: int) -> None:
@@ -134,7 +148,8 @@ def attack(port: int, connections: int, reopen_s: float, held: Any, refused: Any
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.front_door")
     ap.add_argument("--connections", type=int, default=5000, help="half-open connections the attacker tries to hold")
-    ap.add_argument("--requests", type=int, default=2000, help="victim requests per phase")
+    ap.add_argument("--requests", type=int, default=2000, help="victim requests per phase and way (a new "
+                    "connection each, then one connection kept alive)")
     ap.add_argument("--header-timeout", type=float, default=5.0, help="the gateway's --header-timeout")
     ap.add_argument("--reopen-after", type=float, default=0.5, help="seconds before the attacker reopens a "
                     "connection the gateway closed")
@@ -168,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
            "attacker_refused_429": refused.value,
            "gateway_cpu_share_attacked": round(cpu, 3), "cpus": os.cpu_count(),
            "idle_before": before, "attacked": attacked, "idle_after": after,
-           "p50_ratio": round(attacked["p50_ms"] / statistics.mean([before["p50_ms"], after["p50_ms"]]), 3),
-           "p99_ratio": round(attacked["p99_ms"] / statistics.mean([before["p99_ms"], after["p99_ms"]]), 3),
+           **{f"{q}_ratio_{mode}": round(attacked[mode][f"{q}_ms"] / statistics.mean(
+               [before[mode][f"{q}_ms"], after[mode][f"{q}_ms"]]), 3) for mode in attacked for q in ("p50", "p99")},
            "gateway_flags": args.gateway_flag}
     print(json.dumps(out))
     return 0

@@ -2,7 +2,8 @@
 hostile client (`FrontDoorProtocol`, bound to one server by `protocol_for`).
 
 - A request head must arrive whole within `header_timeout_s` of the connection opening (or of
-  its first byte, on a kept-alive connection); bytes trickled in do not extend it.  A body must
+  its first byte, on a kept-alive connection; each deadline is drawn in [0.75, 1] x the
+  timeout, so a flood's connections do not all end at once); bytes trickled in do not extend it.  A body must
   keep moving: no byte for `body_timeout_s` while the client owes one (and the gateway is
   reading) ends it.  Either answers 408 (OpenAI error body) and closes.
 - The head's size and framing are checked on the raw bytes (gateway/framing.py): over
@@ -203,7 +204,7 @@ class FrontDoorProtocol(H11Protocol):
             return
         self._admitted = True
         super().connection_made(transport)
-        self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
+        self._head_timer = self.loop.call_later(self._head_deadline(), self._head_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timers()
@@ -254,12 +255,17 @@ class FrontDoorProtocol(H11Protocol):
         if state is not h11.IDLE:
             self._head_timer = _cancelled(self._head_timer)
         elif self._head_timer is None and (self.strict.pending or self.timeout_keep_alive_task is None):
-            self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
+            self._head_timer = self.loop.call_later(self._head_deadline(), self._head_timed_out)
         if state is not h11.SEND_BODY:
             self._body_timer = _cancelled(self._body_timer)
         elif self._body_timer is None:
             self._moved = self.loop.time()
             self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_check)
+
+    def _head_deadline(self) -> float:
+        """Seconds the head may take: header_timeout_s, less up to a quarter of it at random, so
+        that connections opened together (a flood) do not all time out in one burst of work."""
+        return self.limits.header_timeout_s * (1 - random.random() / 4)
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
