@@ -15,6 +15,7 @@ from chaos.bombs import ChunkedBomb, SlowReader
 from chaos.client import Outcome, send
 from chaos.cluster import ChaosCluster
 from chaos.drivers import DRIVERS, Waves
+from chaos.front_door import SlowConnections, Smuggling
 from chaos.gauges import percentile
 from chaos.hostile import KvHog, Redos
 from chaos.moves import MOVING, moved_streams
@@ -27,9 +28,10 @@ from worker.types import Role
 
 REQUEST_TIMEOUT_S = 180.0
 PROCESS_DETECT = ("STREAM_CLOSED", "TRANSPORT", "CANCELLED", "EXPIRED")
-HOSTILE: dict[str, type[Redos | SlowReader | ChunkedBomb | KvHog | ControlTokenInjection]] = {
+HOSTILE: dict[str, type[Redos | SlowReader | ChunkedBomb | KvHog | ControlTokenInjection | SlowConnections
+                         | Smuggling]] = {
     "redos": Redos, "slow_reader": SlowReader, "chunked_bomb": ChunkedBomb, "kv_hog": KvHog,
-    "control_tokens": ControlTokenInjection}
+    "control_tokens": ControlTokenInjection, "slow_connections": SlowConnections, "smuggling": Smuggling}
 
 
 class ScenarioRunner:

@@ -107,6 +107,12 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("control_tokens", "hostile", "one tenant's chat messages (every role) and prompt strings carry every "
              "special token of the shipped tokenizer and a forged system turn", client="victim",
              attack="control_tokens", weight=0.5),
+    Scenario("slow_connections", "hostile", "one address keeps thousands of connections that never finish a "
+             "request: silent, half-sent and trickled heads, stalled bodies", client="victim",
+             attack="slow_connections", weight=0.5),
+    Scenario("smuggling", "hostile", "ambiguous framings over raw sockets (Content-Length beside "
+             "Transfer-Encoding, odd codings, two lengths, folded and bare-LF heads), each followed by a request",
+             client="victim", attack="smuggling", weight=0.5),
     Scenario("cross_tenant_probe", "prefix", "a second tenant (and the first under two cache_salt values) sends "
              "the prompts whose long prefixes the first tenant cached", client="cross_tenant", weight=0.6),
     Scenario("cache_poison", "prefix", "a frame of other bytes aimed at a shared cached page of a delta transfer",

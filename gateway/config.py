@@ -58,8 +58,13 @@ class GatewayConfig:
     tenant_max_kv_tokens: int | None = None
     # what the front door reads and holds (gateway/limits.py, gateway/prompts.py)
     stream_idle_timeout_s: float = 30.0      # a client that reads nothing of its response this long is cut off
-    max_header_bytes: int = 16 << 10         # request line + headers (h11_max_incomplete_event_size)
-    max_connections: int = 512               # open connections (uvicorn limit_concurrency; more: 503)
+    max_header_bytes: int = 16 << 10         # request line + headers, however they arrive (else 431)
+    # open connections, and requests in flight (gateway/connections.py): a new connection past it takes
+    # the slot of the one idle longest (no request in flight); when none is idle it is answered 503
+    max_connections: int = 512
+    max_connections_per_client: int = 256    # open connections from one address (an IPv6 /64); more: 429
+    header_timeout_s: float = 5.0            # a request head must arrive whole within this (else 408)
+    body_timeout_s: float = 10.0             # a request body may go this long without a byte (else 408)
     prepare_threads: int = 4                 # tokenising, templates, regex checks: off the event loop
     # Bearer keys for /metrics and /v1/server_info; empty: /metrics is open, /v1/server_info
     # takes any API key (or none when no keys are configured)
@@ -110,15 +115,16 @@ class GatewayConfig:
                              f"cluster's KV capacity)")
         if not all(k and t for k, t in self.api_keys.items()):
             raise ValueError("an empty API key or tenant would turn authentication off: refused")
-        for name in ("max_header_bytes", "max_connections", "prepare_threads", "max_messages", "grammar_max_pending",
-                     "grammar_tenant_max_pending"):
+        for name in ("max_header_bytes", "max_connections", "max_connections_per_client", "prepare_threads",
+                     "max_messages", "grammar_max_pending", "grammar_tenant_max_pending"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.grammar_tenant_max_pending > self.grammar_max_pending:
             raise ValueError(f"grammar_tenant_max_pending={self.grammar_tenant_max_pending} must be <= "
                              f"grammar_max_pending={self.grammar_max_pending}")
-        if self.stream_idle_timeout_s <= 0:
-            raise ValueError(f"stream_idle_timeout_s={self.stream_idle_timeout_s} must be > 0")
+        for name in ("stream_idle_timeout_s", "header_timeout_s", "body_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
         if not all(self.admin_keys):
             raise ValueError("an empty admin key would let anyone in: refused")
         if self.routing not in ROUTING_MODES:

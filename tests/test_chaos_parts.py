@@ -168,7 +168,7 @@ def test_scenario_selection_and_split():
         select("flipped_bit,nope")
     counts = split(2000, list(SCENARIOS))
     assert min(counts) >= 2 and sum(counts) == 2000
-    assert len({s.name for s in SCENARIOS}) == len(SCENARIOS) == 31
+    assert len({s.name for s in SCENARIOS}) == len(SCENARIOS) == 33
 
 
 def test_the_oracles_catch_wrong_tokens_and_foreign_canaries():
