@@ -43,12 +43,12 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.utils import get_remote_addr
 from uvicorn.server import ServerState
 
+from gateway.errors import error_body, public
 from gateway.framing import Refusal, StrictConnection
 
 log = logging.getLogger("tandem.gateway")
 LINGER_S = 1.0                  # after a refusal: read and drop the client's bytes this long at most
 LINGER_BYTES = 1 << 20          # ... and this many
-RETRY_AFTER_S = 1
 
 
 @dataclass(frozen=True)
@@ -116,11 +116,11 @@ class ConnectionTable:
         cap = self.limits.max_connections_per_client
         if self._count.get(client, 0) >= cap:
             return Refusal(f"too many open connections from your address (the limit is {cap}); close some or "
-                           f"retry", 429, "too_many_connections", RETRY_AFTER_S)
+                           f"retry", "too_many_connections")
         if len(self._client) >= self.limits.max_connections:
             if not self._idle:
                 return Refusal(f"the gateway is full: all of its {self.limits.max_connections} connections have "
-                               f"a request in flight; retry shortly", 503, "server_overloaded", RETRY_AFTER_S)
+                               f"a request in flight; retry shortly", "server_overloaded")
             oldest = next(iter(self._idle))
             self.release(oldest)
             oldest.evict()
@@ -275,7 +275,7 @@ class FrontDoorProtocol(H11Protocol):
             self.evict()
             return
         self._refuse(Refusal(f"the request head did not arrive whole within {self.limits.header_timeout_s:g} s "
-                             f"(the header timeout)", 408, "request_timeout"))
+                             f"(the header timeout)", "request_timeout"))
 
     def _body_check(self) -> None:
         self._body_timer = None
@@ -288,7 +288,7 @@ class FrontDoorProtocol(H11Protocol):
             self._body_timer = self.loop.call_later(timeout - (now - self._moved), self._body_check)
             return
         self._refuse(Refusal(f"the request body stopped: no byte arrived for {timeout:g} s (the body timeout)",
-                             408, "request_timeout"))
+                             "request_timeout"))
 
     def _refuse(self, refusal: Refusal) -> None:
         """Answer `refusal` (unless a response has begun: then only close) and linger."""
@@ -334,12 +334,12 @@ class FrontDoorProtocol(H11Protocol):
 
 
 async def _send_overloaded(send: Any, limit: int) -> None:
-    body = json.dumps({"error": {"message": f"the gateway is full: {limit} requests are in flight (its limit); "
-                                            f"retry shortly", "type": "server_error", "param": None,
-                                 "code": "server_overloaded"}}).encode()
-    await send({"type": "http.response.start", "status": 503,
+    body = json.dumps(error_body("server_overloaded", f"the gateway is full: {limit} requests are in flight "
+                                                      f"(its limit); retry shortly")).encode()
+    retry = [(k.lower().encode(), v.encode()) for k, v in (public("server_overloaded").headers() or {}).items()]
+    await send({"type": "http.response.start", "status": public("server_overloaded").status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"retry-after", str(RETRY_AFTER_S).encode())]})
+                            *retry]})
     await send({"type": "http.response.body", "body": body})
 
 

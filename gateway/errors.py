@@ -72,6 +72,12 @@ ERRORS: dict[str, PublicError] = _table(
     PublicError("model_not_found", 404, False, "another model's name"),
     PublicError("method_not_allowed", 405, False, "the endpoint does not take this method"),
     PublicError("body_too_large", 413, False, "a body over max_body_bytes"),
+    PublicError("invalid_http", 400, False, "a request h11 cannot parse (the connection is closed)"),
+    PublicError("ambiguous_framing", 400, False, "framing a proxy may read otherwise: Content-Length beside "
+                                                 "Transfer-Encoding, two lengths, ... (the connection is closed)"),
+    PublicError("header_too_large", 431, False, "a request head over max_header_bytes (the connection is closed)"),
+    PublicError("request_timeout", 408, False, "a head not whole within header_timeout_s, or a body with no byte "
+                                               "for body_timeout_s (the connection is closed)"),
     PublicError("cancelled", 499, False, "the client went away (never read)"),
     # the client's own load, or the cluster's: waiting fixes it
     PublicError("queue_full", 429, True, "the gateway's queue is full"),
@@ -79,6 +85,8 @@ ERRORS: dict[str, PublicError] = _table(
     PublicError("kv_budget_in_use", 429, True, "the tenant's other requests hold the KV budget this one needs"),
     PublicError("grammar_queue_full", 429, True, "too many structured outputs compiling (grammar_max_pending)"),
     PublicError("grammar_tenant_limit", 429, True, "the tenant has grammar_tenant_max_pending compiling"),
+    PublicError("too_many_connections", 429, True, "the client's address holds max_connections_per_client "
+                                                   "connections"),
     PublicError("timeout", 408, False, "the request ran past request_timeout_s"),
     PublicError("queue_timeout", 503, True, "no slot or KV room freed within queue_timeout_s"),
     PublicError("no_worker", 503, True, "no worker is ready or has room"),

@@ -18,6 +18,8 @@ from typing import Any
 
 import h11
 
+from gateway.errors import error_body, public
+
 # the end of a head exactly as h11 finds it (h11/_receivebuffer.py blank_line_regex)
 HEAD_END = re.compile(rb"\n\r?\n")
 OWS = b" \t"
@@ -25,23 +27,22 @@ SHOWN = 40                      # bytes of a header value quoted in a refusal
 
 
 class Refusal(h11.RemoteProtocolError):
-    """A request the front door refuses before the application sees it: HTTP `status`, the
-    error body's `code`, and `str(self)`, the message naming what was wrong."""
+    """A request the front door refuses before the application sees it: the error body's
+    `code` (its HTTP `status` and whether it carries Retry-After come from gateway/errors.py,
+    the one table) and `str(self)`, the message naming what was wrong."""
 
-    def __init__(self, message: str, status: int = 400, code: str = "invalid_request",
-                 retry_after_s: int | None = None) -> None:
-        super().__init__(message, error_status_hint=status)
-        self.status, self.code, self.retry_after_s = status, code, retry_after_s
+    def __init__(self, message: str, code: str = "invalid_http") -> None:
+        self.entry = public(code)
+        super().__init__(message, error_status_hint=self.entry.status)
+        self.status, self.code = self.entry.status, self.entry.code
 
     def response(self) -> bytes:
         """The whole HTTP/1.1 answer: the OpenAI error body, `Connection: close`, and
         `Retry-After` when waiting can help."""
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        body = json.dumps({"error": {"message": str(self), "type": kind, "param": None, "code": self.code}}).encode()
+        body = json.dumps(error_body(self.code, str(self))).encode()
         head = [f"HTTP/1.1 {self.status} {HTTPStatus(self.status).phrase}", "content-type: application/json",
                 f"content-length: {len(body)}", "connection: close"]
-        if self.retry_after_s is not None:
-            head.append(f"retry-after: {self.retry_after_s}")
+        head += [f"{k.lower()}: {v}" for k, v in (self.entry.headers() or {}).items()]
         return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
@@ -49,7 +50,7 @@ def head_too_large(limit: int, size: int | None = None) -> Refusal:
     """The 431 for a head over `limit` bytes (`size` when the whole head is known)."""
     what = f"is {size} bytes" if size is not None else "goes on"
     return Refusal(f"the request head (request line and headers) {what}, over the limit of {limit} bytes",
-                   431, "header_too_large")
+                   "header_too_large")
 
 
 def framing_problem(head: bytes) -> str | None:
@@ -139,5 +140,5 @@ class StrictConnection(h11.Connection):
             raise head_too_large(self.max_head_bytes, end.end())
         problem = framing_problem(bytes(self._raw[:end.end()]))
         if problem is not None:
-            raise Refusal(f"ambiguous request framing: {problem}; the connection is closed", 400,
+            raise Refusal(f"ambiguous request framing: {problem}; the connection is closed",
                           "ambiguous_framing")

@@ -69,7 +69,8 @@ def test_retryable_codes_carry_retry_after_and_the_others_do_not():
 def raised_reasons() -> list[tuple[str, int, str, int]]:
     """(file, line, reason, status) of every refusal the gateway's code raises with a literal
     reason: Rejected(status, reason, ...), InvalidField(param, message[, reason]), Busy(reason,
-    ...) and the queue's _reject(tenant, status, reason, ...)."""
+    ...), the queue's _reject(tenant, status, reason, ...) and the connection layer's
+    Refusal(message, reason)."""
     found = []
     for path in sorted(GATEWAY.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -85,6 +86,8 @@ def raised_reasons() -> list[tuple[str, int, str, int]]:
                 status, reason = 400, args[2] if len(args) > 2 else "out_of_range"
             elif name == "Busy" and args:
                 status, reason = 429, args[0]
+            elif name == "Refusal" and len(args) >= 2:     # the connection layer's (its status is the table's)
+                status, reason = None, args[1]
             else:
                 continue
             if isinstance(reason, str):
@@ -94,8 +97,8 @@ def raised_reasons() -> list[tuple[str, int, str, int]]:
 
 def test_every_refusal_the_gateway_raises_is_in_the_table_with_its_status():
     found = raised_reasons()
-    assert len(found) > 30 and {"kv_budget", "queue_full", "model_not_found", "out_of_range"} <= {r for _, _, r, _ in
-                                                                                                  found}
+    assert len(found) > 30 and {"kv_budget", "queue_full", "model_not_found", "out_of_range", "ambiguous_framing",
+                                "too_many_connections"} <= {r for _, _, r, _ in found}
     for file, line, reason, status in found:
         assert reason in ERRORS, f"{file}:{line}: {reason!r} is not in gateway/errors.py ERRORS"
         if isinstance(status, int):
