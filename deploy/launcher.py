@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from deploy import registry as reg
 from deploy.actors import GatewayActor, WorkerActor
 from deploy.local_ray import LocalRay, keep_loopback
-from deploy.settings import ServeSettings
+from deploy.settings import FRONT_DOOR, ServeSettings
 from kv_transfer.frame import new_cluster_secret
 from kv_transfer.tls import ClusterCA, TlsIdentity
 from worker.types import Role
@@ -169,7 +169,7 @@ class Deployment:
                     default_max_tokens=s.default_max_tokens, tenant_max_kv_tokens=s.tenant_max_kv_tokens,
                     admin_keys=s.admin_keys, stream_idle_timeout_s=s.stream_idle_timeout_s, routing=s.routing,
                     max_migrations=s.max_migrations, reasoning_parser=s.reasoning_parser,
-                    tool_call_parser=s.tool_call_parser)
+                    tool_call_parser=s.tool_call_parser, **{name: getattr(s, name) for name in FRONT_DOOR})
 
     def _wait_healthy(self, url: str, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from engine.config import SHIPPED_MODEL, compile_default
-from gateway.config import REASONING_CHOICES, ROUTING_MODES, TOOL_CALL_CHOICES
+from gateway.config import REASONING_CHOICES, ROUTING_MODES, TOOL_CALL_CHOICES, GatewayConfig
 from worker.config import MAX_NUM_SEQS, check_compile_buckets, parse_compile_buckets
 from worker.types import Role
 
@@ -19,6 +20,15 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 # mutual TLS between the processes: on whenever the workers and the gateway span more than one
 # node (auto), always (on: also on one node), or never (off: a trusted network of its own)
 TLS_MODES = ("auto", "on", "off")
+# what a connection and a client address may hold at the gateway (gateway/connections.py), and
+# how a prompt string is read: GatewayConfig's fields, passed through as they are
+FRONT_DOOR = ("max_header_bytes", "header_timeout_s", "body_timeout_s", "max_connections",
+              "max_connections_per_client", "prompt_special_tokens")
+
+
+def _gateway_default(name: str) -> Any:
+    """GatewayConfig's default of `name` (written once, there)."""
+    return next(f.default for f in fields(GatewayConfig) if f.name == name)
 
 
 @dataclass(frozen=True)
@@ -69,6 +79,13 @@ class ServeSettings:
     routing: str = "prefix"                 # how the gateway picks workers (gateway/routing.py): ROUTING_MODES
     reasoning_parser: str = "auto"          # how the gateway reads the output (gateway/chat.py): REASONING_CHOICES
     tool_call_parser: str = "auto"          # ... and TOOL_CALL_CHOICES
+    # the gateway's front door (FRONT_DOOR): its defaults are GatewayConfig's
+    max_header_bytes: int = _gateway_default("max_header_bytes")
+    header_timeout_s: float = _gateway_default("header_timeout_s")
+    body_timeout_s: float = _gateway_default("body_timeout_s")
+    max_connections: int = _gateway_default("max_connections")
+    max_connections_per_client: int = _gateway_default("max_connections_per_client")
+    prompt_special_tokens: bool = _gateway_default("prompt_special_tokens")
 
     def __post_init__(self) -> None:
         if not (Path(self.model) / "config.json").is_file():
@@ -111,6 +128,10 @@ class ServeSettings:
             raise ValueError(f"--stream-idle-timeout must be > 0, got {self.stream_idle_timeout_s}")
         if self.routing not in ROUTING_MODES:
             raise ValueError(f"--routing {self.routing}: choose one of {', '.join(ROUTING_MODES)}")
+        for name in FRONT_DOOR[:-1]:
+            if not 0 < getattr(self, name) < float("inf"):
+                flag = name.removesuffix("_s").replace("_", "-")
+                raise ValueError(f"--{flag} must be > 0, got {getattr(self, name)}")
         for flag, value, known in (("--reasoning-parser", self.reasoning_parser, REASONING_CHOICES),
                                    ("--tool-call-parser", self.tool_call_parser, TOOL_CALL_CHOICES)):
             if value not in known:

@@ -144,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_CHOICES,
                     help="the model's tool-call syntax, read into tool_calls; auto: from the chat template")
     _front_door_flags(ap)
+    ap.add_argument("--prompt-special-tokens", action="store_true",
+                    help="read control token text in a /v1/completions prompt string as the control token "
+                    "(chat messages are always text; default: off, a prompt string is text)")
     args = ap.parse_args(argv)
     keys = api_keys(args.api_keys_file, args.api_key)
     # the workers' secret, hex (as deploy/worker.py reads it): every worker call is authenticated
@@ -157,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                            admin_keys=tuple(args.admin_key), stream_idle_timeout_s=args.stream_idle_timeout,
                            routing=args.routing, max_migrations=args.max_migrations,
                            reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                           prompt_special_tokens=args.prompt_special_tokens,
                            **{name: getattr(args, name) for name in FRONT_DOOR_FLAGS})
     app = create_app(config)
     freeze_heap()

@@ -86,7 +86,9 @@ def test_every_setting_has_a_flag_or_is_named_as_having_none():
     (["--port", "9000"], "port", 9000), (["--host", "0.0.0.0"], "host", "0.0.0.0"),
     (["--dtype", "bfloat16"], "dtype", "bfloat16"), (["--prefill-workers", "2"], "prefill_workers", 2),
     (["--max-model-len", "512"], "max_model_len", 512), (["--stream-idle-timeout", "5"], "stream_idle_timeout_s", 5.0),
-    (["--no-prefix-cache"], "prefix_cache", False), (["--drain-grace-s", "2.5"], "drain_timeout_s", 2.5),
+    (["--no-prefix-cache"], "prefix_cache", False), (["--header-timeout", "2.5"], "header_timeout_s", 2.5),
+    (["--max-connections-per-client", "8"], "max_connections_per_client", 8),
+    (["--prompt-special-tokens"], "prompt_special_tokens", True), (["--drain-grace-s", "2.5"], "drain_timeout_s", 2.5),
     (["--colocated", "--colocated-workers", "3"], "colocated_workers", 3), (["--no-compile"], "compile", False),
 ])
 def test_a_flag_given_sets_its_setting(argv, field, value):
