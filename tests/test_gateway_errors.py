@@ -23,23 +23,11 @@ from gateway.admission import AdmissionQueue, Rejected
 from gateway.errors import ERRORS, RETRY_AFTER_S, error_body, public
 from proto import worker_pb2 as wpb
 from tests.gateway_helpers import API_KEY, FakeWorker, fake_cluster, post, start_gateway, wait_ready
+from tests.test_gateway_fairness import Fixed
 from worker.types import ErrorCode
 
 CHAT = [{"role": "user", "content": "hi"}]
 GATEWAY = Path(__file__).resolve().parent.parent / "gateway"
-
-
-class Fixed:
-    """KV limits that follow no worker."""
-
-    def __init__(self, cluster: int = 0, tenant: int = 0) -> None:
-        self.cluster, self.tenant = cluster, tenant
-
-    def cluster_tokens(self) -> int:
-        return self.cluster
-
-    def tenant_tokens(self) -> int:
-        return self.tenant
 
 
 def rejected(gw, reason: str) -> float:
