@@ -9,7 +9,8 @@ hostile client (`FrontDoorProtocol`, bound to one server by `protocol_for`).
 - The head's size and framing are checked on the raw bytes (gateway/framing.py): over
   `max_header_bytes` is 431, ambiguous framing 400; the connection is closed and nothing after
   the refused head is read as a request.
-- `ConnectionTable` counts open connections per client address (`max_connections_per_client`;
+- `ConnectionTable` (gateway/connection_table.py) counts open connections per client address
+  (`max_connections_per_client`;
   one more is held unread and answered 429 after 1-2 x `header_timeout_s`, spread at random,
   so that a client reconnecting as fast as it is refused does not keep the gateway busy
   refusing in bursts; past half the process's open-file limit of those held, answered at once)
@@ -29,13 +30,10 @@ client still sending sees the answer, not a reset), then closed.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import logging
 import random
-import resource
-from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import h11
 from uvicorn.config import Config
@@ -43,130 +41,13 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.utils import get_remote_addr
 from uvicorn.server import ServerState
 
+from gateway.connection_table import ConnectionLimits, ConnectionTable, client_key
 from gateway.errors import error_body, public
 from gateway.framing import Refusal, StrictConnection
 
 log = logging.getLogger("tandem.gateway")
 LINGER_S = 1.0                  # after a refusal: read and drop the client's bytes this long at most
 LINGER_BYTES = 1 << 20          # ... and this many
-
-
-@dataclass(frozen=True)
-class ConnectionLimits:
-    """What one connection, and one client address, may hold (GatewayConfig's fields)."""
-    max_connections: int
-    max_connections_per_client: int
-    max_header_bytes: int
-    header_timeout_s: float
-    body_timeout_s: float
-
-    def __post_init__(self) -> None:
-        for name in ("max_connections", "max_connections_per_client", "max_header_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("header_timeout_s", "body_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
-
-
-class Slot(Protocol):
-    def evict(self) -> None:
-        """Close this connection: the table gave its slot to another."""
-
-
-def client_key(host: str | None) -> str:
-    """The address a per-client cap counts: the IP (an IPv4-mapped IPv6 one as IPv4), an IPv6
-    address by its /64 (one host is usually given a whole /64)."""
-    if host is None:
-        return "local"
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return host
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.IPv6Network((ip, 64), strict=False))
-    return str(ip)
-
-
-class ConnectionTable:
-    """The open connections of one server, by client address, and which of them are idle (no
-    request in flight), the longest idle first.  One owner: the protocol instances call
-    `admit` when a connection opens, `mark` as requests come and go, `release` when it ends."""
-
-    def __init__(self, limits: ConnectionLimits, tarpit_max: int | None = None) -> None:
-        self.limits = limits
-        self.tarpit_max = _half_the_open_files() if tarpit_max is None else tarpit_max
-        self._tarpitted: set[Slot] = set()
-        self._client: dict[Slot, str] = {}
-        self._count: dict[str, int] = {}
-        self._idle: dict[Slot, None] = {}          # insertion order: idle longest first
-
-    def __len__(self) -> int:
-        return len(self._client)
-
-    @property
-    def idle(self) -> int:
-        return len(self._idle)
-
-    def admit(self, slot: Slot, client: str) -> Refusal | None:
-        """Take a slot for a new (idle) connection of `client`, evicting the connection idle
-        longest when the table is full; or the refusal to answer it with (nothing taken)."""
-        cap = self.limits.max_connections_per_client
-        if self._count.get(client, 0) >= cap:
-            return Refusal(f"too many open connections from your address (the limit is {cap}); close some or "
-                           f"retry", "too_many_connections")
-        if len(self._client) >= self.limits.max_connections:
-            if not self._idle:
-                return Refusal(f"the gateway is full: all of its {self.limits.max_connections} connections have "
-                               f"a request in flight; retry shortly", "server_overloaded")
-            oldest = next(iter(self._idle))
-            self.release(oldest)
-            oldest.evict()
-        self._client[slot] = client
-        self._count[client] = self._count.get(client, 0) + 1
-        self._idle[slot] = None
-        return None
-
-    def tarpit(self, slot: Slot) -> bool:
-        """Whether a connection refused 429 may be held (unread, answered later) rather than
-        answered at once: an attacker reconnecting as fast as it is refused would make the
-        gateway spend its time accepting and refusing.  At most `tarpit_max` are held (they
-        cost a file descriptor each, and no work)."""
-        if len(self._tarpitted) >= self.tarpit_max:
-            return False
-        self._tarpitted.add(slot)
-        return True
-
-    def untarpit(self, slot: Slot) -> None:
-        self._tarpitted.discard(slot)
-
-    def mark(self, slot: Slot, busy: bool) -> None:
-        """A request is in flight on `slot` (busy) or not; idle ones queue up for eviction."""
-        if slot not in self._client:
-            return
-        if busy:
-            self._idle.pop(slot, None)
-        elif slot not in self._idle:
-            self._idle[slot] = None
-
-    def release(self, slot: Slot) -> None:
-        """Give `slot` back (a no-op when it holds none)."""
-        client = self._client.pop(slot, None)
-        if client is None:
-            return
-        self._idle.pop(slot, None)
-        left = self._count[client] - 1
-        if left:
-            self._count[client] = left
-        else:
-            del self._count[client]
-
-
-def _half_the_open_files() -> int:
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return max(0, soft // 2) if soft != resource.RLIM_INFINITY else 1 << 14
 
 
 class FrontDoorProtocol(H11Protocol):

@@ -17,7 +17,8 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import REASONING_CHOICES, ROUTING_MODES, TOOL_CALL_CHOICES, GatewayConfig, api_keys
-from gateway.connections import ConnectionLimits, protocol_for
+from gateway.connection_table import ConnectionLimits
+from gateway.connections import protocol_for
 from kv_transfer.tls import TlsIdentity
 
 

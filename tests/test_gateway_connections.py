@@ -21,7 +21,7 @@ import h11
 import pytest
 
 from gateway.config import GatewayConfig
-from gateway.connections import ConnectionLimits, ConnectionTable, client_key
+from gateway.connection_table import ConnectionLimits, ConnectionTable, client_key
 from gateway.framing import StrictConnection, framing_problem
 from gateway.server import _front_door_flags
 from kv_transfer.tls import ClusterCA
