@@ -152,8 +152,8 @@ def gateway_setting(cluster: ChaosCluster, name: str) -> Any:
 
 
 def gateway_connections(cluster: ChaosCluster) -> int | None:
-    """The connections the (first) gateway's uvicorn server counts now (what its
-    limit_concurrency, the gateway's max_connections, compares with); None when unreadable."""
+    """The connections the (first) gateway's uvicorn server counts now (what the front door's
+    connection table holds to the gateway's max_connections); None when unreadable."""
     def count(actor: Any) -> int:
         return len(actor.server._server.server_state.connections)
     try:
