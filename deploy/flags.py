@@ -25,6 +25,7 @@ from deploy.settings import (
     TOOL_CALL_CHOICES,
     ServeSettings,
 )
+from gateway.config import FRONT_DOOR_FLAGS
 from worker.config import WorkerConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -150,15 +151,8 @@ SERVE_FLAGS: tuple[Flag, ...] = (
        "(reasoning_content); auto: from the chat template's markers, none: off", choices=REASONING_CHOICES),
     _row("--tool-call-parser", "tool_call_parser", "the model's tool-call syntax, read into tool_calls; auto: from the "
        "chat template's markers, none: tool_choice auto is refused", choices=TOOL_CALL_CHOICES),
-    _row("--max-header-bytes", "max_header_bytes", "the longest request head (request line and headers) the "
-       "gateway reads, in bytes, however it arrives; longer: 431", type=int),
-    _row("--header-timeout", "header_timeout_s", "seconds a request head may take to arrive whole; slower: 408",
-       type=float),
-    _row("--body-timeout", "body_timeout_s", "seconds a request body may go without a byte; longer: 408", type=float),
-    _row("--max-connections", "max_connections", "open connections at the gateway in all; a new one past it closes "
-       "the one idle longest, or gets 503 when every one has a request in flight", type=int),
-    _row("--max-connections-per-client", "max_connections_per_client", "open connections from one client address "
-       "(an IPv6 /64); more: 429", type=int),
+    *(_row(flag, name, text, type=type(default_of(ServeSettings, name)))
+      for name, (flag, text) in FRONT_DOOR_FLAGS.items()),
     _row("--prompt-special-tokens", "prompt_special_tokens", "read control token text in a /v1/completions prompt "
        "string as the control token (as before issue 41); chat messages are always text", action="store_true"),
     _row("--log-level", "log_level", "the driver's and workers' log level", choices=LOG_LEVELS),

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import SHIPPED_MODEL, compile_default
-from gateway.config import REASONING_CHOICES, ROUTING_MODES, TOOL_CALL_CHOICES, GatewayConfig
+from gateway.config import FRONT_DOOR_FLAGS, REASONING_CHOICES, ROUTING_MODES, TOOL_CALL_CHOICES, GatewayConfig
 from worker.config import MAX_NUM_SEQS, check_compile_buckets, parse_compile_buckets
 from worker.types import Role
 
@@ -22,8 +22,7 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 TLS_MODES = ("auto", "on", "off")
 # what a connection and a client address may hold at the gateway (gateway/connections.py), and
 # how a prompt string is read: GatewayConfig's fields, passed through as they are
-FRONT_DOOR = ("max_header_bytes", "header_timeout_s", "body_timeout_s", "max_connections",
-              "max_connections_per_client", "prompt_special_tokens")
+FRONT_DOOR = (*FRONT_DOOR_FLAGS, "prompt_special_tokens")
 
 
 def _gateway_default(name: str) -> Any:
@@ -128,7 +127,7 @@ class ServeSettings:
             raise ValueError(f"--stream-idle-timeout must be > 0, got {self.stream_idle_timeout_s}")
         if self.routing not in ROUTING_MODES:
             raise ValueError(f"--routing {self.routing}: choose one of {', '.join(ROUTING_MODES)}")
-        for name in FRONT_DOOR[:-1]:
+        for name in FRONT_DOOR_FLAGS:
             if not 0 < getattr(self, name) < float("inf"):
                 flag = name.removesuffix("_s").replace("_", "-")
                 raise ValueError(f"--{flag} must be > 0, got {getattr(self, name)}")

@@ -21,6 +21,19 @@ REASONING_CHOICES = PARSER_FLAGS + REASONING_PARSERS
 TOOL_CALL_CHOICES = PARSER_FLAGS + TOOL_PARSERS
 
 
+# GatewayConfig field -> (flag, help): what a connection and a client address may hold
+FRONT_DOOR_FLAGS = {
+    "max_header_bytes": ("--max-header-bytes", "the longest request head (request line and headers) in bytes, "
+                         "however it arrives; longer: 431"),
+    "header_timeout_s": ("--header-timeout", "seconds a request head may take to arrive whole; slower: 408"),
+    "body_timeout_s": ("--body-timeout", "seconds a request body may go without a byte; longer: 408"),
+    "max_connections": ("--max-connections", "open connections (and requests in flight) in all; a new connection "
+                        "past it closes the one idle longest, or gets 503 when every one has a request in flight"),
+    "max_connections_per_client": ("--max-connections-per-client", "open connections from one client address (an "
+                                   "IPv6 /64); more: 429"),
+}
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     model: str | None = None                 # checkpoint dir (tokenizer, chat template, context)

@@ -16,7 +16,14 @@ from typing import Any
 import uvicorn
 
 from gateway.app import create_app
-from gateway.config import REASONING_CHOICES, ROUTING_MODES, TOOL_CALL_CHOICES, GatewayConfig, api_keys
+from gateway.config import (
+    FRONT_DOOR_FLAGS,
+    REASONING_CHOICES,
+    ROUTING_MODES,
+    TOOL_CALL_CHOICES,
+    GatewayConfig,
+    api_keys,
+)
 from gateway.connection_table import ConnectionLimits
 from gateway.connections import protocol_for
 from kv_transfer.tls import TlsIdentity
@@ -86,19 +93,6 @@ def connection_limits(config: GatewayConfig) -> ConnectionLimits:
                             max_connections_per_client=config.max_connections_per_client,
                             max_header_bytes=config.max_header_bytes, header_timeout_s=config.header_timeout_s,
                             body_timeout_s=config.body_timeout_s)
-
-
-# GatewayConfig field -> (flag, help): what a connection and a client address may hold
-FRONT_DOOR_FLAGS = {
-    "max_header_bytes": ("--max-header-bytes", "the longest request head (request line and headers) in bytes, "
-                         "however it arrives; longer: 431"),
-    "header_timeout_s": ("--header-timeout", "seconds a request head may take to arrive whole; slower: 408"),
-    "body_timeout_s": ("--body-timeout", "seconds a request body may go without a byte; longer: 408"),
-    "max_connections": ("--max-connections", "open connections (and requests in flight) in all; a new connection "
-                        "past it closes the one idle longest, or gets 503 when every one has a request in flight"),
-    "max_connections_per_client": ("--max-connections-per-client", "open connections from one client address (an "
-                                   "IPv6 /64); more: 429"),
-}
 
 
 def _front_door_flags(ap: argparse.ArgumentParser) -> None:
