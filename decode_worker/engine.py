@@ -38,6 +38,7 @@ from dataclasses import replace
 
 from decode_worker.requests import Abort, Committed, DecodeRequest, InboxItem, TransferFailed, decode_generator
 from engine.core import EngineCore, LayerHook, TokenEvent
+from engine.errors import ErrorCode
 from engine.kv_pool import PoolExhausted
 from engine.params import SamplingParams
 from engine.scheduler import ScheduledBatch
@@ -50,7 +51,7 @@ from worker.checks import check_request_id, new_request, request_salt
 from worker.config import MAX_REQUEST_TIMEOUT_S
 from worker.convert import finish_to_proto, logprobs_to_proto
 from worker.stats import CacheCounts
-from worker.types import ErrorCode, WorkerError
+from worker.types import WorkerError
 
 
 class DecodeEngine:

@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.errors import ErrorCode
 from engine.params import SamplingParams
 from engine.request import Request
 from engine.sampling import request_generator
 from kv_transfer.reservation import Reservation
 from proto import worker_pb2 as wpb
-from worker.types import ErrorCode
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import grpc
 
 from decode_worker.engine import DecodeEngine
 from decode_worker.requests import DecodeRequest
+from engine.errors import ErrorCode
 from engine.params import SamplingParams
 from kv_transfer.auth import Verifier
 from proto import worker_pb2 as wpb
@@ -18,7 +19,7 @@ from worker.cache_events import CacheEventStreams
 from worker.convert import params_from_proto
 from worker.drain import Drainable, drain_reply
 from worker.stats import LoopWatch, health, stats
-from worker.types import ErrorCode, Role, WorkerError
+from worker.types import Role, WorkerError
 
 POLL_S = 0.5     # how often a stream waiting for tokens checks that its client is still there
 

@@ -38,6 +38,7 @@ from engine.compiled.cache import use_cache_dir
 from engine.compiled.startup import compile_decode
 from engine.config import EngineConfig, ModelConfig
 from engine.constraint import Constraint, GrammarCompiler
+from engine.errors import ErrorCode, RequestError
 from engine.experts import PagedExperts, check_independence, paged_factory, validate_num_resident
 from engine.guide import Guide
 from engine.guided_mask import MaskWork
@@ -53,7 +54,7 @@ from engine.sampling import SampleOutput, request_generator
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.stop import StopChecker, StopLimits
 from engine.tokenizer import Tokenizer
-from engine.validate import Problem, RequestError, check_generated, check_prompt
+from engine.validate import check_generated, check_prompt
 
 LayerHook = Callable[[int], None]
 
@@ -169,10 +170,10 @@ class EngineCore:
         try:
             stopper.replay(generated, prompt_len)
         except ValueError as e:
-            raise RequestError(Problem.INVALID_REQUEST, str(e)) from None
+            raise RequestError(ErrorCode.INVALID_REQUEST, str(e)) from None
         if stopper.finish_reason == "error":
             assert stopper.error is not None
-            raise RequestError(Problem.INVALID_REQUEST, stopper.error)
+            raise RequestError(ErrorCode.INVALID_REQUEST, stopper.error)
         return stopper
 
     def stop_checker(self, params: SamplingParams, guide: Guide | None = None) -> StopChecker:

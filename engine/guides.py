@@ -8,10 +8,10 @@ import threading
 from collections.abc import Sequence
 
 from engine.constraint import CheckBusy, Constraint, GrammarCompiler
+from engine.errors import ErrorCode, RequestError
 from engine.grammar_check import checker_for
 from engine.guide import Guide
 from engine.tokenizer import Tokenizer
-from engine.validate import Problem, RequestError
 
 
 class Guides:
@@ -39,7 +39,7 @@ class Guides:
     def guide(self, constraint: Constraint | None, replay: Sequence[int] = ()) -> Guide | None:
         """A fresh grammar state for `constraint` (None without one), fed the tokens `replay`.
         Raises RequestError (INVALID_REQUEST) with the grammar engine's message when it cannot
-        be compiled or refuses one of those tokens, or (BUSY) when no checker was free."""
+        be compiled or refuses one of those tokens, or (KV_FULL) when no checker was free."""
         if constraint is None:
             return None
         gate = self.tokenizer.encode(constraint.after) if constraint.after else []
@@ -47,9 +47,9 @@ class Guides:
             guide = Guide(self.compiler.compile(constraint), constraint.kind, gate)
             guide.replay(replay)
         except CheckBusy as e:         # the checkers' load, not the constraint: retryable
-            raise RequestError(Problem.BUSY, str(e)) from None
+            raise RequestError(ErrorCode.KV_FULL, str(e)) from None
         except ValueError as e:
-            raise RequestError(Problem.INVALID_REQUEST, str(e)) from None
+            raise RequestError(ErrorCode.INVALID_REQUEST, str(e)) from None
         return guide
 
     def close(self) -> None:

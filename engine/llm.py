@@ -15,6 +15,7 @@ import torch
 
 from engine.config import SHIPPED_MODEL, EngineConfig, ModelConfig, compile_default, parse_dtype
 from engine.core import EngineCore
+from engine.errors import ErrorCode, RequestError
 from engine.experts import PagedExperts
 from engine.kv_pool import PagePool
 from engine.models.decoder import DecoderModel
@@ -23,7 +24,6 @@ from engine.prefix_cache import cache_salt as derive_salt
 from engine.request import Request, RequestOutput
 from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
-from engine.validate import Problem, RequestError
 
 Prompt = str | Sequence[int]
 
@@ -128,7 +128,7 @@ class LLM:
                 done[out.request_id] = out
         for req in reqs:
             if req.stopper is not None and req.stopper.error is not None:
-                raise RequestError(Problem.INVALID_REQUEST, req.stopper.error)
+                raise RequestError(ErrorCode.INVALID_REQUEST, req.stopper.error)
         return [done[r.request_id] for r in reqs]
 
     def chat(self, messages: list[dict] | list[list[dict]],

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from engine.config import SHIPPED_MODEL, ModelConfig
+from engine.errors import ErrorCode
 from engine.tokenizer import Tokenizer
 from gateway.admission import AdmissionQueue, Rejected
 from gateway.body_errors import refusal, union_fields
@@ -36,7 +37,7 @@ from gateway.prompts import PromptEncoder
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routing import Worker, WorkerPool
 from gateway.structured import StructuredOutputs
-from worker.types import ErrorCode, Role
+from worker.types import Role
 
 log = logging.getLogger("tandem.gateway")
 Discover = Callable[[], dict[str, list[str]]]     # () -> {role: [address]}: a worker registry

@@ -8,12 +8,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine.errors import ErrorCode
 from engine.params import SamplingParams
 from gateway.cache_view import PrefixKeys
 from gateway.errors import public
 from gateway.routing import WorkerPool
 from proto import worker_pb2 as wpb
-from worker.types import ErrorCode
 
 UNKNOWN_STATUS = 502                  # a code this gateway does not know: the worker side failed it
 

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.errors import ErrorCode
 from gateway.admission import Rejected
 from gateway.choice import ForwardError
 from gateway.errors import error_body, public
@@ -26,7 +27,6 @@ from gateway.migration import forward
 from gateway.openai_format import Formatter, prompt_tokens, public_message
 from gateway.protocol import ChatCompletionRequest
 from gateway.streaming import DoneEvent, ErrorEvent, Event, EventStream, Generation, TokensEvent, sse
-from worker.types import ErrorCode
 
 log = logging.getLogger("tandem.gateway")
 

@@ -16,7 +16,7 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
-from worker.types import ErrorCode
+from engine.errors import ErrorCode
 
 RETRY_AFTER_S = 1                    # what a retryable answer's Retry-After says, in seconds
 MAX_SHOWN_CHARS = 64                 # of a client-supplied name quoted in an error message

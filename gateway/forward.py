@@ -20,11 +20,12 @@ from typing import Any, AsyncIterator
 
 import grpc
 
+from engine.errors import ErrorCode
 from gateway.choice import Choice, ForwardError, StreamBroken
 from gateway.routing import Worker
 from proto import worker_pb2 as wpb
 from worker.convert import params_to_proto, prefill_request
-from worker.types import ErrorCode, Role
+from worker.types import Role
 
 # a stream that ends with one of these statuses broke (the worker died, its connection was
 # reset, its server stopped): before a token the request is tried again, after one the choice

@@ -22,12 +22,13 @@ import logging
 import time
 from typing import AsyncIterator
 
+from engine.errors import ErrorCode
 from engine.params import SamplingParams
 from gateway.choice import Choice, ForwardError, MigrationObserver, NoObserver, Prompt, StreamBroken
 from gateway.forward import stream
 from gateway.routing import WorkerPool
 from proto import worker_pb2 as wpb
-from worker.types import ErrorCode, Role
+from worker.types import Role
 
 log = logging.getLogger("tandem.gateway")
 CAUSES = ("lost", "drain", "error")                    # tandem_migrations_total{cause}

@@ -8,9 +8,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from engine.errors import ErrorCode
 from engine.tokenizer import Tokenizer
 from proto import worker_pb2 as wpb
-from worker.types import ErrorCode
 
 if TYPE_CHECKING:
     from gateway.reader import ChoiceReader

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from engine.core import EngineCore, LayerHook, TokenEvent
+from engine.errors import ErrorCode
 from engine.params import SamplingParams
 from engine.request import Request
 from engine.scheduler import ScheduledBatch
@@ -41,7 +42,7 @@ from kv_transfer.transport import TransportConfig
 from prefill_worker.pusher import Pusher, PushPlan
 from worker.checks import check_decode_cached, check_request_id, new_request, request_salt
 from worker.stats import CacheCounts
-from worker.types import ErrorCode, WorkerError
+from worker.types import WorkerError
 
 
 @dataclass

@@ -6,6 +6,7 @@ from typing import Iterator
 
 import grpc
 
+from engine.errors import ErrorCode
 from kv_transfer.auth import Verifier
 from prefill_worker.engine import PrefillEngine
 from proto import worker_pb2 as wpb
@@ -14,7 +15,7 @@ from worker.cache_events import CacheEventStreams
 from worker.convert import params_from_proto
 from worker.drain import drain_reply
 from worker.stats import LoopWatch, health, stats
-from worker.types import ErrorCode, Role, WorkerError
+from worker.types import Role, WorkerError
 
 POLL_S = 0.5
 

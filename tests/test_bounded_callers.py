@@ -12,6 +12,7 @@ import pytest
 
 from decode_worker.engine import DecodeEngine
 from decode_worker.server import start_decode_worker
+from engine.errors import ErrorCode
 from engine.params import SamplingParams
 from kv_transfer import auth
 from kv_transfer.frame import PROTOCOL_VERSION
@@ -28,7 +29,7 @@ from tests.workers import channel, config, wait_idle
 from worker.config import MAX_REQUEST_TIMEOUT_S
 from worker.convert import params_to_proto
 from worker.server import build_core
-from worker.types import ErrorCode, WorkerError
+from worker.types import WorkerError
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0)
 

@@ -8,12 +8,13 @@ from dataclasses import fields
 import pytest
 
 from engine.constraint import Constraint
+from engine.errors import ErrorCode
 from engine.params import SamplingParams
 from gateway.forward import ForwardError
 from gateway.protocol import PER_CHOICE, ChatCompletionRequest, CompletionRequest, _Common, sampling_params
 from proto import worker_pb2 as wpb
 from worker.convert import SPECIAL_FIELDS, params_from_proto, params_to_proto
-from worker.types import ErrorCode, WorkerError
+from worker.types import WorkerError
 
 PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
 PROTO_FIELDS = {f.name for f in wpb.SamplingParams.DESCRIPTOR.fields}
@@ -91,8 +92,3 @@ def test_a_wire_error_code_becomes_an_error_code_and_an_unknown_one_does_not_cra
     assert (unknown.code, unknown.status) == (ErrorCode.INTERNAL, 502)
     assert unknown.message == "prefill: FROM_A_NEWER_WORKER: m"
 
-
-def test_every_prompt_problem_of_the_engine_is_a_worker_error_code():
-    from engine.validate import Problem
-    from worker.types import ErrorCode
-    assert {p.value for p in Problem} <= {c.value for c in ErrorCode}

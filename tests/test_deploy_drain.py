@@ -29,6 +29,7 @@ from deploy import registry as reg
 from deploy.launcher import Deployment
 from deploy.settings import ServeSettings
 from deploy.status import read_stats
+from engine.errors import ErrorCode
 from engine.params import SamplingParams
 from gateway.server import _free_port
 from proto import worker_pb2 as wpb
@@ -36,7 +37,6 @@ from proto import worker_pb2_grpc as wpb_grpc
 from tests.gateway_helpers import connection
 from tests.workers import SECRET, channel
 from worker.client import generate
-from worker.types import ErrorCode
 
 CHAT = [{"role": "user", "content": "Repeat after me: blue kettle"}]
 

@@ -19,12 +19,12 @@ from urllib.parse import urlparse
 import openai
 import pytest
 
+from engine.errors import ErrorCode
 from gateway.admission import AdmissionQueue, Rejected
 from gateway.errors import ERRORS, RETRY_AFTER_S, error_body, public
 from proto import worker_pb2 as wpb
 from tests.gateway_helpers import API_KEY, FakeWorker, fake_cluster, post, start_gateway, wait_ready
 from tests.test_gateway_fairness import Fixed
-from worker.types import ErrorCode
 
 CHAT = [{"role": "user", "content": "hi"}]
 GATEWAY = Path(__file__).resolve().parent.parent / "gateway"

@@ -13,11 +13,11 @@ import pytest
 
 import gateway.completions
 from engine.config import SHIPPED_MODEL
+from engine.errors import ErrorCode
 from gateway.forward import ForwardError
 from proto import worker_pb2 as wpb
 from tests.gateway_helpers import API_KEY, gateway_cluster, get, post, start_gateway, wait_ready
 from tests.workers import config
-from worker.types import ErrorCode
 
 CHAT = [{"role": "user", "content": "hello"}]
 LEAKS = ("127.0.0.1", "localhost", str(SHIPPED_MODEL), "/work", "Traceback", "grpc", "StatusCode", "File \"")

@@ -15,12 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from engine.errors import ErrorCode
 from gateway.routing import Worker, WorkerPool
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from tests.gateway_helpers import API_KEY, connection, get, post, start_gateway, wait_ready
 from tests.workers import channel, config, start_decode, start_prefill, wait_idle
-from worker.types import ErrorCode, Role
+from worker.types import Role
 
 MAX_MIGRATIONS = 2
 PROXIES: dict[int, list[str]] = {}          # a CutPlan's id -> its proxies' addresses, as the workers'

@@ -19,11 +19,10 @@ import pytest
 
 from engine.config import SHIPPED_MODEL, ModelConfig
 from engine.constraint import INITIAL_LEXER_FUEL, CheckBusy, CheckTimeout, Constraint, GrammarCompiler
+from engine.errors import ErrorCode, RequestError
 from engine.grammar_check import CheckerPool
 from engine.guides import Guides
 from engine.tokenizer import Tokenizer
-from engine.validate import Problem, RequestError
-from worker.types import ErrorCode
 
 # A pattern whose second branch exhausts llguidance's lexer (it refuses `zz` with "too many
 # expressions constructed") while its first is harmless; the check's walk takes the lowest token
@@ -228,7 +227,7 @@ def test_a_grammar_of_too_many_rules_is_refused_before_any_compile() -> None:
 
 
 def test_a_busy_checker_is_a_retryable_refusal_on_a_worker(tokenizer: Tokenizer) -> None:
-    """A worker's guide maps no free checker to BUSY (KV_FULL on the wire: the gateway waits and
+    """A worker's guide maps no free checker to KV_FULL (no room now: the gateway waits and
     retries), a constraint's own refusal to INVALID_REQUEST."""
     config = ModelConfig.from_path(SHIPPED_MODEL)
     guides = Guides(tokenizer, config.vocab_size, tokenizer.end_ids(config.eos_token_ids), None)
@@ -238,9 +237,9 @@ def test_a_busy_checker_is_a_retryable_refusal_on_a_worker(tokenizer: Tokenizer)
     guides.compiler.checker = busy
     with pytest.raises(RequestError, match="no grammar checker was free") as e:
         guides.guide(Constraint.choice(["a"]))
-    assert e.value.code == Problem.BUSY and ErrorCode(e.value.code.value) == ErrorCode.KV_FULL
+    assert e.value.code == ErrorCode.KV_FULL
     guides.compiler.checker = None
     with pytest.raises(RequestError, match="regex cannot be used") as e:
         guides.guide(Constraint("regex", "a(b"))
-    assert e.value.code == Problem.INVALID_REQUEST
+    assert e.value.code == ErrorCode.INVALID_REQUEST
     assert guides.guide(Constraint.choice(["a"])) is not None               # busy was not remembered

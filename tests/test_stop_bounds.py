@@ -10,10 +10,10 @@ import random
 import pytest
 
 from bench.engine import FullDecodeStopChecker
+from engine.errors import RequestError
 from engine.params import SamplingParams
 from engine.stop import StopChecker, StopLimits
 from engine.tokenizer import Tokenizer
-from engine.validate import RequestError
 from worker.convert import params_from_proto, params_to_proto
 
 CATASTROPHIC = r"(?:.|.)+(?!)"      # exponential backtracking: seconds at ~22 characters

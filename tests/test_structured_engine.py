@@ -18,10 +18,10 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.constraint import Constraint
+from engine.errors import RequestError
 from engine.guide import Guide
 from engine.guided_mask import TokenMasker
 from engine.request import RequestOutput, Status
-from engine.validate import RequestError
 
 PROMPTS = ["Write a person as JSON:", "def add(a, b):", "Hello", "1, 2, 3,"]
 SCHEMAS = {

@@ -12,13 +12,13 @@ import grpc
 import pytest
 
 from deploy.colocated import start_colocated_worker
+from engine.errors import ErrorCode
 from engine.params import SamplingParams
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from tests.workers import channel, config, module_worker, run, start_decode, start_prefill, wait_idle
 from worker.convert import params_to_proto, prefill_request
 from worker.drain import DrainResult, drain
-from worker.types import ErrorCode
 
 LONG = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)

@@ -16,6 +16,7 @@ import pytest
 from decode_worker.engine import DecodeEngine
 from decode_worker.service import DecodeServicer
 from engine.core import LayerHook, TokenEvent
+from engine.errors import ErrorCode
 from engine.params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from kv_transfer.hooks import TransferHooks
@@ -25,7 +26,6 @@ from tests.workers import SECRET, channel, config, run, start_decode, start_pref
 from worker.loop import WorkerLoop
 from worker.server import build_core
 from worker.stats import LoopWatch
-from worker.types import ErrorCode
 
 CATASTROPHIC = r"(?:.|.)+(?!)"
 

@@ -7,11 +7,11 @@ from collections.abc import Sequence
 import torch
 
 from engine.core import EngineCore
+from engine.errors import ErrorCode, RequestError
 from engine.params import SamplingParams
 from engine.prefix_cache import cache_salt
 from engine.request import Request
-from engine.validate import RequestError
-from worker.types import ErrorCode, WorkerError
+from worker.types import WorkerError
 
 MAX_REQUEST_ID = 256
 MAX_CACHE_SALT = 256         # characters of a request's cache_salt (the gateway's limit too)
@@ -38,7 +38,7 @@ def new_request(core: EngineCore, owner: str, ids: list[int], params: SamplingPa
         return core.make_request(ids, params, request_id=owner, handoff=handoff, generator=generator, salt=salt,
                                  generated=generated)
     except RequestError as e:
-        raise WorkerError(ErrorCode(e.code.value), str(e)) from None
+        raise WorkerError(e.code, str(e)) from None
 
 
 def request_salt(secret: bytes, tenant: str, salt: str) -> bytes:

@@ -24,11 +24,11 @@ from typing import Iterator
 
 import grpc
 
+from engine.errors import ErrorCode
 from engine.params import SamplingParams
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from worker.convert import params_to_proto, prefill_request
-from worker.types import ErrorCode
 
 
 def generate(decode: grpc.Channel, prefill: grpc.Channel | None, request_id: str, tenant: str,

@@ -8,9 +8,10 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from engine.constraint import Constraint
+from engine.errors import ErrorCode
 from engine.params import SamplingParams
 from proto import worker_pb2 as wpb
-from worker.types import ErrorCode, WorkerError
+from worker.types import WorkerError
 
 _PROTO = wpb.SamplingParams.DESCRIPTOR
 

@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from engine.errors import ErrorCode
 from proto import worker_pb2 as wpb
-from worker.types import ErrorCode
 
 log = logging.getLogger("tandem.worker")
 MAX_GRACE_S = 3600.0          # a Drain call's grace period is clamped to this
