@@ -1,111 +1,102 @@
-"""One choice of a request as the gateway forwards it: its state across attempts and
-migrations (`Choice`), the error a request fails with (`ForwardError`), a stream that broke
-after a token (`StreamBroken`), and what migrations report (`MigrationObserver`)."""
+"""One choice of a request, the gateway's one home of its state: its prompt and sampling
+parameters, what it has produced so far (text, token ids, logprobs, the reader that parses its
+reasoning and tool calls), how it ended (its Finish: stop state and usage), and what its
+attempts and migrations keep across worker pairs (the first stream's seed and cached prompt
+tokens, the migration count, the workers that said they are leaving).
+
+The planner (gateway/planner.py) makes the choices; the attempts (gateway/attempt.py) record
+what the decode workers stream into them; the response (gateway/openai_format.py,
+gateway/streaming.py) reads them.  Token ids are kept here only.
+"""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING
 
-from engine.errors import ErrorCode
 from engine.params import SamplingParams
 from gateway.cache_view import PrefixKeys
-from gateway.errors import public
-from gateway.routing import WorkerPool
 from proto import worker_pb2 as wpb
 
-UNKNOWN_STATUS = 502                  # a code this gateway does not know: the worker side failed it
-
-
-class ForwardError(Exception):
-    """A request that failed, with the code and HTTP status the client gets."""
-
-    def __init__(self, code: ErrorCode, message: str, status: int | None = None):
-        super().__init__(f"{code.value}: {message}")
-        self.code, self.message = code, message
-        self.status = status or public(code).status      # gateway/errors.py, the one table
-
-    @classmethod
-    def from_proto(cls, error: wpb.Error, prefix: str = "") -> ForwardError:
-        """A worker's Error message.  A code this gateway does not know (a newer worker) is
-        answered as INTERNAL with status 502, the worker's code kept in the message."""
-        try:
-            return cls(ErrorCode(error.code), prefix + error.message)
-        except ValueError:
-            return cls(ErrorCode.INTERNAL, f"{prefix}{error.code}: {error.message}", UNKNOWN_STATUS)
-
-
-class StreamBroken(Exception):
-    """The decode stream broke after it streamed a token: `cause` is "lost" (the stream was cut
-    or ended without a final message), "drain" (the worker drains or shuts down) or "error"
-    (its step failed); `address`: the decode worker's."""
-
-    def __init__(self, cause: str, error: ForwardError, address: str):
-        super().__init__(f"{cause}: {error}")
-        self.cause, self.error, self.address = cause, error, address
-
-
-class MigrationObserver(Protocol):
-    """What a choice's migrations report (gateway/metrics.py MigrationMetrics)."""
-
-    def migrated(self, cause: str) -> None: ...
-
-    def failed(self, reason: str) -> None: ...
-
-    def recomputed(self, tokens: int) -> None:
-        """Prompt and generated tokens a migration's re-prefill computed (not found cached)."""
-
-    def gap(self, seconds: float) -> None:
-        """From the last token before a break to the first message after it."""
-
-
-class NoObserver:
-    def migrated(self, cause: str) -> None: ...
-
-    def failed(self, reason: str) -> None: ...
-
-    def recomputed(self, tokens: int) -> None: ...
-
-    def gap(self, seconds: float) -> None: ...
+if TYPE_CHECKING:
+    from gateway.reader import ChoiceReader
 
 
 @dataclass(frozen=True)
 class Prompt:
     """What the workers get of a request's prompt besides its tokens: its cache salt (the
     request's `cache_salt`, "" for none) and its page keys for prefix routing (None: route by
-    load alone)."""
+    load alone).  The n choices of one prompt share it."""
     cache_salt: str = ""
     keys: PrefixKeys | None = None
 
 
 @dataclass
 class Choice:
-    """One choice's forwarding state, kept across its attempts and migrations."""
-    pool: WorkerPool
-    request_id: str
-    tenant: str
-    ids: list[int]                      # the original prompt
+    """One choice to generate, and everything generated for it so far."""
+    index: int                          # in the response
+    prompt_ids: list[int]               # the original prompt
     params: SamplingParams              # the client's
-    deadline: float                     # time.monotonic() when the request's timeout passes
-    max_attempts: int                   # tries of one stream before its first token
-    capacity_wait_s: float              # how long one stream waits for a worker with room
     prompt: Prompt = Prompt()
-    observer: MigrationObserver = field(default_factory=NoObserver)
-    generated: list[int] = field(default_factory=list)   # token ids streamed to the client so far
+    prompt_group: int = 0               # which prompt of the request (its n choices share one)
+    # a chat choice whose output is read for reasoning and tool calls (gateway/reader.py); None:
+    # its text is the message's content
+    reader: ChoiceReader | None = None
+    # what the client has been sent (or will be): one list of token ids, whichever worker made them
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[wpb.TokenLogprobs] = field(default_factory=list)
+    finish: wpb.Finish | None = None    # the stop state and usage, once it ended
+    # across attempts and migrations
     seed: int | None = None             # the seed of the reservation whose stream gave the first token
     cached_tokens: int | None = None    # that reservation's cached prompt tokens (the choice's usage)
     attempts: int = 0                   # Generate calls made (each gets its own request id)
+    migrations: int = 0                 # streams continued on another worker pair
+    broken_on: str | None = None        # the decode worker its stream last broke on
     leaving: set[str] = field(default_factory=set)   # workers that said DRAINING (or UNAVAILABLE): not again
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
 
     @property
     def need_tokens(self) -> int:
         """KV tokens a decode worker reserves for it: prompt + max_tokens, migrated or not."""
-        return len(self.ids) + self.params.max_tokens
+        return len(self.prompt_ids) + self.params.max_tokens
 
-    def remaining_s(self) -> float:
-        """Seconds to the deadline; raises ForwardError(TIMEOUT) when it passed."""
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise ForwardError(ErrorCode.TIMEOUT, "the request timeout passed")
-        return left
+    def keep_reservation(self, reservation: wpb.Reservation) -> None:
+        """The reservation whose stream gives the first token: its seed (a migrated choice
+        continues that sampler) and its cached prompt tokens (the choice's usage) are kept."""
+        if self.seed is None:
+            self.seed = reservation.seed
+            self.cached_tokens = min(reservation.cached_tokens, len(self.prompt_ids))
+
+    def add(self, tokens: wpb.Tokens) -> None:
+        """A Tokens message of its stream: text, token ids and logprobs, read by its reader."""
+        self.text += tokens.text
+        self.token_ids += tokens.token_ids
+        self.logprobs += tokens.logprobs
+        if self.reader is not None:
+            self.reader.feed(tokens.text, tokens.token_ids)
+
+    def end(self, finish: wpb.Finish) -> None:
+        """Its stream's Finish; a migrated choice's usage counts the first stream's cached
+        prompt tokens (the later ones re-prefilled what that one had)."""
+        if self.migrations and self.cached_tokens is not None:
+            finish.cached_tokens = self.cached_tokens
+        self.finish = finish
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The Finish's reason; "tool_calls" for a choice that stopped having made calls."""
+        reason = self.finish.finish_reason if self.finish else None
+        return self.reader.finish_reason(reason) if self.reader is not None else reason
+
+    @property
+    def matched_stop(self) -> str | int | None:
+        """The stop string or regex that ended the choice, or the stop token's id (None: none)."""
+        f = self.finish
+        if f is None:
+            return None
+        matched: str | int | None = f.matched_token_id if f.matched_token else (f.matched_stop or None)
+        return matched

@@ -17,22 +17,23 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.errors import ErrorCode
 from gateway.admission import Rejected
-from gateway.choice import ForwardError
-from gateway.errors import error_body, public
+from gateway.attempt import cancelling
+from gateway.choice import Choice
+from gateway.errors import ForwardError, error_body, public, public_message
 from gateway.fairness import reserved_tokens, share_key
 from gateway.fields import IGNORED_HEADER
-from gateway.forward import cancelling
-from gateway.jobs import Body, Job, RequestPlanner
-from gateway.migration import forward
-from gateway.openai_format import Formatter, prompt_tokens, public_message
+from gateway.forward import forward
+from gateway.openai_format import Formatter, prompt_tokens
+from gateway.planner import Body, RequestPlanner
 from gateway.protocol import ChatCompletionRequest
+from gateway.route import Route
 from gateway.streaming import DoneEvent, ErrorEvent, Event, EventStream, Generation, TokensEvent, sse
 
 log = logging.getLogger("tandem.gateway")
 
 
 class CompletionHandler(RequestPlanner):
-    """Serves a request's jobs (`RequestPlanner`, gateway/jobs.py, makes them): admission,
+    """Serves a request's choices (`RequestPlanner`, gateway/planner.py, makes them): admission,
     forwarding every choice, the JSON or event-stream answer."""
 
     async def serve(self, body: Body, request: Request, tenant: str) -> Response:
@@ -55,17 +56,18 @@ class CompletionHandler(RequestPlanner):
             raise Rejected(503, "no_worker", "no decode worker is ready; retry later")
         share = share_key(request, tenant, bool(gw.keys))     # whom it counts against in the limits
         constraint = await gw.structured.constraint(body, gw.output_settings, share)
-        jobs = await gw.prepare(self.jobs, body, context, capacity, tenant, frozenset(gw.pool.page_sizes()),
-                                constraint)
+        choices = await gw.prepare(self.choices, body, context, capacity, tenant,
+                                   frozenset(gw.pool.page_sizes()), constraint)
         so = body.stream_options
         fmt = Formatter("chat" if isinstance(body, ChatCompletionRequest) else "text",
                         gw.config.served_model_name, gw.tokenizer, body.logprobs_n, body.return_token_ids,
                         continuous_usage=bool(body.stream and so and so.include_usage and so.continuous_usage_stats))
         slot = AsyncExitStack()
-        await slot.enter_async_context(gw.queue.admit(share, reserved_tokens(jobs)))
+        await slot.enter_async_context(gw.queue.admit(share, reserved_tokens(choices)))
         events: asyncio.Queue[Event] = asyncio.Queue()
         started = time.monotonic()
-        tasks = [asyncio.create_task(self._run(fmt.id, tenant, job, events, started)) for job in jobs]
+        route = self._route(fmt.id, tenant, started)
+        tasks = [asyncio.create_task(self._run(choice, route, events, started)) for choice in choices]
         generation = Generation(slot, tasks)      # the slot goes back when the tasks end
         watch = asyncio.create_task(_watch_disconnect(request, tasks, events))
         if body.stream:
@@ -77,17 +79,16 @@ class CompletionHandler(RequestPlanner):
                 raise
             finally:
                 watch.cancel()
-            if isinstance(first, ErrorEvent) and first.state is None:     # failed before any token
+            if isinstance(first, ErrorEvent) and first.choice is None:     # failed before any token
                 await generation.close()
                 return self._error(first.error, fmt.id)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            states = [j.state for j in jobs]
-            stream = sse(fmt, states, events, first, include_usage, lambda e: self._error_body(e, fmt.id),
-                         lambda: self._count(jobs, "ok"))
+            stream = sse(fmt, choices, events, first, include_usage, lambda e: self._error_body(e, fmt.id),
+                         lambda: self._count(choices, "ok"))
             return EventStream(stream, on_close=generation.close)
         try:
             done = 0
-            while done < len(jobs):
+            while done < len(choices):
                 event = await events.get()
                 if isinstance(event, ErrorEvent):
                     return self._error(event.error, fmt.id)
@@ -95,51 +96,50 @@ class CompletionHandler(RequestPlanner):
         finally:
             watch.cancel()
             await generation.close()
-        self._count(jobs, "ok")
-        return JSONResponse(fmt.response([j.state for j in jobs]))
+        self._count(choices, "ok")
+        return JSONResponse(fmt.response(choices))
 
-    async def _run(self, rid: str, tenant: str, job: Job, events: asyncio.Queue[Event], started: float) -> None:
+    def _route(self, rid: str, tenant: str, started: float) -> Route:
+        """How the request's choices are forwarded: its id, tenant and deadline, the gateway's
+        workers and bounds."""
+        cfg = self.gw.config
+        return Route(self.gw.pool, rid, tenant, started + cfg.request_timeout_s, cfg.max_attempts,
+                     cfg.queue_timeout_s, cfg.max_migrations, self.gw.metrics.migration)
+
+    async def _run(self, choice: Choice, route: Route, events: asyncio.Queue[Event], started: float) -> None:
         """Forward one choice, reporting each TokensEvent and then a DoneEvent or an ErrorEvent."""
-        gw, state = self.gw, job.state
+        gw = self.gw
         last: float | None = None
         try:
-            async for msg in forward(gw.pool, f"{rid}-{state.index}", tenant, job.ids, job.params,
-                                     gw.config.request_timeout_s, gw.config.max_attempts,
-                                     gw.config.queue_timeout_s, job.prompt, gw.config.max_migrations,
-                                     gw.metrics.migration):
-                if msg.WhichOneof("kind") == "tokens":
-                    now = time.monotonic()
-                    (gw.metrics.itl.observe(now - last) if last is not None
-                     else gw.metrics.ttft.observe(now - started))
-                    last = now
-                    state.add(msg.tokens)
-                    await events.put(TokensEvent(state, msg.tokens))
-                else:
-                    state.finish = msg.finish
+            async for tokens in forward(choice, route):
+                now = time.monotonic()
+                gw.metrics.itl.observe(now - last) if last is not None else gw.metrics.ttft.observe(now - started)
+                last = now
+                await events.put(TokensEvent(choice, tokens))
             gw.metrics.e2e.observe(time.monotonic() - started)
-            await events.put(DoneEvent(state))
+            await events.put(DoneEvent(choice))
         except ForwardError as e:
-            await events.put(ErrorEvent(e, state if state.token_ids else None))
+            await events.put(ErrorEvent(e, choice if choice.token_ids else None))
         except asyncio.CancelledError:
             if cancelling():
                 raise                         # the response itself was cancelled
             await events.put(ErrorEvent(ForwardError(ErrorCode.DECODE_FAILED, "the call was cut"),
-                                        state if state.token_ids else None))
+                                        choice if choice.token_ids else None))
         except Exception:  # never leave the response waiting: a bug becomes an explicit 500
-            log.exception("request %s: forwarding failed", rid)
+            log.exception("request %s: forwarding failed", route.request_id)
             await events.put(ErrorEvent(ForwardError(ErrorCode.INTERNAL, "gateway error (logged)", 500),
-                                        state if state.token_ids else None))
+                                        choice if choice.token_ids else None))
 
-    def _count(self, jobs: list[Job], status: str) -> None:
+    def _count(self, choices: list[Choice], status: str) -> None:
         m = self.gw.metrics
         m.requests.labels(status).inc()
-        m.prompt_tokens.inc(prompt_tokens([j.state for j in jobs]))
-        m.generated.inc(sum(len(j.state.token_ids) for j in jobs))
+        m.prompt_tokens.inc(prompt_tokens(choices))
+        m.generated.inc(sum(len(c.token_ids) for c in choices))
 
     def _error_body(self, err: ForwardError, rid: str) -> dict[str, Any]:
         """The client's view of a failed request, as a response or a stream's last event: its
-        code as the error table spells it (gateway/errors.py), a public message
-        (gateway/openai_format.py PUBLIC_MESSAGES); the details go to the log under the request id."""
+        code as the error table spells it and its public message (gateway/errors.py); the
+        details go to the log under the request id."""
         self.gw.metrics.requests.labels("error").inc()
         log.warning("request %s failed: %s: %s", rid, err.code.value, err.message)
         return error_body(err.code, public_message(err.code, err.message, rid), status=err.status)

@@ -5,7 +5,8 @@ labels for tenants in a bounded number.
 With API keys, a tenant is the key's tenant.  Without, the client's address stands in for it in
 the gateway's limits and metrics (an IPv6 client by its /64, which one host usually holds whole);
 the tenant the workers see stays `default`: it names the isolation domain of the ownership tags
-(and of a future prefix cache), and anonymous clients are one domain — an address is no identity.
+and of the prefix cache (its salt is derived from the tenant, engine/prefix_cache.py), and
+anonymous clients are one domain — an address is no identity.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import Protocol
 
 from starlette.requests import Request
 
-from engine.params import SamplingParams
 from gateway.config import GatewayConfig
 from gateway.routing import WorkerPool
 from worker.types import Role
@@ -59,16 +59,20 @@ def tenant_label(key: str) -> str:
     return f"addr-{bucket:02d}"
 
 
-class Choice(Protocol):
-    ids: list[int]
-    params: SamplingParams
+class NeedsKv(Protocol):
+    """Something that reserves KV tokens on a decode worker (a `gateway.choice.Choice`)."""
+
+    @property
+    def need_tokens(self) -> int:
+        """Its prompt + max_tokens."""
+        ...
 
 
-def reserved_tokens(choices: Sequence[Choice]) -> int:
+def reserved_tokens(choices: Sequence[NeedsKv]) -> int:
     """The KV tokens a request reserves on the decode workers: prompt + max_tokens for each
     choice, the whole prompt even where a decode worker's prefix cache holds part of it (the
     gateway admits before any worker says what it has cached): an upper bound."""
-    return sum(len(c.ids) + c.params.max_tokens for c in choices)
+    return sum(c.need_tokens for c in choices)
 
 
 class ClusterKv:

@@ -11,8 +11,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 
 from gateway.admission import AdmissionQueue
+from gateway.errors import Cause
 from gateway.fairness import tenant_label
-from gateway.migration import CAUSES, REASONS
+from gateway.migration import REASONS
 from gateway.routing import WorkerPool
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -111,7 +112,8 @@ class Metrics:
 
 
 class MigrationMetrics:
-    """What the choices' migrations report (gateway/migration.py; a MigrationObserver)."""
+    """What the choices' migrations report (gateway/migration.py; a gateway/route.py
+    MigrationObserver)."""
 
     def __init__(self, r: CollectorRegistry) -> None:
         self.total = Counter("tandem_migrations", "Streams continued on another worker after their decode "
@@ -123,7 +125,7 @@ class MigrationMetrics:
         self.gaps = Histogram("tandem_migration_gap_seconds", "From the last token before a stream broke to "
                               "the first message after it, as the gateway saw them", buckets=GAP_BUCKETS,
                               registry=r)
-        for cause in CAUSES:
+        for cause in Cause:
             self.total.labels(cause)
         for reason in REASONS:
             self.failed_total.labels(reason)

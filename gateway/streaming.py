@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.choice import ForwardError
-from gateway.openai_format import ChoiceState, Formatter
+from gateway.choice import Choice
+from gateway.errors import ForwardError
+from gateway.openai_format import Formatter
 from proto import worker_pb2 as wpb
 
 
@@ -28,19 +29,19 @@ from proto import worker_pb2 as wpb
 # DoneEvent or ErrorEvent.
 @dataclass(frozen=True)
 class TokensEvent:
-    state: ChoiceState
+    choice: Choice
     tokens: wpb.Tokens
 
 
 @dataclass(frozen=True)
 class DoneEvent:
-    state: ChoiceState
+    choice: Choice
 
 
 @dataclass(frozen=True)
 class ErrorEvent:
     error: ForwardError
-    state: ChoiceState | None         # None: the choice failed before any token was streamed
+    choice: Choice | None             # None: the choice failed before any token was streamed
 
 
 Event = TokensEvent | DoneEvent | ErrorEvent
@@ -84,7 +85,7 @@ class EventStream(StreamingResponse):
             await self.on_close()
 
 
-async def sse(fmt: Formatter, states: list[ChoiceState], events: asyncio.Queue[Event], first: Event,
+async def sse(fmt: Formatter, choices: list[Choice], events: asyncio.Queue[Event], first: Event,
               include_usage: bool, on_error: Callable[[ForwardError], dict[str, object]],
               on_done: Callable[[], None]) -> AsyncIterator[str]:
     """The events of one stream: each choice's first chunk carries the role, then its text as it
@@ -93,38 +94,33 @@ async def sse(fmt: Formatter, states: list[ChoiceState], events: asyncio.Queue[E
     ends the stream with the error body `on_error` makes (and no `[DONE]`); `on_done` runs when
     the stream completed."""
     sent_role: set[int] = set()
-    offsets = {s.index: 0 for s in states}
+    offsets = {c.index: 0 for c in choices}
     item, done = first, 0
     while True:
         if isinstance(item, ErrorEvent):
             yield _event(on_error(item.error))
             return
-        state = item.state
-        reader = state.reader
-        if isinstance(item, TokensEvent) or state.index not in sent_role:
+        c = item.choice
+        reader = c.reader
+        if isinstance(item, TokensEvent) or c.index not in sent_role:
             tokens = item.tokens if isinstance(item, TokensEvent) else wpb.Tokens()
-            yield _event(fmt.chunk(_pending(state), tokens.text, list(tokens.logprobs),
-                                   first=state.index not in sent_role, offset=offsets[state.index],
-                                   ids=list(tokens.token_ids), delta=reader.take() if reader else None))
-            offsets[state.index] += len(tokens.text)
-            sent_role.add(state.index)
+            yield _event(fmt.chunk(c, tokens.text, list(tokens.logprobs), first=c.index not in sent_role,
+                                   offset=offsets[c.index], ids=list(tokens.token_ids),
+                                   delta=reader.take() if reader else None))
+            offsets[c.index] += len(tokens.text)
+            sent_role.add(c.index)
         if isinstance(item, DoneEvent):
             done += 1
             if reader is not None:
                 reader.finish()       # what it held back (a call block closed by the end) comes now
-            yield _event(fmt.chunk(state, "", [], delta=reader.take() if reader else None))
-            if done == len(states):
+            yield _event(fmt.chunk(c, "", [], delta=reader.take() if reader else None, last=True))
+            if done == len(choices):
                 break
         item = await events.get()
     if include_usage:
-        yield _event(fmt.usage_chunk(states))
+        yield _event(fmt.usage_chunk(choices))
     yield "data: [DONE]\n\n"
     on_done()
-
-
-def _pending(state: ChoiceState) -> ChoiceState:
-    """The state as a chunk before the end: no finish reason yet."""
-    return ChoiceState(state.index, state.prompt_tokens, prompt_group=state.prompt_group)
 
 
 def _event(body: dict[str, object]) -> str:

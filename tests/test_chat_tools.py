@@ -15,8 +15,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine.config import SHIPPED_MODEL
+from engine.params import SamplingParams
 from gateway.chat import OutputSettings, render_chat
-from gateway.openai_format import ChoiceState, Formatter
+from gateway.choice import Choice
+from gateway.openai_format import Formatter
 from gateway.reader import choice_reader
 from gateway.streaming import DoneEvent, Event, TokensEvent, sse
 from proto import worker_pb2 as wpb
@@ -108,14 +110,14 @@ def test_response_and_stream_of_a_choice_with_calls() -> None:
     text = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     settings = OutputSettings(None, "", "hermes", (), TOK)
 
-    def state() -> ChoiceState:
-        return ChoiceState(0, 5, reader=choice_reader(settings, body()))
+    def state() -> Choice:
+        return Choice(0, [1] * 5, SamplingParams(), reader=choice_reader(settings, body()))
 
     fmt = Formatter("chat", "tiny-moe", TOK, None)
     whole = state()
     for t in tokens(text):
         whole.add(t)
-    whole.finish = wpb.Finish(finish_reason="stop")
+    whole.end(wpb.Finish(finish_reason="stop"))
     msg = fmt.response([whole])["choices"][0]
     assert msg["finish_reason"] == "tool_calls" and msg["message"]["content"] == "Checking."
     call = msg["message"]["tool_calls"][0]
@@ -126,7 +128,7 @@ def test_response_and_stream_of_a_choice_with_calls() -> None:
         for t in tokens(text):
             s.add(t)
             events.put_nowait(TokensEvent(s, t))
-        s.finish = wpb.Finish(finish_reason="stop")
+        s.end(wpb.Finish(finish_reason="stop"))
         events.put_nowait(DoneEvent(s))
         first = await events.get()
         return [json.loads(e[len("data: "):]) for e in

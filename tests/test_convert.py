@@ -10,7 +10,7 @@ import pytest
 from engine.constraint import Constraint
 from engine.errors import ErrorCode
 from engine.params import SamplingParams
-from gateway.forward import ForwardError
+from gateway.errors import ForwardError
 from gateway.protocol import PER_CHOICE, ChatCompletionRequest, CompletionRequest, _Common, sampling_params
 from proto import worker_pb2 as wpb
 from worker.convert import SPECIAL_FIELDS, params_from_proto, params_to_proto

@@ -18,8 +18,8 @@ from gateway.admission import AdmissionQueue, Rejected
 from gateway.completions import CompletionHandler
 from gateway.config import GatewayConfig
 from gateway.fairness import ADDRESS_LABELS, ClusterKv, share_key, tenant_label
-from gateway.jobs import DEFAULT_COMPLETION_TOKENS
 from gateway.metrics import Metrics
+from gateway.planner import DEFAULT_COMPLETION_TOKENS
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routing import WorkerPool
 from proto import worker_pb2 as wpb

@@ -14,7 +14,7 @@ import pytest
 import gateway.completions
 from engine.config import SHIPPED_MODEL
 from engine.errors import ErrorCode
-from gateway.forward import ForwardError
+from gateway.errors import ForwardError
 from proto import worker_pb2 as wpb
 from tests.gateway_helpers import API_KEY, gateway_cluster, get, post, start_gateway, wait_ready
 from tests.workers import config
@@ -120,10 +120,13 @@ def test_an_internal_error_is_a_coded_500_with_an_id_and_the_details_only_in_the
 
 
 def failing_forward(tokens_first: bool, error: Exception):
-    """A stand-in for gateway.forward.forward: maybe one token, then `error`."""
-    async def forward(*args, **kwargs):
+    """A stand-in for gateway.forward.forward: maybe one token (recorded in the choice, as the
+    attempts do), then `error`."""
+    async def forward(choice, route):
         if tokens_first:
-            yield wpb.GenerateResponse(tokens=wpb.Tokens(text="a", token_ids=[64]))
+            tokens = wpb.Tokens(text="a", token_ids=[64])
+            choice.add(tokens)
+            yield tokens
         raise error
     return forward
 

@@ -361,21 +361,29 @@ def test_a_draining_worker_gets_no_new_request():
 
 
 def test_a_stream_that_fits_no_other_worker_fails_at_once_naming_the_capacity():
+    from dataclasses import replace
+
     from engine.params import SamplingParams
-    from gateway.choice import Choice, ForwardError, StreamBroken
-    from gateway.migration import _check
+    from gateway.attempt import Broken
+    from gateway.choice import Choice
+    from gateway.errors import Cause, ForwardError
+    from gateway.migration import migrate
+    from gateway.route import Route
     pool = WorkerPool(("127.0.0.1:1", "127.0.0.1:2"), ("127.0.0.1:3",), (), b"")
     big, small = pool.of(Role.DECODE)
     big.health = wpb.HealthReply(ready=True, kv_capacity_tokens=1000)
     small.health = wpb.HealthReply(ready=True, kv_capacity_tokens=100)
-    c = Choice(pool, "r", "acme", [1] * 50, SamplingParams(max_tokens=400), 0.0, 3, 1.0)
-    broken = StreamBroken("lost", ForwardError(ErrorCode.DECODE_FAILED, "cut"), big.address)
+    route = Route(pool, "r", "acme", 0.0, 3, 1.0, max_migrations=3)
+
+    def choice() -> Choice:
+        return Choice(0, [1] * 50, SamplingParams(max_tokens=400))
+    broken = Broken(Cause.LOST, ForwardError(ErrorCode.DECODE_FAILED, "cut"), big.address)
     with pytest.raises(ForwardError) as e:
-        _check(c, broken, 1, 3, set())
+        migrate(choice(), route, broken)
     assert e.value.code == ErrorCode.MIGRATION_FAILED and e.value.status == 503
     assert "450" in e.value.message and "largest: 100 tokens" in e.value.message
     small.health = wpb.HealthReply(ready=True, kv_capacity_tokens=100, draining=True)
-    _check(c, broken, 1, 3, set())             # none known that fits or not: it waits for one
+    migrate(choice(), route, broken)           # none known that fits or not: it waits for one
     with pytest.raises(ForwardError) as e:
-        _check(c, broken, 1, 0, set())
+        migrate(choice(), replace(route, max_migrations=0), broken)
     assert e.value.code == ErrorCode.MIGRATION_FAILED and "--max-migrations 0" in e.value.message

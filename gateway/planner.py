@@ -1,25 +1,22 @@
-"""A completion request turned into work, before any worker is contacted: the cheap checks
+"""A completion request turned into choices, before any worker is contacted: the cheap checks
 on the event loop (404/400 naming the field), the fields it ignored (named back), its prompts
-tokenized and checked against the context and the decode workers' KV capacity, and one `Job`
-per choice with its sampling parameters, reader and prefix-routing keys.  `CompletionHandler`
-(gateway/completions.py) serves the jobs."""
+tokenized and checked against the context and the decode workers' KV capacity, and one
+`Choice` (gateway/choice.py) per choice with its sampling parameters, reader and prefix-routing
+keys.  `CompletionHandler` (gateway/completions.py) serves the choices."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import jinja2
 
 from engine.constraint import Constraint
-from engine.params import SamplingParams
 from gateway.admission import InvalidField, Rejected
 from gateway.cache_view import PrefixKeys
 from gateway.chat import chat_prompt
-from gateway.choice import Prompt
+from gateway.choice import Choice, Prompt
 from gateway.errors import shown
 from gateway.fields import IgnoredFields
-from gateway.openai_format import ChoiceState
 from gateway.prompts import PromptTooLong
 from gateway.protocol import REASONING_EFFORTS, ChatCompletionRequest, CompletionRequest, sampling_params
 from gateway.reader import choice_reader
@@ -34,18 +31,9 @@ MAX_TEMPLATE_MESSAGE = 400          # of a chat template's refusal, as the clien
 Body = ChatCompletionRequest | CompletionRequest
 
 
-@dataclass
-class Job:
-    """One choice to generate."""
-    state: ChoiceState
-    ids: list[int]
-    params: SamplingParams
-    prompt: Prompt = Prompt()         # its cache salt and page keys (the n choices of a prompt share them)
-
-
 class RequestPlanner:
-    """A request's checks, ignored fields, prompts and choices (`Job`s): everything done
-    before admission, with no worker contacted (`CompletionHandler` serves them)."""
+    """A request's checks, ignored fields, prompts and choices: everything done before
+    admission, with no worker contacted (`CompletionHandler` serves them)."""
 
     def __init__(self, gw: Gateway):
         self.gw = gw                  # the Gateway: config, tokenizer, pool, queue, metrics
@@ -137,8 +125,8 @@ class RequestPlanner:
                 out.append(list(x))         # its length is checked with max_tokens (_max_tokens)
         return out
 
-    def jobs(self, body: Body, context: int, capacity: int, tenant: str = "default",
-             page_sizes: frozenset[int] = frozenset(), constraint: Constraint | None = None) -> list[Job]:
+    def choices(self, body: Body, context: int, capacity: int, tenant: str = "default",
+                page_sizes: frozenset[int] = frozenset(), constraint: Constraint | None = None) -> list[Choice]:
         """Tokenizes the prompts, builds each choice's sampling parameters (compiling its stop
         patterns; `constraint`: the request's structured output, already compiled) and, for
         prefix routing, each prompt's page keys for `page_sizes`: the expensive part, run on a
@@ -148,7 +136,7 @@ class RequestPlanner:
         if not prompts or len(prompts) * body.n > gw.config.max_n:
             raise Rejected(400, "too_many_choices", f"{len(prompts)} prompt(s) x n={body.n} choices exceeds "
                            f"the limit of {gw.config.max_n} per request")
-        jobs: list[Job] = []
+        choices: list[Choice] = []
         for group, ids in enumerate(prompts):
             self._check_ids(ids)
             max_tokens = self._max_tokens(body, len(ids), context, capacity)
@@ -162,9 +150,8 @@ class RequestPlanner:
                 # one fresh reader per choice: its reasoning, content and tool calls (gateway/reader.py)
                 reader = choice_reader(gw.output_settings, body) if isinstance(body, ChatCompletionRequest) \
                     else None
-                jobs.append(Job(ChoiceState(len(jobs), len(ids), prompt_group=group, reader=reader), ids, params,
-                                prompt))
-        return jobs
+                choices.append(Choice(len(choices), ids, params, prompt, prompt_group=group, reader=reader))
+        return choices
 
     def _prompt(self, body: Body, tenant: str, ids: list[int], page_sizes: frozenset[int]) -> Prompt:
         """The prompt's cache salt, and its page keys when routing follows the workers' caches."""

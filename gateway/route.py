@@ -1,0 +1,61 @@
+"""What the choices of one request share on their way through the workers (`Route`): the
+worker pool, the request's id, tenant and deadline, the bounds on tries, waits and migrations,
+and what migrations report (`MigrationObserver`, gateway/metrics.py MigrationMetrics)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.errors import ErrorCode
+from gateway.choice import Choice
+from gateway.errors import ForwardError
+from gateway.routing import WorkerPool
+
+
+class MigrationObserver(Protocol):
+    """What a choice's migrations report."""
+
+    def migrated(self, cause: str) -> None: ...
+
+    def failed(self, reason: str) -> None: ...
+
+    def recomputed(self, tokens: int) -> None:
+        """Prompt and generated tokens a migration's re-prefill computed (not found cached)."""
+
+    def gap(self, seconds: float) -> None:
+        """From the last token before a break to the first message after it."""
+
+
+class NoObserver:
+    def migrated(self, cause: str) -> None: ...
+
+    def failed(self, reason: str) -> None: ...
+
+    def recomputed(self, tokens: int) -> None: ...
+
+    def gap(self, seconds: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class Route:
+    """How one request's choices are forwarded."""
+    pool: WorkerPool
+    request_id: str                     # the response's id; a choice's is `choice_id(choice)`
+    tenant: str
+    deadline: float                     # time.monotonic() when the request's timeout passes
+    max_attempts: int                   # failed tries of one stream before its first token
+    capacity_wait_s: float = 30.0       # how long one stream waits for a worker with room
+    max_migrations: int = 3             # per choice
+    observer: MigrationObserver = field(default_factory=NoObserver)
+
+    def choice_id(self, choice: Choice) -> str:
+        return f"{self.request_id}-{choice.index}"
+
+    def remaining_s(self) -> float:
+        """Seconds to the deadline; raises ForwardError(TIMEOUT) when it passed."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise ForwardError(ErrorCode.TIMEOUT, "the request timeout passed")
+        return left
