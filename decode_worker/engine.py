@@ -125,7 +125,7 @@ class DecodeEngine:
             try:
                 res = self.receiver.reserve(request_id, tenant, len(kv_ids), digest, timeout_s, cached_tokens=cached)
             except ValueError as e:
-                self.pool.free(request_id)            # nothing stays reserved, nothing is published
+                core.release(req)                     # nothing stays reserved, nothing is published
                 raise WorkerError(ErrorCode.INVALID_REQUEST, str(e)) from None
             dreq = self.requests[request_id] = DecodeRequest(req, tenant, res, params)
             dreq.reserved_pages = len(self.pool.page_table(request_id))
@@ -273,8 +273,7 @@ class DecodeEngine:
         req = dreq.req
         with self.lock:
             self.receiver.release(dreq.reservation.transfer_id)
-            if not self.core.abort(req):             # admitted: the core publishes what it computed
-                self.pool.free(req.request_id)       # reserved, not admitted: publishes nothing
+            self.core.release(req)      # admitted: publishes what it computed; reserved: nothing
             self._ended(dreq, error)
 
     def _ended(self, dreq: DecodeRequest, error: WorkerError) -> None:

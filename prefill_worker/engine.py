@@ -270,8 +270,7 @@ class PrefillEngine:
         if job.done.is_set():
             return
         with self.lock:
-            if not self.core.abort(job.req):
-                self.core.free(job.req.request_id)
+            self.core.release(job.req)          # queued, running or detached after its push
             self.jobs.pop(job.req.request_id, None)
         job.error = error
         self.counts["failed" if error else "pushed"] += 1
