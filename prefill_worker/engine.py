@@ -2,11 +2,11 @@
 `EngineCore`, batched and chunked by its scheduler), first-token sampling, and a `Pusher` per
 request that sends its pages while later layers still compute.
 
-    submit()    -> PrefillJob (a future)  queued; pages reserved for the prompt when admitted,
+    submit(order) -> PrefillJob (a future)  queued; pages reserved for the prompt when admitted,
                 the leading ones shared from this worker's prefix cache (salted with the tenant
                 and the request's cache_salt) and not computed again
     before_run  for every request whose last chunk is in the batch, start its pusher (pages
-                from the decode worker's cached prefix on); the forward pass's layer hook hands
+                after the decode worker's `cached_tokens`); the forward pass's layer hook hands
                 it each layer group as soon as it is written
     after_run   the token path detached the request after its first token (pages kept):
                 the pusher commits with it
@@ -25,34 +25,29 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from engine.core import EngineCore, LayerHook, TokenEvent
 from engine.errors import ErrorCode
-from engine.params import SamplingParams
 from engine.request import Request
 from engine.scheduler import ScheduledBatch
-from kv_transfer.frame import prompt_digest
 from kv_transfer.hooks import TransferHooks
 from kv_transfer.sender import TransferTicket
 from kv_transfer.transport import TransportConfig
 from prefill_worker.pusher import Pusher, PushPlan
-from worker.checks import check_decode_cached, check_request_id, new_request, request_salt
+from worker.checks import check_cached_tokens, check_request_id, new_request, request_salt
+from worker.handoff import PrefillOrder
 from worker.stats import CacheCounts
 from worker.types import WorkerError
 
 
 @dataclass
 class PrefillJob:
+    order: PrefillOrder
     req: Request                  # req.request_id: the pool owner of the prefill pages
-    request_id: str               # the request's id (what the ownership tag binds)
-    tenant: str
-    endpoint: str
-    transfer_id: bytes
-    decode_cached_tokens: int = 0  # the decode worker's cached prefix: pages before it are not sent
     done: threading.Event = field(default_factory=threading.Event)
     error: WorkerError | None = None
     first_token: int = -1
@@ -60,6 +55,11 @@ class PrefillJob:
     frames: int = 0
     pusher: Pusher | None = None
     cancelled: ErrorCode | None = None     # the code it ends with once its cancelled push has ended
+
+    @property
+    def request_id(self) -> str:
+        """The client's request id (the order's)."""
+        return self.order.request_id
 
 
 @dataclass(frozen=True)
@@ -102,36 +102,36 @@ class PrefillEngine:
         self.hooks = hooks
 
     # ---- called from RPC threads -------------------------------------------------
-    def submit(self, request_id: str, tenant: str, ids: list[int], params: SamplingParams,
-               endpoint: str, transfer_id: bytes, cache_salt: str = "", decode_cached_tokens: int = 0,
-               generated: Sequence[int] = ()) -> PrefillJob:
-        """Queue a prompt.  Its pages found in this worker's prefix cache (salted with the
-        tenant and `cache_salt`) are not computed again; the push sends the pages after the
-        decode worker's `decode_cached_tokens` (a multiple of the page size, below the prompt's
-        length).  `generated` (a migrated request): the tokens it generated before; their KV is
-        computed and pushed with the prompt's (the transfer's digest binds the boundary) and the
-        token sampled is the next one, with the seed's generator past their draws.  Raises
-        WorkerError (INVALID_REQUEST, PROMPT_TOO_LONG, UNKNOWN_PEER, DRAINING, UNAVAILABLE)
-        queuing nothing."""
-        core = self.core
+    def submit(self, order: PrefillOrder) -> PrefillJob:
+        """Queue the order's prompt.  Its pages found in this worker's prefix cache (salted
+        with the tenant and `order.cache_salt`) are not computed again; the push sends the pages
+        after the decode worker's `order.cached_tokens` (a multiple of the page size, below the
+        prompt's length).  `order.generated_token_ids` (a migrated request): the tokens it
+        generated before; their KV is computed and pushed with the prompt's (the order's digest
+        binds the boundary) and the token sampled is the next one, with the seed's generator
+        past their draws.  Raises WorkerError (INVALID_REQUEST, PROMPT_TOO_LONG, UNKNOWN_PEER,
+        DRAINING, UNAVAILABLE) queuing nothing."""
+        core, endpoint = self.core, order.decode_endpoint
         self._check_admitting()
-        check_request_id(request_id)
+        check_request_id(order.request_id)
         if not self.peers(endpoint):
             self.counts["unknown_peer"] += 1
             raise WorkerError(ErrorCode.UNKNOWN_PEER, f"decode endpoint {endpoint[:200]!r} is not a decode worker "
                               "of this deployment: prefill pushes only to the registry's (or --decode-peer) endpoints")
-        if params.seed is None:
+        if order.params.seed is None:
             raise WorkerError(ErrorCode.INVALID_REQUEST, "prefill needs the seed the decode worker's reservation gave")
-        salt = request_salt(self.secret, tenant, cache_salt)
-        owner = request_id + self.owner_suffix
+        salt = request_salt(self.secret, order.tenant, order.cache_salt)
+        owner = order.request_id + self.owner_suffix
         # its generator: the seed's, past the generated tokens' draws
-        req = new_request(core, owner, ids, params, handoff=True, salt=salt, generated=generated)
-        check_decode_cached(decode_cached_tokens, len(req.prompt_token_ids), self.pool.page_size)
-        job = PrefillJob(req, request_id, tenant, endpoint, transfer_id, decode_cached_tokens)
+        req = new_request(core, owner, list(order.prompt_token_ids), order.params, handoff=True, salt=salt,
+                          generated=order.generated_token_ids)
+        check_cached_tokens(order.cached_tokens, len(req.prompt_token_ids), self.pool.page_size)
+        job = PrefillJob(order, req)
         with self.lock:
             self._check_admitting()               # under the lock: a drain admits nothing after it began
             if owner in self.jobs:
-                raise WorkerError(ErrorCode.INVALID_REQUEST, f"request id {request_id!r} is already being prefilled")
+                raise WorkerError(ErrorCode.INVALID_REQUEST,
+                                  f"request id {order.request_id!r} is already being prefilled")
             self.jobs[owner] = job
             core.add(req)
             self.counts["submitted"] += 1
@@ -253,16 +253,15 @@ class PrefillEngine:
 
     # ---- internals -----------------------------------------------------------------
     def _start_push(self, job: PrefillJob) -> None:
-        req = job.req
-        ticket = TransferTicket(job.transfer_id, job.request_id, job.tenant,
-                                prompt_digest(req.prompt_token_ids, req.resumed))
+        req, order = job.req, job.order
+        ticket = TransferTicket(order.transfer_id, order.request_id, order.tenant, order.digest)
         if req.params.logprobs is None:      # the first token's logprob travels in the commit
             req.params = replace(req.params, logprobs=0)
         prompt = req.num_prompt_tokens           # the prompt's lookups, not a migrated request's generated
         self.cache.count(prompt, min(req.num_cached_tokens, prompt))
-        plan = PushPlan(ticket, job.endpoint, self.secret, self.pool, self.pool.page_table(req.request_id),
+        plan = PushPlan(ticket, order.decode_endpoint, self.secret, self.pool, self.pool.page_table(req.request_id),
                         len(req.prompt_token_ids), self.transport, self.hooks.sender,
-                        first_page=job.decode_cached_tokens // self.pool.page_size)
+                        cached_tokens=order.cached_tokens)
         job.pusher = Pusher(plan, on_done=lambda err, frames: self._post(Pushed(job, err, frames)))
 
     def _finish(self, job: PrefillJob, error: WorkerError | None) -> None:
