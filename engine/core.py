@@ -230,6 +230,12 @@ class EngineCore:
         if not self.scheduler.remove(req, "abort"):
             self.pool.free(req.request_id)
 
+    def detach(self, req: Request) -> None:
+        """Take a running hand-off request out of the batch with its pages kept (a push still
+        reads them: its owner releases them once the push has ended).  Not running: nothing."""
+        if req in self.scheduler.running:
+            self.scheduler.detach(req)
+
     # ---- the step --------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
         return self.scheduler.schedule()

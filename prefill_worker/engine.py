@@ -10,8 +10,8 @@ request that sends its pages while later layers still compute.
                 it each layer group as soon as it is written
     after_run   the token path detached the request after its first token (pages kept):
                 the pusher commits with it
-    drain       a push ended (acknowledged or failed): the request's pages are freed here, on
-                the loop's thread, never while a forward pass may still write them
+    handle_inbox  a push ended (acknowledged or failed): the request's pages are released here,
+                on the loop's thread, never while a forward pass may still write them
 
 A migrated request's prompt comes with the tokens it generated before: their KV is computed
 and pushed with the prompt's, and the token sampled is the next one (the seed's generator past
@@ -21,10 +21,8 @@ cancels the jobs left (their callers get DRAINING).
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -40,7 +38,7 @@ from kv_transfer.transport import TransportConfig
 from prefill_worker.pusher import Pusher, PushPlan
 from worker.checks import check_cached_tokens, check_request_id, new_request, request_salt
 from worker.handoff import PrefillOrder
-from worker.stats import CacheCounts
+from worker.role import RoleEngine
 from worker.types import WorkerError
 
 
@@ -79,23 +77,20 @@ class CancelJob:
     code: ErrorCode | None = None          # None: CANCELLED (a push under way: TRANSFER_FAILED)
 
 
-class PrefillEngine:
+class PrefillEngine(RoleEngine[Pushed | CancelJob]):
+    """The prefill role (worker/role.py): it releases a job's pages once its push has ended."""
+
     def __init__(self, core: EngineCore, secret: bytes, lock: threading.RLock, wake: threading.Event,
                  peers: Callable[[str], bool], layer_group: int = 2, transport: TransportConfig | None = None,
                  owner_suffix: str = ""):
         """`peers(endpoint)`: whether a push to that decode endpoint is allowed (worker/peers.py)."""
-        self.core, self.pool, self.lock, self.wake = core, core.pool, lock, wake
+        super().__init__(core, lock, wake)
         self.peers = peers
         self.secret, self.layer_group = secret, layer_group
         self.transport = transport or TransportConfig()
         self.hooks = TransferHooks()          # the sender's hooks (install_hooks)
         self.owner_suffix = owner_suffix      # colocated: prefill pages share the decode's pool
-        self.jobs: dict[str, PrefillJob] = {}
-        self.closing = False
-        self.draining = False                 # start_drain(): new prompts are refused (DRAINING)
-        self._inbox: queue.SimpleQueue[Pushed | CancelJob] = queue.SimpleQueue()
-        self.counts: Counter[str] = Counter()
-        self.cache = CacheCounts()            # its own prefix-cache lookups (prompt tokens, hits)
+        self.jobs: dict[str, PrefillJob] = {}   # by pool owner (request id + owner_suffix)
 
     def install_hooks(self, hooks: TransferHooks) -> None:
         """Send every later push through `hooks.sender` (kv_transfer.hooks)."""
@@ -138,25 +133,11 @@ class PrefillEngine:
         self.wake.set()
         return job
 
-    def _check_admitting(self) -> None:
-        if self.closing:
-            raise WorkerError(ErrorCode.UNAVAILABLE, "the worker is shutting down")
-        if self.draining:
-            raise WorkerError(ErrorCode.DRAINING, "the worker is draining: send the request to another worker")
-
     def cancel(self, request_id: str, why: str) -> None:
         """The caller gave up: drop the job wherever it is."""
         self._post(CancelJob(request_id + self.owner_suffix, why))
 
     # ---- draining (worker/drain.py) ------------------------------------------------
-    def start_drain(self) -> None:
-        """Refuse every later prompt with DRAINING."""
-        with self.lock:                       # a submit() past its check holds the lock: it ends first
-            self.draining = True
-
-    def undrain(self) -> None:
-        self.draining = False
-
     def live(self) -> list[str]:
         """The request ids of its jobs not ended (queued, prefilling or pushing)."""
         with self.lock:
@@ -171,35 +152,28 @@ class PrefillEngine:
             self._post(CancelJob(owner, message, code))
         return len(owners)
 
-    def _post(self, item: Pushed | CancelJob) -> None:
-        self._inbox.put(item)
-        self.wake.set()
-
     @property
     def queued_tokens(self) -> int:
         return sum(len(j.req.prompt_token_ids) - j.req.num_computed for j in list(self.jobs.values())
                    if j.pusher is None)
 
     # ---- the loop's side (RoleEngine) ------------------------------------------------
-    def drain(self) -> bool:
-        did = False
-        while not self._inbox.empty():
-            item = self._inbox.get()
-            did = True
-            if isinstance(item, Pushed):
-                item.job.frames = item.frames
-                code = item.job.cancelled or ErrorCode.TRANSFER_FAILED
-                self._finish(item.job, WorkerError(code, item.error) if item.error else None)
-                continue
-            job = self.jobs.get(item.owner)
-            if job is None:
-                continue
-            if job.pusher is not None:
-                job.cancelled = job.cancelled or item.code
-                job.pusher.cancel(item.why)          # its Pushed report finishes the job
-            else:
-                self._finish(job, WorkerError(item.code or ErrorCode.CANCELLED, item.why))
-        return did
+    def _handle(self, item: Pushed | CancelJob) -> None:
+        """A push ended (its job finishes), or a caller gave up (a job not pushing yet finishes;
+        a push under way is cancelled, and its Pushed report finishes the job)."""
+        if isinstance(item, Pushed):
+            item.job.frames = item.frames
+            code = item.job.cancelled or ErrorCode.TRANSFER_FAILED
+            self._finish(item.job, WorkerError(code, item.error) if item.error else None)
+            return
+        job = self.jobs.get(item.owner)
+        if job is None:
+            return
+        if job.pusher is not None:
+            job.cancelled = job.cancelled or item.code
+            job.pusher.cancel(item.why)
+        else:
+            self._finish(job, WorkerError(item.code or ErrorCode.CANCELLED, item.why))
 
     def before_run(self, batch: ScheduledBatch) -> LayerHook | None:
         """Start the push of every job whose last prompt chunk is in this batch."""
@@ -233,8 +207,7 @@ class PrefillEngine:
                 continue
             if job.pusher is not None:
                 with self.lock:                     # pages kept until the push has ended
-                    if req in self.core.scheduler.running:
-                        self.core.scheduler.detach(req)
+                    self.core.detach(req)
                 job.pusher.cancel(werr.message)
             else:
                 self._finish(job, werr)
@@ -245,7 +218,7 @@ class PrefillEngine:
             self.cancel(job.request_id, "worker shutting down")
         end = time.monotonic() + timeout_s
         while True:
-            self.drain()
+            self.handle_inbox()
             if not self.jobs or time.monotonic() > end:
                 return
             self.wake.wait(0.01)
@@ -265,16 +238,14 @@ class PrefillEngine:
         job.pusher = Pusher(plan, on_done=lambda err, frames: self._post(Pushed(job, err, frames)))
 
     def _finish(self, job: PrefillJob, error: WorkerError | None) -> None:
-        """Free the job's prefill pages and answer its caller (on the loop's thread)."""
+        """Release the job's prefill pages and answer its caller (on the loop's thread)."""
         if job.done.is_set():
             return
         with self.lock:
             self.core.release(job.req)          # queued, running or detached after its push
             self.jobs.pop(job.req.request_id, None)
         job.error = error
-        self.counts["failed" if error else "pushed"] += 1
-        if error is not None and error.code == ErrorCode.DRAINING:
-            self.counts["drained"] += 1
+        self._count_end(error, "pushed")
         job.done.set()
 
 
