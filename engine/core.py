@@ -13,7 +13,8 @@ Who frees which pages when:
 - a request that finishes (stop, length, or "error": its stop check ran past the budget,
   `req.stopper.error` says why) is freed by `update`/`accept_token`, at once;
 - a hand-off request (`Request.handoff`: prefill for another worker) is detached after its
-  first token with its pages kept; its owner releases them once the push has ended;
+  first token (or by `detach`, a failed step) with its pages kept; its owner releases them
+  once the push has ended;
 - every other release is `release(req)`, the one door a role has: it drops the request
   wherever it is (queued, running, detached, or reserved outside the scheduler) and frees its
   pages.  Roles never call the pool's `free` themselves.

@@ -106,15 +106,9 @@ class PrefillEngine(RoleEngine[Pushed | CancelJob]):
         binds the boundary) and the token sampled is the next one, with the seed's generator
         past their draws.  Raises WorkerError (INVALID_REQUEST, PROMPT_TOO_LONG, UNKNOWN_PEER,
         DRAINING, UNAVAILABLE) queuing nothing."""
-        core, endpoint = self.core, order.decode_endpoint
+        core = self.core
         self._check_admitting()
-        check_request_id(order.request_id)
-        if not self.peers(endpoint):
-            self.counts["unknown_peer"] += 1
-            raise WorkerError(ErrorCode.UNKNOWN_PEER, f"decode endpoint {endpoint[:200]!r} is not a decode worker "
-                              "of this deployment: prefill pushes only to the registry's (or --decode-peer) endpoints")
-        if order.params.seed is None:
-            raise WorkerError(ErrorCode.INVALID_REQUEST, "prefill needs the seed the decode worker's reservation gave")
+        self._check_order(order)
         salt = request_salt(self.secret, order.tenant, order.cache_salt)
         owner = order.request_id + self.owner_suffix
         # its generator: the seed's, past the generated tokens' draws
@@ -132,6 +126,18 @@ class PrefillEngine(RoleEngine[Pushed | CancelJob]):
             self.counts["submitted"] += 1
         self.wake.set()
         return job
+
+    def _check_order(self, order: PrefillOrder) -> None:
+        """Raises WorkerError (INVALID_REQUEST, UNKNOWN_PEER) for a bad request id, a decode
+        endpoint not of this deployment, or an order without the reservation's seed."""
+        check_request_id(order.request_id)
+        endpoint = order.decode_endpoint
+        if not self.peers(endpoint):
+            self.counts["unknown_peer"] += 1
+            raise WorkerError(ErrorCode.UNKNOWN_PEER, f"decode endpoint {endpoint[:200]!r} is not a decode worker "
+                              "of this deployment: prefill pushes only to the registry's (or --decode-peer) endpoints")
+        if order.params.seed is None:
+            raise WorkerError(ErrorCode.INVALID_REQUEST, "prefill needs the seed the decode worker's reservation gave")
 
     def cancel(self, request_id: str, why: str) -> None:
         """The caller gave up: drop the job wherever it is."""
