@@ -29,15 +29,13 @@ from __future__ import annotations
 
 import hmac
 import math
-import queue
 import secrets
 import threading
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 
 from decode_worker.requests import Abort, Committed, DecodeRequest, InboxItem, TransferFailed, decode_generator
-from engine.core import EngineCore, LayerHook, TokenEvent
+from engine.core import EngineCore, TokenEvent
 from engine.errors import ErrorCode
 from engine.kv_pool import PoolExhausted
 from engine.params import SamplingParams
@@ -50,25 +48,23 @@ from proto import worker_pb2 as wpb
 from worker.checks import check_request_id, new_request, request_salt
 from worker.config import MAX_REQUEST_TIMEOUT_S
 from worker.convert import finish_to_proto, logprobs_to_proto
-from worker.stats import CacheCounts
+from worker.role import RoleEngine
 from worker.types import WorkerError
 
 
-class DecodeEngine:
+class DecodeEngine(RoleEngine[InboxItem]):
+    """The decode role (worker/role.py): it releases a request it ends itself, after its
+    transfer's `TransferReceiver.release`, admitted or not."""
+
     def __init__(self, core: EngineCore, secret: bytes, transfer_timeout_s: float, lock: threading.RLock,
                  wake: threading.Event, max_timeout_s: float = MAX_REQUEST_TIMEOUT_S):
-        self.core, self.pool, self.lock, self.wake = core, core.pool, lock, wake
+        super().__init__(core, lock, wake)
         self.max_timeout_s = max_timeout_s    # a caller's timeout_s above this is clamped to it
         self.secret = secret                  # salts each tenant's prefix cache keys
         self.receiver = TransferReceiver(core.pool, secret, transfer_timeout_s,
                                          on_failed=lambda r: self._post(TransferFailed(r.request_id, r.transfer_id)),
                                          on_committed=lambda r: self._post(Committed(r.request_id, r.transfer_id)))
-        self._inbox: queue.SimpleQueue[InboxItem] = queue.SimpleQueue()
         self.requests: dict[str, DecodeRequest] = {}
-        self.closing = False
-        self.draining = False                 # start_drain(): new requests are refused (DRAINING)
-        self.counts: Counter[str] = Counter()
-        self.cache = CacheCounts()            # prompt tokens looked up in the prefix cache, and hits
 
     def install_hooks(self, hooks: TransferHooks) -> None:
         """Route every later frame this worker receives through `hooks.receiver`."""
@@ -125,19 +121,13 @@ class DecodeEngine:
             try:
                 res = self.receiver.reserve(request_id, tenant, len(kv_ids), digest, timeout_s, cached_tokens=cached)
             except ValueError as e:
-                self.pool.free(request_id)            # nothing stays reserved, nothing is published
+                core.release(req)                     # nothing stays reserved, nothing is published
                 raise WorkerError(ErrorCode.INVALID_REQUEST, str(e)) from None
             dreq = self.requests[request_id] = DecodeRequest(req, tenant, res, params)
             dreq.reserved_pages = len(self.pool.page_table(request_id))
             self.counts["reserved"] += 1
         self.cache.count(len(ids), min(cached, len(ids)))     # the prompt's lookups, not the generated
         return dreq
-
-    def _check_admitting(self) -> None:
-        if self.closing:
-            raise WorkerError(ErrorCode.UNAVAILABLE, "the worker is shutting down")
-        if self.draining:
-            raise WorkerError(ErrorCode.DRAINING, "the worker is draining: send the request to another worker")
 
     def abort(self, request_id: str, code: ErrorCode = ErrorCode.ABORTED, message: str = "request aborted",
               transfer_id: bytes | None = None) -> bool:
@@ -153,14 +143,6 @@ class DecodeEngine:
         return live
 
     # ---- draining (worker/drain.py) ------------------------------------------------
-    def start_drain(self) -> None:
-        """Refuse every later reservation with DRAINING."""
-        with self.lock:                       # a reserve() past its check holds the lock: it ends first
-            self.draining = True
-
-    def undrain(self) -> None:
-        self.draining = False
-
     def live(self) -> list[str]:
         """Requests reserved here and not ended (waiting for their transfer, or decoding)."""
         with self.lock:
@@ -171,36 +153,27 @@ class DecodeEngine:
         pages freed, committed or not).  Returns how many it asked to end."""
         return sum(self.abort(rid, code, message) for rid in self.live())
 
-    def _post(self, item: InboxItem) -> None:
-        """Hand an event to the loop's thread (receiver callbacks, aborts) and wake it."""
-        self._inbox.put(item)
-        self.wake.set()
-
     # ---- the loop's side (RoleEngine) ------------------------------------------------
-    def drain(self) -> bool:
-        """Expire idle transfers, then handle commits, failures and aborts."""
+    def handle_inbox(self) -> bool:
+        """Expire idle transfers (their failures are posted), then handle commits, failures
+        and aborts."""
         self.receiver.expire()
-        did = False
-        while not self._inbox.empty():
-            item = self._inbox.get()
-            did = True
-            dreq = self.requests.get(item.request_id)
-            if dreq is None or dreq.done:
-                continue
-            if isinstance(item, (Committed, TransferFailed)) and item.transfer_id != dreq.reservation.transfer_id:
-                continue                      # about an earlier request that had this id
-            if isinstance(item, Committed):
-                self._admit(dreq)
-            elif isinstance(item, TransferFailed):
-                r = dreq.reservation
-                reason = r.reason.value if r.reason is not None else "failed"
-                self._end(dreq, WorkerError(ErrorCode.TRANSFER_FAILED, f"{reason}: {r.detail}"))
-            else:
-                self._end(dreq, WorkerError(item.code, item.message))
-        return did
+        return super().handle_inbox()
 
-    def before_run(self, batch: ScheduledBatch) -> LayerHook | None:
-        return None
+    def _handle(self, item: InboxItem) -> None:
+        dreq = self.requests.get(item.request_id)
+        if dreq is None or dreq.done:
+            return
+        if isinstance(item, (Committed, TransferFailed)) and item.transfer_id != dreq.reservation.transfer_id:
+            return                            # about an earlier request that had this id
+        if isinstance(item, Committed):
+            self._admit(dreq)
+        elif isinstance(item, TransferFailed):
+            r = dreq.reservation
+            reason = r.reason.value if r.reason is not None else "failed"
+            self._end(dreq, WorkerError(ErrorCode.TRANSFER_FAILED, f"{reason}: {r.detail}"))
+        else:
+            self._end(dreq, WorkerError(item.code, item.message))
 
     def after_run(self, events: list[TokenEvent]) -> None:
         for event in events:
@@ -260,7 +233,7 @@ class DecodeEngine:
         with self.lock:
             dreq.done = True
             del self.requests[req.request_id]
-        self.counts["finished"] += 1
+        self._count_end(None, "finished")
         dreq.events.put(wpb.GenerateResponse(finish=finish_to_proto(
             event.finish_reason, req.stopper.matched_stop, req.num_prompt_tokens,
             req.num_completion_tokens, dreq.cached_prompt_tokens)))
@@ -273,8 +246,7 @@ class DecodeEngine:
         req = dreq.req
         with self.lock:
             self.receiver.release(dreq.reservation.transfer_id)
-            if not self.core.abort(req):             # admitted: the core publishes what it computed
-                self.pool.free(req.request_id)       # reserved, not admitted: publishes nothing
+            self.core.release(req)      # admitted: publishes what it computed; reserved: nothing
             self._ended(dreq, error)
 
     def _ended(self, dreq: DecodeRequest, error: WorkerError) -> None:
@@ -282,7 +254,5 @@ class DecodeEngine:
         with self.lock:
             dreq.done = True
             del self.requests[dreq.req.request_id]
-        self.counts["failed"] += 1
-        if error.code == ErrorCode.DRAINING:
-            self.counts["drained"] += 1
+        self._count_end(error, "finished")
         dreq.events.put(wpb.GenerateResponse(error=error.to_proto()))

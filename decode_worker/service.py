@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import queue
-from collections.abc import Sequence
 from typing import Iterator, Protocol
 
 import grpc
@@ -11,13 +10,13 @@ import grpc
 from decode_worker.engine import DecodeEngine
 from decode_worker.requests import DecodeRequest
 from engine.errors import ErrorCode
-from engine.params import SamplingParams
 from kv_transfer.auth import Verifier
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from worker.cache_events import CacheEventStreams
-from worker.convert import params_from_proto
+from worker.convert import params_from_proto, prefill_request
 from worker.drain import Drainable, drain_reply
+from worker.handoff import PrefillOrder
 from worker.stats import LoopWatch, health, stats
 from worker.types import Role, WorkerError
 
@@ -28,11 +27,9 @@ class LocalPrefill(Drainable, Protocol):
     """A prefill role in the same process (colocated): it fills this worker's reservations (and
     drains with it)."""
 
-    def submit(self, request_id: str, tenant: str, ids: list[int], params: SamplingParams,
-               endpoint: str, transfer_id: bytes, cache_salt: str, decode_cached_tokens: int,
-               generated: Sequence[int] = ()) -> object:
-        """Queue the prompt and a migrated request's `generated` tokens (pushing the pages after
-        `decode_cached_tokens`); raises WorkerError having queued nothing."""
+    def submit(self, order: PrefillOrder) -> object:
+        """Queue the order's prompt and a migrated request's generated tokens (pushing the pages
+        after `order.cached_tokens`); raises WorkerError having queued nothing."""
         ...
 
     def cancel(self, request_id: str, why: str) -> None:
@@ -71,11 +68,12 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
             cancel()                      # the stream already ended
             return
         res = dreq.reservation
-        yield wpb.GenerateResponse(reservation=wpb.Reservation(
+        reservation = wpb.Reservation(
             transfer_id=res.transfer_id, transfer_endpoint=self.endpoint, prompt_tokens=dreq.req.num_prompt_tokens,
-            reserved_pages=dreq.reserved_pages, seed=dreq.req.params.seed, cached_tokens=res.cached_tokens))
+            reserved_pages=dreq.reserved_pages, seed=dreq.req.params.seed, cached_tokens=res.cached_tokens)
+        yield wpb.GenerateResponse(reservation=reservation)
         if self.prefill is not None:
-            self._prefill_here(self.prefill, dreq, request)
+            self._prefill_here(self.prefill, dreq, request, reservation)
         while True:
             try:
                 msg = dreq.events.get(timeout=POLL_S)
@@ -87,11 +85,15 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
             if msg.WhichOneof("kind") in ("finish", "error"):
                 return
 
-    def _prefill_here(self, prefill: LocalPrefill, dreq: DecodeRequest, request: wpb.GenerateRequest) -> None:
+    def _prefill_here(self, prefill: LocalPrefill, dreq: DecodeRequest, request: wpb.GenerateRequest,
+                      reservation: wpb.Reservation) -> None:
+        """(Colocated) fill this reservation with the local prefill role: the order is built as
+        a prefill worker builds it from the gateway's Prefill call."""
         try:
-            prefill.submit(request.request_id, request.tenant, list(request.prompt_token_ids),
-                           dreq.params, self.endpoint, dreq.reservation.transfer_id,
-                           request.cache_salt, dreq.reservation.cached_tokens, list(request.generated_token_ids))
+            order = PrefillOrder.from_proto(prefill_request(
+                request.request_id, request.tenant, list(request.prompt_token_ids), dreq.params, reservation,
+                request.cache_salt, request.generated_token_ids))
+            prefill.submit(order)
         except WorkerError as e:
             self.engine.abort(request.request_id, e.code, e.message)
 

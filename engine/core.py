@@ -13,8 +13,11 @@ Who frees which pages when:
 - a request that finishes (stop, length, or "error": its stop check ran past the budget,
   `req.stopper.error` says why) is freed by `update`/`accept_token`, at once;
 - a hand-off request (`Request.handoff`: prefill for another worker) is detached after its
-  first token with its pages kept; its owner frees them (`free`) once the push has ended;
-- `abort` drops a request wherever it is and frees its pages.
+  first token (or by `detach`, a failed step) with its pages kept; its owner releases them
+  once the push has ended;
+- every other release is `release(req)`, the one door a role has: it drops the request
+  wherever it is (queued, running, detached, or reserved outside the scheduler) and frees its
+  pages.  Roles never call the pool's `free` themselves.
 
 Prefix cache (engine/prefix_cache.py): a request is admitted with the longest cached prefix of
 its prompt under its `cache_salt` (`allocate_for` for a reservation made outside the
@@ -218,13 +221,21 @@ class EngineCore:
         self.scheduler.add_prefilled(req)
         return self.accept_token(req, first_token, logprobs)
 
-    def abort(self, req: Request) -> bool:
-        """Drop `req` wherever it is, freeing its pages.  Returns whether it was here."""
-        return self.scheduler.remove(req, "abort")
+    def release(self, req: Request) -> None:
+        """The one door through which a role hands a request's pages back, whatever its state.
+        Waiting, ready or running: it is dropped from the scheduler ("abort") and its computed
+        full pages are published first.  Outside the scheduler (a reservation made with
+        `allocate_for` that never joined it, or a hand-off detached after its first token):
+        its pages are freed as they are, publishing nothing more.  A request holding no pages:
+        nothing changes.  The caller makes sure no transfer can still write them (DESIGN I5)."""
+        if not self.scheduler.remove(req, "abort"):
+            self.pool.free(req.request_id)
 
-    def free(self, request_id: str) -> None:
-        """Hand back the pages of a detached (hand-off) or never-scheduled request."""
-        self.pool.free(request_id)
+    def detach(self, req: Request) -> None:
+        """Take a running hand-off request out of the batch with its pages kept (a push still
+        reads them: its owner releases them once the push has ended).  Not running: nothing."""
+        if req in self.scheduler.running:
+            self.scheduler.detach(req)
 
     # ---- the step --------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:

@@ -8,8 +8,8 @@
 Each frame is gathered from `pool.kv[l0:l1, :, page, :n]` into a buffer the stream hands
 out (for shared memory: the shared segment itself), checksummed there and sent.
 
-With `first_page=k` (the receiver's reservation says its prefix cache holds the first
-k * page_size prompt tokens) only pages [k, n) travel; the commit states the cached tokens.
+With `cached_tokens=c` (the receiver's reservation says its prefix cache holds the first c
+prompt tokens, whole pages) only pages [c / page_size, n) travel; the commit states `c`.
 """
 
 from __future__ import annotations
@@ -70,15 +70,16 @@ class SenderStream(Protocol):
 class TransferSender:
     def __init__(self, stream: SenderStream, ticket: TransferTicket, secret: bytes, pool: PagePool,
                  page_table: list[int], prompt_len: int, hooks: SenderHooks = PLAIN_SENDER,
-                 first_page: int = 0):
+                 cached_tokens: int = 0):
         if pool.pages_for(prompt_len) > len(page_table):
             raise ValueError(f"prompt of {prompt_len} tokens needs {pool.pages_for(prompt_len)} pages, "
                              f"page table has {len(page_table)}")
-        if not 0 <= first_page < pool.pages_for(prompt_len):
-            raise ValueError(f"first_page={first_page} must lie in [0, {pool.pages_for(prompt_len)}) for a "
-                             f"prompt of {prompt_len} tokens (at least its last page is sent)")
+        if not 0 <= cached_tokens < prompt_len or cached_tokens % pool.page_size:
+            raise ValueError(f"cached_tokens={cached_tokens} must be a multiple of the page size "
+                             f"{pool.page_size} in [0, {prompt_len}) for a prompt of {prompt_len} tokens "
+                             f"(at least its last page is sent)")
         self.stream, self.ticket, self.pool = stream, ticket, pool
-        self.page_table, self.prompt_len, self.first_page = page_table, prompt_len, first_page
+        self.page_table, self.prompt_len, self.cached_tokens = page_table, prompt_len, cached_tokens
         t0 = time.perf_counter()
         self.tag = ownership_tag(secret, ticket.tenant, ticket.request_id, ticket.transfer_id,
                                  ticket.prompt_digest)
@@ -86,6 +87,11 @@ class TransferSender:
         self.checksums: list[int] = []
         self.hooks = hooks
         self._early_commit = False
+
+    @property
+    def first_page(self) -> int:
+        """The first logical page it sends: earlier ones are the receiver's cached prefix."""
+        return self.cached_tokens // self.pool.page_size
 
     def header(self, page_index: int, l0: int, l1: int) -> pb.FrameHeader:
         n = tokens_in_page(self.pool.page_size, self.prompt_len, page_index)
@@ -127,7 +133,7 @@ class TransferSender:
         c = pb.Commit(protocol_version=PROTOCOL_VERSION, transfer_id=self.ticket.transfer_id,
                       request_id=self.ticket.request_id, tenant=self.ticket.tenant,
                       ownership_tag=self.tag, frame_count=len(self.checksums),
-                      tokens_covered=self.prompt_len, cached_tokens=self.first_page * self.pool.page_size,
+                      tokens_covered=self.prompt_len, cached_tokens=self.cached_tokens,
                       digest=commit_digest(self.checksums),
                       first_token_id=first_token_id, first_logprob=first_logprob,
                       prompt_digest=self.ticket.prompt_digest,

@@ -2,16 +2,16 @@
 `EngineCore`, batched and chunked by its scheduler), first-token sampling, and a `Pusher` per
 request that sends its pages while later layers still compute.
 
-    submit()    -> PrefillJob (a future)  queued; pages reserved for the prompt when admitted,
+    submit(order) -> PrefillJob (a future)  queued; pages reserved for the prompt when admitted,
                 the leading ones shared from this worker's prefix cache (salted with the tenant
                 and the request's cache_salt) and not computed again
     before_run  for every request whose last chunk is in the batch, start its pusher (pages
-                from the decode worker's cached prefix on); the forward pass's layer hook hands
+                after the decode worker's `cached_tokens`); the forward pass's layer hook hands
                 it each layer group as soon as it is written
     after_run   the token path detached the request after its first token (pages kept):
                 the pusher commits with it
-    drain       a push ended (acknowledged or failed): the request's pages are freed here, on
-                the loop's thread, never while a forward pass may still write them
+    handle_inbox  a push ended (acknowledged or failed): the request's pages are released here,
+                on the loop's thread, never while a forward pass may still write them
 
 A migrated request's prompt comes with the tokens it generated before: their KV is computed
 and pushed with the prompt's, and the token sampled is the next one (the seed's generator past
@@ -21,38 +21,31 @@ cancels the jobs left (their callers get DRAINING).
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from engine.core import EngineCore, LayerHook, TokenEvent
 from engine.errors import ErrorCode
-from engine.params import SamplingParams
 from engine.request import Request
 from engine.scheduler import ScheduledBatch
-from kv_transfer.frame import prompt_digest
 from kv_transfer.hooks import TransferHooks
 from kv_transfer.sender import TransferTicket
 from kv_transfer.transport import TransportConfig
 from prefill_worker.pusher import Pusher, PushPlan
-from worker.checks import check_decode_cached, check_request_id, new_request, request_salt
-from worker.stats import CacheCounts
+from worker.checks import check_cached_tokens, check_request_id, new_request, request_salt
+from worker.handoff import PrefillOrder
+from worker.role import RoleEngine
 from worker.types import WorkerError
 
 
 @dataclass
 class PrefillJob:
+    order: PrefillOrder
     req: Request                  # req.request_id: the pool owner of the prefill pages
-    request_id: str               # the request's id (what the ownership tag binds)
-    tenant: str
-    endpoint: str
-    transfer_id: bytes
-    decode_cached_tokens: int = 0  # the decode worker's cached prefix: pages before it are not sent
     done: threading.Event = field(default_factory=threading.Event)
     error: WorkerError | None = None
     first_token: int = -1
@@ -60,6 +53,11 @@ class PrefillJob:
     frames: int = 0
     pusher: Pusher | None = None
     cancelled: ErrorCode | None = None     # the code it ends with once its cancelled push has ended
+
+    @property
+    def request_id(self) -> str:
+        """The client's request id (the order's)."""
+        return self.order.request_id
 
 
 @dataclass(frozen=True)
@@ -79,84 +77,73 @@ class CancelJob:
     code: ErrorCode | None = None          # None: CANCELLED (a push under way: TRANSFER_FAILED)
 
 
-class PrefillEngine:
+class PrefillEngine(RoleEngine[Pushed | CancelJob]):
+    """The prefill role (worker/role.py): it releases a job's pages once its push has ended."""
+
     def __init__(self, core: EngineCore, secret: bytes, lock: threading.RLock, wake: threading.Event,
                  peers: Callable[[str], bool], layer_group: int = 2, transport: TransportConfig | None = None,
                  owner_suffix: str = ""):
         """`peers(endpoint)`: whether a push to that decode endpoint is allowed (worker/peers.py)."""
-        self.core, self.pool, self.lock, self.wake = core, core.pool, lock, wake
+        super().__init__(core, lock, wake)
         self.peers = peers
         self.secret, self.layer_group = secret, layer_group
         self.transport = transport or TransportConfig()
         self.hooks = TransferHooks()          # the sender's hooks (install_hooks)
         self.owner_suffix = owner_suffix      # colocated: prefill pages share the decode's pool
-        self.jobs: dict[str, PrefillJob] = {}
-        self.closing = False
-        self.draining = False                 # start_drain(): new prompts are refused (DRAINING)
-        self._inbox: queue.SimpleQueue[Pushed | CancelJob] = queue.SimpleQueue()
-        self.counts: Counter[str] = Counter()
-        self.cache = CacheCounts()            # its own prefix-cache lookups (prompt tokens, hits)
+        self.jobs: dict[str, PrefillJob] = {}   # by pool owner (request id + owner_suffix)
 
     def install_hooks(self, hooks: TransferHooks) -> None:
         """Send every later push through `hooks.sender` (kv_transfer.hooks)."""
         self.hooks = hooks
 
     # ---- called from RPC threads -------------------------------------------------
-    def submit(self, request_id: str, tenant: str, ids: list[int], params: SamplingParams,
-               endpoint: str, transfer_id: bytes, cache_salt: str = "", decode_cached_tokens: int = 0,
-               generated: Sequence[int] = ()) -> PrefillJob:
-        """Queue a prompt.  Its pages found in this worker's prefix cache (salted with the
-        tenant and `cache_salt`) are not computed again; the push sends the pages after the
-        decode worker's `decode_cached_tokens` (a multiple of the page size, below the prompt's
-        length).  `generated` (a migrated request): the tokens it generated before; their KV is
-        computed and pushed with the prompt's (the transfer's digest binds the boundary) and the
-        token sampled is the next one, with the seed's generator past their draws.  Raises
-        WorkerError (INVALID_REQUEST, PROMPT_TOO_LONG, UNKNOWN_PEER, DRAINING, UNAVAILABLE)
-        queuing nothing."""
+    def submit(self, order: PrefillOrder) -> PrefillJob:
+        """Queue the order's prompt.  Its pages found in this worker's prefix cache (salted
+        with the tenant and `order.cache_salt`) are not computed again; the push sends the pages
+        after the decode worker's `order.cached_tokens` (a multiple of the page size, below the
+        prompt's length).  `order.generated_token_ids` (a migrated request): the tokens it
+        generated before; their KV is computed and pushed with the prompt's (the order's digest
+        binds the boundary) and the token sampled is the next one, with the seed's generator
+        past their draws.  Raises WorkerError (INVALID_REQUEST, PROMPT_TOO_LONG, UNKNOWN_PEER,
+        DRAINING, UNAVAILABLE) queuing nothing."""
         core = self.core
         self._check_admitting()
-        check_request_id(request_id)
-        if not self.peers(endpoint):
-            self.counts["unknown_peer"] += 1
-            raise WorkerError(ErrorCode.UNKNOWN_PEER, f"decode endpoint {endpoint[:200]!r} is not a decode worker "
-                              "of this deployment: prefill pushes only to the registry's (or --decode-peer) endpoints")
-        if params.seed is None:
-            raise WorkerError(ErrorCode.INVALID_REQUEST, "prefill needs the seed the decode worker's reservation gave")
-        salt = request_salt(self.secret, tenant, cache_salt)
-        owner = request_id + self.owner_suffix
+        self._check_order(order)
+        salt = request_salt(self.secret, order.tenant, order.cache_salt)
+        owner = order.request_id + self.owner_suffix
         # its generator: the seed's, past the generated tokens' draws
-        req = new_request(core, owner, ids, params, handoff=True, salt=salt, generated=generated)
-        check_decode_cached(decode_cached_tokens, len(req.prompt_token_ids), self.pool.page_size)
-        job = PrefillJob(req, request_id, tenant, endpoint, transfer_id, decode_cached_tokens)
+        req = new_request(core, owner, list(order.prompt_token_ids), order.params, handoff=True, salt=salt,
+                          generated=order.generated_token_ids)
+        check_cached_tokens(order.cached_tokens, len(req.prompt_token_ids), self.pool.page_size)
+        job = PrefillJob(order, req)
         with self.lock:
             self._check_admitting()               # under the lock: a drain admits nothing after it began
             if owner in self.jobs:
-                raise WorkerError(ErrorCode.INVALID_REQUEST, f"request id {request_id!r} is already being prefilled")
+                raise WorkerError(ErrorCode.INVALID_REQUEST,
+                                  f"request id {order.request_id!r} is already being prefilled")
             self.jobs[owner] = job
             core.add(req)
             self.counts["submitted"] += 1
         self.wake.set()
         return job
 
-    def _check_admitting(self) -> None:
-        if self.closing:
-            raise WorkerError(ErrorCode.UNAVAILABLE, "the worker is shutting down")
-        if self.draining:
-            raise WorkerError(ErrorCode.DRAINING, "the worker is draining: send the request to another worker")
+    def _check_order(self, order: PrefillOrder) -> None:
+        """Raises WorkerError (INVALID_REQUEST, UNKNOWN_PEER) for a bad request id, a decode
+        endpoint not of this deployment, or an order without the reservation's seed."""
+        check_request_id(order.request_id)
+        endpoint = order.decode_endpoint
+        if not self.peers(endpoint):
+            self.counts["unknown_peer"] += 1
+            raise WorkerError(ErrorCode.UNKNOWN_PEER, f"decode endpoint {endpoint[:200]!r} is not a decode worker "
+                              "of this deployment: prefill pushes only to the registry's (or --decode-peer) endpoints")
+        if order.params.seed is None:
+            raise WorkerError(ErrorCode.INVALID_REQUEST, "prefill needs the seed the decode worker's reservation gave")
 
     def cancel(self, request_id: str, why: str) -> None:
         """The caller gave up: drop the job wherever it is."""
         self._post(CancelJob(request_id + self.owner_suffix, why))
 
     # ---- draining (worker/drain.py) ------------------------------------------------
-    def start_drain(self) -> None:
-        """Refuse every later prompt with DRAINING."""
-        with self.lock:                       # a submit() past its check holds the lock: it ends first
-            self.draining = True
-
-    def undrain(self) -> None:
-        self.draining = False
-
     def live(self) -> list[str]:
         """The request ids of its jobs not ended (queued, prefilling or pushing)."""
         with self.lock:
@@ -171,35 +158,28 @@ class PrefillEngine:
             self._post(CancelJob(owner, message, code))
         return len(owners)
 
-    def _post(self, item: Pushed | CancelJob) -> None:
-        self._inbox.put(item)
-        self.wake.set()
-
     @property
     def queued_tokens(self) -> int:
         return sum(len(j.req.prompt_token_ids) - j.req.num_computed for j in list(self.jobs.values())
                    if j.pusher is None)
 
     # ---- the loop's side (RoleEngine) ------------------------------------------------
-    def drain(self) -> bool:
-        did = False
-        while not self._inbox.empty():
-            item = self._inbox.get()
-            did = True
-            if isinstance(item, Pushed):
-                item.job.frames = item.frames
-                code = item.job.cancelled or ErrorCode.TRANSFER_FAILED
-                self._finish(item.job, WorkerError(code, item.error) if item.error else None)
-                continue
-            job = self.jobs.get(item.owner)
-            if job is None:
-                continue
-            if job.pusher is not None:
-                job.cancelled = job.cancelled or item.code
-                job.pusher.cancel(item.why)          # its Pushed report finishes the job
-            else:
-                self._finish(job, WorkerError(item.code or ErrorCode.CANCELLED, item.why))
-        return did
+    def _handle(self, item: Pushed | CancelJob) -> None:
+        """A push ended (its job finishes), or a caller gave up (a job not pushing yet finishes;
+        a push under way is cancelled, and its Pushed report finishes the job)."""
+        if isinstance(item, Pushed):
+            item.job.frames = item.frames
+            code = item.job.cancelled or ErrorCode.TRANSFER_FAILED
+            self._finish(item.job, WorkerError(code, item.error) if item.error else None)
+            return
+        job = self.jobs.get(item.owner)
+        if job is None:
+            return
+        if job.pusher is not None:
+            job.cancelled = job.cancelled or item.code
+            job.pusher.cancel(item.why)
+        else:
+            self._finish(job, WorkerError(item.code or ErrorCode.CANCELLED, item.why))
 
     def before_run(self, batch: ScheduledBatch) -> LayerHook | None:
         """Start the push of every job whose last prompt chunk is in this batch."""
@@ -233,8 +213,7 @@ class PrefillEngine:
                 continue
             if job.pusher is not None:
                 with self.lock:                     # pages kept until the push has ended
-                    if req in self.core.scheduler.running:
-                        self.core.scheduler.detach(req)
+                    self.core.detach(req)
                 job.pusher.cancel(werr.message)
             else:
                 self._finish(job, werr)
@@ -245,7 +224,7 @@ class PrefillEngine:
             self.cancel(job.request_id, "worker shutting down")
         end = time.monotonic() + timeout_s
         while True:
-            self.drain()
+            self.handle_inbox()
             if not self.jobs or time.monotonic() > end:
                 return
             self.wake.wait(0.01)
@@ -253,30 +232,26 @@ class PrefillEngine:
 
     # ---- internals -----------------------------------------------------------------
     def _start_push(self, job: PrefillJob) -> None:
-        req = job.req
-        ticket = TransferTicket(job.transfer_id, job.request_id, job.tenant,
-                                prompt_digest(req.prompt_token_ids, req.resumed))
+        req, order = job.req, job.order
+        ticket = TransferTicket(order.transfer_id, order.request_id, order.tenant, order.digest)
         if req.params.logprobs is None:      # the first token's logprob travels in the commit
             req.params = replace(req.params, logprobs=0)
         prompt = req.num_prompt_tokens           # the prompt's lookups, not a migrated request's generated
         self.cache.count(prompt, min(req.num_cached_tokens, prompt))
-        plan = PushPlan(ticket, job.endpoint, self.secret, self.pool, self.pool.page_table(req.request_id),
+        plan = PushPlan(ticket, order.decode_endpoint, self.secret, self.pool, self.pool.page_table(req.request_id),
                         len(req.prompt_token_ids), self.transport, self.hooks.sender,
-                        first_page=job.decode_cached_tokens // self.pool.page_size)
+                        cached_tokens=order.cached_tokens)
         job.pusher = Pusher(plan, on_done=lambda err, frames: self._post(Pushed(job, err, frames)))
 
     def _finish(self, job: PrefillJob, error: WorkerError | None) -> None:
-        """Free the job's prefill pages and answer its caller (on the loop's thread)."""
+        """Release the job's prefill pages and answer its caller (on the loop's thread)."""
         if job.done.is_set():
             return
         with self.lock:
-            if not self.core.abort(job.req):
-                self.core.free(job.req.request_id)
+            self.core.release(job.req)          # queued, running or detached after its push
             self.jobs.pop(job.req.request_id, None)
         job.error = error
-        self.counts["failed" if error else "pushed"] += 1
-        if error is not None and error.code == ErrorCode.DRAINING:
-            self.counts["drained"] += 1
+        self._count_end(error, "pushed")
         job.done.set()
 
 

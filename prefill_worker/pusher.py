@@ -54,7 +54,7 @@ class PushPlan:
     prompt_len: int
     transport: TransportConfig
     hooks: SenderHooks = PLAIN_SENDER
-    first_page: int = 0       # the decode side caches the pages before it: they are not sent
+    cached_tokens: int = 0    # the decode side's cached prefix: its pages are not sent
 
 
 class Pusher:
@@ -81,7 +81,7 @@ class Pusher:
         try:
             stream = connect(p.endpoint, p.ticket.transfer_id, p.transport, sender="prefill", secret=p.secret)
             sender = TransferSender(stream, p.ticket, p.secret, p.pool, p.page_table, p.prompt_len, p.hooks,
-                                    first_page=p.first_page)
+                                    cached_tokens=p.cached_tokens)
             while True:
                 item = self._q.get()
                 if isinstance(item, Layers):

@@ -12,8 +12,8 @@ from prefill_worker.engine import PrefillEngine
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from worker.cache_events import CacheEventStreams
-from worker.convert import params_from_proto
 from worker.drain import drain_reply
+from worker.handoff import PrefillOrder
 from worker.stats import LoopWatch, health, stats
 from worker.types import Role, WorkerError
 
@@ -31,11 +31,7 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
         """Prefill, push the pages and the commit to the decode worker; reply once the push was
         acknowledged, or with a coded error."""
         try:
-            params = params_from_proto(request.params)
-            job = self.engine.submit(request.request_id, request.tenant, list(request.prompt_token_ids),
-                                     params, request.decode_endpoint, request.transfer_id,
-                                     request.cache_salt, request.decode_cached_tokens,
-                                     list(request.generated_token_ids))
+            job = self.engine.submit(PrefillOrder.from_proto(request))
         except WorkerError as e:
             return wpb.PrefillReply(ok=False, error=e.to_proto())
         while not job.done.wait(POLL_S):

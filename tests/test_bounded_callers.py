@@ -84,7 +84,7 @@ def test_a_clamped_reservation_frees_its_pages_when_the_transfer_times_out():
     assert core.pool.num_free < core.pool.num_pages
     end = time.monotonic() + 10
     while core.pool.num_free != core.pool.num_pages and time.monotonic() < end:
-        engine.drain()                    # expires the transfer, then ends the request
+        engine.handle_inbox()             # expires the transfer, then ends the request
         time.sleep(0.02)
     core.pool.check_integrity()
     assert core.pool.num_free == core.pool.num_pages

@@ -68,7 +68,7 @@ def push(src: PagePool, dst: PagePool, recv: TransferReceiver, server: LocalServ
     src.allocate(rid, src.pages_for(PROMPT))
     ticket = TransferTicket(res.transfer_id, rid, "acme", res.prompt_digest)
     sender = TransferSender(connect(server.endpoint, res.transfer_id), ticket, SECRET, src, src.page_table(rid),
-                            PROMPT, hooks=hooks, first_page=hits)
+                            PROMPT, hooks=hooks, cached_tokens=hits * PAGE)
     try:
         sender.send_layers(0, LAYERS)
         sender.commit(1, -0.5)

@@ -82,10 +82,10 @@ def test_usage_reports_the_cached_prompt_tokens_per_tenant_and_salt(fakes):
     try:
         status, first = post(gw.url, "/v1/completions", text())
         assert status == 200 and first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
-        assert prefill.prefilled[-1].decode_cached_tokens == 0
+        assert prefill.prefilled[-1].cached_tokens == 0
         status, again = post(gw.url, "/v1/completions", text())
         assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}       # 2 pages of 16
-        assert prefill.prefilled[-1].decode_cached_tokens == 32        # the reservation's boundary, passed on
+        assert prefill.prefilled[-1].cached_tokens == 32        # the reservation's boundary, passed on
         _, other_tenant = post(gw.url, "/v1/completions", text(), key="sk-other")
         _, other_salt = post(gw.url, "/v1/completions", text(cache_salt="mine"))
         assert other_tenant["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

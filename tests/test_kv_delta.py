@@ -56,17 +56,17 @@ def reserve(dst: PagePool, recv: TransferReceiver, rid: str, cached: int, prompt
     return recv.reserve(rid, "acme", prompt_len, digest_of(rid, prompt_len), cached_tokens=cached)
 
 
-def sender_for(src, res: Reservation, stream, first_page: int, prompt_len: int = PROMPT) -> TransferSender:
+def sender_for(src, res: Reservation, stream, cached_tokens: int, prompt_len: int = PROMPT) -> TransferSender:
     if not src.has(res.request_id):
         src.allocate(res.request_id, src.pages_for(prompt_len))
     ticket = TransferTicket(res.transfer_id, res.request_id, res.tenant, res.prompt_digest)
     return TransferSender(stream, ticket, SECRET, src, src.page_table(res.request_id), prompt_len,
-                          first_page=first_page)
+                          cached_tokens=cached_tokens)
 
 
-def captured(src, res: Reservation, first_page: int, groups=((0, 2), (2, LAYERS))) -> CaptureStream:
+def captured(src, res: Reservation, cached_tokens: int, groups=((0, 2), (2, LAYERS))) -> CaptureStream:
     cap = CaptureStream()
-    sender = sender_for(src, res, cap, first_page)
+    sender = sender_for(src, res, cap, cached_tokens)
     for l0, l1 in groups:
         sender.send_layers(l0, l1)
     sender.commit(first_token_id=5, first_logprob=-0.5)
@@ -126,7 +126,7 @@ def test_only_the_pages_past_the_boundary_travel(served):
     res = reserve(dst, recv, "a", CACHED_TOKENS)
     assert (res.cached_tokens, res.first_page) == (CACHED_TOKENS, 4)
     before = dst.kv.clone()
-    sender = sender_for(src, res, connect(server.endpoint, res.transfer_id, config, secret=SECRET), res.first_page)
+    sender = sender_for(src, res, connect(server.endpoint, res.transfer_id, config, secret=SECRET), res.cached_tokens)
     for l0 in range(LAYERS):
         sender.send_layers(l0, l0 + 1)
     reply = sender.commit(first_token_id=11, first_logprob=-1.5)
@@ -166,7 +166,7 @@ def test_a_sender_that_ignores_the_boundary_is_refused_cached_page(served):
 def test_a_commit_covering_only_the_delta_passes_and_leaves_the_cached_pages_alone(rig):
     src, dst, recv, failed = rig
     res = reserve(dst, recv, "a", CACHED_TOKENS)
-    cap = captured(src, res, res.first_page)
+    cap = captured(src, res, res.cached_tokens)
     assert {h.page_index for h, _ in cap.frames} == set(range(4, 10)) and len(cap.frames) == 12
     c = cap.commits[0]
     assert (c.cached_tokens, c.tokens_covered, c.frame_count) == (CACHED_TOKENS, PROMPT, 12)
@@ -186,7 +186,7 @@ def test_a_commit_covering_only_the_delta_passes_and_leaves_the_cached_pages_alo
 def test_a_commit_that_leaves_a_gap_fails(rig, drop):
     src, dst, recv, failed = rig
     res = reserve(dst, recv, "a", CACHED_TOKENS)
-    cap = captured(src, res, res.first_page)
+    cap = captured(src, res, res.cached_tokens)
     skip = (lambda h: h.page_index == 4) if drop == "a page" else (lambda h: h.page_index == 7 and h.layer_start == 2)
     for h, p in cap.frames:
         if not skip(h):
@@ -199,7 +199,7 @@ def test_a_commit_that_leaves_a_gap_fails(rig, drop):
 def test_a_sender_that_starts_past_the_boundary_leaves_a_gap(rig):
     src, dst, recv, _ = rig
     res = reserve(dst, recv, "a", 8)             # the decode side caches 2 pages, prefill skips 3
-    cap = captured(src, res, 3)
+    cap = captured(src, res, 3 * PAGE)
     for h, p in cap.frames:
         recv.receive(h, p)
     with pytest.raises(TransferRefused) as e:
@@ -212,7 +212,7 @@ def test_a_sender_that_starts_past_the_boundary_leaves_a_gap(rig):
 def test_a_commit_whose_counts_differ_from_the_reservation_is_refused(rig, change):
     src, dst, recv, failed = rig
     res = reserve(dst, recv, "a", CACHED_TOKENS)
-    cap = captured(src, res, res.first_page)
+    cap = captured(src, res, res.cached_tokens)
     for h, p in cap.frames:
         recv.receive(h, p)
     count = recv.refused[Refusal.BAD_COVERAGE.value]
@@ -264,11 +264,11 @@ def test_reserve_refuses_a_cached_prefix_other_than_the_pools(rig, claimed):
     assert not recv._live
 
 
-def test_the_sender_validates_its_first_page(rig):
+def test_the_sender_validates_its_cached_tokens(rig):
     src, dst, recv, _ = rig
     res = reserve(dst, recv, "a", CACHED_TOKENS)
-    for bad in (-1, 10):
-        with pytest.raises(ValueError, match=r"first_page=-?\d+ must lie in \[0, 10\)"):
+    for bad in (-PAGE, 10 * PAGE, 3):
+        with pytest.raises(ValueError, match=r"cached_tokens=-?\d+ must be a multiple of the page size 4 in \[0, 37\)"):
             sender_for(src, res, CaptureStream(), bad)
 
 
@@ -290,7 +290,7 @@ def test_a_commit_refuses_a_cached_prefix_page_that_is_no_longer_the_one_reserve
     lets its cached prefix be evicted and reused; the commit finds the page changed and fails."""
     src, dst, recv, failed = rig
     res = reserve(dst, recv, "a", CACHED_TOKENS)
-    cap = captured(src, res, res.first_page)
+    cap = captured(src, res, res.cached_tokens)
     for h, p in cap.frames:
         recv.receive(h, p)
     dst.free("a")

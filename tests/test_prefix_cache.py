@@ -200,13 +200,13 @@ def test_handoff_reservations_and_aborts():
         assert batch is not None
         core.update(batch, core.run(batch))
     assert llm.pool.num_cached == 4 and llm.pool.has(hand.request_id)      # published, pages kept
-    core.free(hand.request_id)
+    core.release(hand)                                      # detached: pages kept until now
     decode = core.make_request(PROMPTS[1], params, salt=SALT)
     assert core.allocate_for(decode, 64 + 4) == 48 == decode.num_cached_tokens
-    core.free(decode.request_id)
+    core.release(decode)                                    # reserved outside the scheduler
     stranger = core.make_request(PROMPTS[1], params, salt=cache_salt(b"secret", "tenant-b"))
     assert core.allocate_for(stranger, 68) == 0
-    core.free(stranger.request_id)
+    core.release(stranger)
     fresh = [core.make_request(list(range(2000, 2048)), params) for _ in range(2)]
     for req in fresh:                                       # one page computed of each, none published
         core.add(req)
@@ -219,7 +219,7 @@ def test_handoff_reservations_and_aborts():
     batch = core.schedule()
     assert batch is not None
     core.update(batch, core.run(batch))
-    core.abort(fresh[1])                                    # an abort publishes what was computed
+    core.release(fresh[1])                                  # a release publishes what was computed
     assert llm.pool.num_cached == 5
     assert_idle(llm)
 

@@ -155,9 +155,9 @@ def test_prefill_refuses_a_decode_boundary_that_is_not_whole_pages_inside_the_pr
     reply = wpb_grpc.PrefillServiceStub(channel(prefill.address)).Prefill(wpb.PrefillRequest(
         request_id="bad-boundary", tenant="acme", prompt_token_ids=list(range(10, 10 + prompt_len)), params=p,
         decode_endpoint=decode.transfer_endpoint, transfer_id=secrets.token_bytes(16),
-        decode_cached_tokens=cached))
+        cached_tokens=cached))
     assert not reply.ok and reply.error.code == "INVALID_REQUEST"
-    assert f"decode_cached_tokens={cached}" in reply.error.message and "page size (16)" in reply.error.message
+    assert f"cached_tokens={cached} must" in reply.error.message and "page size (16)" in reply.error.message
     assert not prefill.roles[0].jobs and not prefill.core.scheduler.has_work()
     wait_idle(prefill)
 

@@ -48,7 +48,7 @@ class SlowStep:
         self.closing, self.counts = False, Counter[str]()
         self.armed, self.entered, self.release = threading.Event(), threading.Event(), threading.Event()
 
-    def drain(self) -> bool:
+    def handle_inbox(self) -> bool:
         return False
 
     def before_run(self, batch: ScheduledBatch) -> LayerHook | None:

@@ -51,11 +51,11 @@ def request_salt(secret: bytes, tenant: str, salt: str) -> bytes:
     return cache_salt(secret, tenant, salt)
 
 
-def check_decode_cached(cached_tokens: int, prompt_len: int, page_size: int) -> None:
+def check_cached_tokens(cached_tokens: int, prompt_len: int, page_size: int) -> None:
     """Raises WorkerError(INVALID_REQUEST) unless `cached_tokens` (the decode worker's cache
     boundary) is a multiple of the page size below the prompt's length (a cached prefix is
     whole pages and never holds the prompt's last token)."""
     if cached_tokens % page_size or cached_tokens >= prompt_len:
         raise WorkerError(ErrorCode.INVALID_REQUEST,
-                          f"decode_cached_tokens={cached_tokens} must be a multiple of the page size "
+                          f"cached_tokens={cached_tokens} must be a multiple of the page size "
                           f"({page_size}) below the prompt's {prompt_len} tokens")

@@ -29,8 +29,8 @@ DRAINED_MESSAGE = "the worker is draining: the request continues on another work
 
 
 class Drainable(Protocol):
-    """A role engine that can drain (decode_worker/engine.py, prefill_worker/engine.py).  Every
-    method is safe to call from any thread."""
+    """A role engine that can drain (every `worker.role.RoleEngine`).  Every method is safe to
+    call from any thread."""
 
     counts: Counter[str]        # counts["drained"]: requests it ended with DRAINING
 

@@ -1,10 +1,10 @@
-"""The one thread that steps a worker's `EngineCore`, and the interface of the role engines
-(prefill, decode) it serves.  Every page ownership change of a worker happens on this thread
-or under the worker's lock.
+"""The one thread that steps a worker's `EngineCore` for its role engines (prefill, decode:
+the interface is `worker.role.RoleEngine`).  Every page ownership change of a worker happens on
+this thread or under the worker's lock.
 
 One iteration:
 
-    for role in roles: role.drain()           # commits, aborts, pushes ended (other threads')
+    for role in roles: role.handle_inbox()    # commits, aborts, pushes ended (other threads')
     batch  = core.schedule()                   # under the lock
     hook   = role.before_run(batch)            # prefill: start the pushes of finished prompts
     output = core.run(batch, hook)
@@ -16,56 +16,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
-from typing import Protocol
 
-from engine.core import EngineCore, LayerHook, TokenEvent
-from engine.scheduler import ScheduledBatch
-from kv_transfer.hooks import TransferHooks
-from worker.drain import Drainable
+from engine.core import EngineCore, LayerHook
+from worker.role import RoleEngine
 from worker.stats import LoopWatch
 
 log = logging.getLogger("tandem.worker")
-
-
-class RoleEngine(Drainable, Protocol):
-    """A worker role over a shared `EngineCore` (one core and one lock per worker process).
-
-    Pages: the core's token path frees a request's pages when it finishes; a role frees pages
-    only of requests it took out of the scheduler (a reservation not yet admitted, a hand-off
-    whose push ended), always on the loop's thread or under the lock, and only once no
-    transfer can still write them (decode: after `TransferReceiver.release`)."""
-
-    closing: bool               # set by the handle before stopping: new requests are refused
-    counts: Counter[str]        # requests by outcome (submitted, reserved, pushed, finished, failed)
-
-    def drain(self) -> bool:
-        """Handle what other threads posted (commits, failures, aborts, ended pushes).  Runs on
-        the loop's thread, first in every iteration (at least every `idle_wait_s` while idle).
-        Returns whether it did anything."""
-        ...
-
-    def before_run(self, batch: ScheduledBatch) -> LayerHook | None:
-        """Called before the forward pass of `batch`; may return a per-layer hook."""
-        ...
-
-    def after_run(self, events: list[TokenEvent]) -> None:
-        """Consume the token path's events for this role's requests (others' are ignored)."""
-        ...
-
-    def fail(self, batch: ScheduledBatch, error: BaseException) -> None:
-        """The step over `batch` raised (anywhere from before_run to after_run): end this role's
-        requests of it that are still live with an explicit error, whatever the token path did
-        to them already."""
-        ...
-
-    def shutdown(self) -> None:
-        """(The loop has stopped) end every live request with an explicit error, free its pages."""
-        ...
-
-    def install_hooks(self, hooks: TransferHooks) -> None:
-        """Route this role's later transfers through `hooks` (its sending or receiving side)."""
-        ...
 
 
 class WorkerLoop:
@@ -101,7 +57,7 @@ class WorkerLoop:
         """One iteration.  Returns whether it did any work."""
         did = False
         for role in self.roles:
-            did = role.drain() or did
+            did = role.handle_inbox() or did
         with self.lock:
             batch = self.core.schedule()
         if batch is None:

@@ -24,7 +24,8 @@ from kv_transfer.tls import add_port
 from worker.cache_events import CacheEventStreams
 from worker.config import WorkerConfig
 from worker.drain import DrainResult, drain
-from worker.loop import RoleEngine, WorkerLoop
+from worker.loop import WorkerLoop
+from worker.role import RoleEngine
 from worker.types import Role
 
 log = logging.getLogger("tandem.worker")
