@@ -112,7 +112,8 @@ def build_frames(bounds: Bounds, request: int, ticket: TransferTicket, first_pag
     for i, page in enumerate(pages):
         pool_bytes(src)[:, :, page] = bounds.identity(request, i)
     stream = _Capture()
-    sender = TransferSender(stream, ticket, SECRET, src, pages, bounds.prompt_len, first_page=first_page)
+    sender = TransferSender(stream, ticket, SECRET, src, pages, bounds.prompt_len,
+                            cached_tokens=first_page * bounds.page_size)
     for layer in range(bounds.layers):
         sender.send_layers(layer, layer + 1)
     sender.commit(first_token_id=1, first_logprob=0.0)
