@@ -11,7 +11,7 @@ timed runs after a warm-up of each:
                                 concurrent requests (`--bucket-tokens` tokens each), aggregate
 
 compile_s / compile_cached_s: the start-up compilation of the compiled step for `compile_buckets`
-(default: the engine's for max_num_seqs=64), as the engine measures it
+(default: the engine's, for its default max_num_seqs), as the engine measures it
 (`runner.compiled.compile_s`), in a child process with an empty cache directory
 (`TANDEM_CACHE_DIR` a new temporary directory, TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR unset),
 then in a second child on that same directory (the cache a restart finds);

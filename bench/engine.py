@@ -45,7 +45,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import regex
 import torch
@@ -297,7 +297,8 @@ def main() -> None:
     cost = {} if alone else compile_cost(args.device, args.threads, args.compile_buckets)  # first: nothing else runs
     # the stop checks and prefill never run a compiled decode step: no start-up compile for them
     eager = args.stop_only or args.prefill_only
-    llm = LLM(device=args.device, compile=False if eager else None, compile_buckets=args.compile_buckets)
+    eager_only: dict[str, Any] = {"compile": False} if eager else {}     # else: the engine's default
+    llm = LLM(device=args.device, compile_buckets=args.compile_buckets, **eager_only)
     if alone:
         part = ({"stop_check": stop_check(llm, args.repeats)} if args.stop_only else
                 prefill_sweep(llm, args.prefill_runs) if args.prefill_only else

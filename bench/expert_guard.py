@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(paged_experts_num_resident=args.k, max_num_seqs=64)
+    llm = LLM(paged_experts_num_resident=args.k)
     batches = [int(b) for b in args.batches.split(",")]
     prompts = natural_prompts(llm, max(batches), 32)
     result: dict = {"K": args.k, "tokens": args.tokens}

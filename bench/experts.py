@@ -85,8 +85,7 @@ def decode_rate(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float,
 def build(mode: str, k: int | None, link: EmulatedLink | None, prefetch: bool = False,
           device: str = "cpu") -> LLM:
     """An engine for one mode (resident, paged or stream_all); paged modes copy over `link` when given."""
-    llm = LLM(paged_experts_num_resident=k, paged_experts_prefetch=prefetch and mode == "paged", max_num_seqs=64,
-              device=device)
+    llm = LLM(paged_experts_num_resident=k, paged_experts_prefetch=prefetch and mode == "paged", device=device)
     for experts in llm.paged_experts().values():
         experts.cache = mode != "stream_all"
         if link is not None:            # paged modes run behind the emulated link

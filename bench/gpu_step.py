@@ -83,7 +83,7 @@ def engine_speed(device: str, quick: bool) -> Figures:
     tokens, repeats = (8, 1) if small(device, quick) else (64, 3)
     if not device.startswith("cuda"):
         llm = LLM(device=device)
-        return {"device": device, "dtype": "float32", "tokens": tokens, "repeats": repeats,
+        return {"device": device, "dtype": llm.config.dtype, "tokens": tokens, "repeats": repeats,
                 "attention_backend": llm.attention_backend, "compiled": llm.config.compile,
                 "engine_single_tok_s": engine_rate(llm, PROMPTS[:1], tokens, repeats),
                 "engine_batch16_tok_s": engine_rate(llm, PROMPTS[:16], tokens, repeats)}
@@ -92,7 +92,7 @@ def engine_speed(device: str, quick: bool) -> Figures:
     startup_s = compiled.core.runner.compiled.compile_s if compiled.core.runner.compiled is not None else None
     eager = LLM(device=device, compile=False)
     both = compiled_vs_eager(compiled, eager, PROMPTS, tokens, repeats)
-    out: Figures = {"device": device, "dtype": "float32", "tokens": tokens, "repeats": repeats,
+    out: Figures = {"device": device, "dtype": compiled.config.dtype, "tokens": tokens, "repeats": repeats,
                     "attention_backend": compiled.attention_backend, "compiled": True,
                     "compile_buckets": list(ENGINE_BUCKETS), "compile_in_process_s": startup_s,
                     "engine_single_tok_s": both["engine_compiled_single_tok_s"],

@@ -34,6 +34,7 @@ from bench.serve_stats import summarize
 from bench.serve_workloads import add_flags, multi_turn, resolve, shared_prefix
 from engine.config import SHIPPED_MODEL
 from engine.tokenizer import Tokenizer
+from gateway.config import GatewaySettings
 
 COLUMNS = ["mode", "concurrency", "input_len", "output_len", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
            "itl_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "output_tok_s", "req_s", "goodput_req_s", "cached_share",
@@ -103,8 +104,9 @@ def table(runs: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default="http://127.0.0.1:8000")
-    ap.add_argument("--model", default="tiny-moe")
+    gateway = GatewaySettings()      # tandem serve's defaults: where it listens, what it serves
+    ap.add_argument("--url", default=f"http://{gateway.host}:{gateway.port}")
+    ap.add_argument("--model", default=SHIPPED_MODEL.name)
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--chat", action="store_true", help="use /v1/chat/completions (default: /v1/completions)")
     ap.add_argument("--concurrency", default=None, help="levels, comma-separated (default 1,2,4,8,16,32; "

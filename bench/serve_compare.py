@@ -14,7 +14,8 @@ from pathlib import Path
 
 from bench.serve_load import Target
 from bench.serve_prompts import PromptMaker
-from deploy.cli import ADMIN_KEYS_ENV, API_KEYS_ENV
+from engine import env as tandem_env
+from engine.config import SHIPPED_MODEL
 from gateway.server import _free_port
 
 # bench.serve.measure: one mode's sweep, interference result and Tandem metrics delta
@@ -29,7 +30,7 @@ def start_tandem(flags: list[str]) -> tuple[subprocess.Popen[str], str]:
     environment: it sends none, and reads /metrics); returns the process and its base URL."""
     port = _free_port("127.0.0.1")
     tandem = Path(sys.executable).parent / "tandem"
-    env = {k: v for k, v in os.environ.items() if k not in (API_KEYS_ENV, ADMIN_KEYS_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (tandem_env.API_KEYS, tandem_env.ADMIN_KEYS)}
     proc = subprocess.Popen([str(tandem), "serve", "--port", str(port), "--worker-cores", "1", *flags],
                             stdout=subprocess.PIPE, text=True, start_new_session=True, env=env)
     assert proc.stdout is not None   # stdout=PIPE
@@ -47,7 +48,7 @@ def compare(args: argparse.Namespace, maker: PromptMaker, slo: tuple[float, floa
     for mode, flags in MODES.items():
         proc, url = start_tandem(flags)
         try:
-            target = Target(url, "tiny-moe", None, args.chat, args.timeout)
+            target = Target(url, SHIPPED_MODEL.name, None, args.chat, args.timeout)
             r, i, t = measure(target, maker, mode, args, slo)
         finally:
             proc.send_signal(signal.SIGTERM)

@@ -17,8 +17,10 @@ import math
 from dataclasses import dataclass
 
 from bench.serve_prompts import PromptMaker
+from engine.config import EngineConfig
+from engine.options import default_of
 
-PAGE_SIZE = 16   # tandem serve's KV page (WorkerConfig.page_size): the unit the prefix cache keeps
+PAGE_SIZE: int = default_of(EngineConfig, "page_size")   # tandem serve's KV page: the unit the prefix cache keeps
 
 # (flag default, --quick default) of each workload flag
 DEFAULTS = {"num_prefixes": (16, 4), "prefix_len": (1024, 64), "question_len": (64, 16), "output_len": (64, 8),

@@ -39,19 +39,19 @@ class WorkerActor:
     def __init__(self, worker_id: str, role: Role, index: int, config: dict[str, Any], secret: bytes,
                  registry: str, host: str | None, cores: list[int] | None = None) -> None:
         """`index`: the worker's place among the deployment's workers (0, 1, ...; the same after
-        a restart); `config`: WorkerConfig fields except the secret and host, and optionally
-        `drain_grace_s` (how long a SIGTERM lets live requests finish); `registry`: the
-        registry actor's name, looked up here.  Every argument is a plain value Ray keeps in the
-        actor's creation task: a restart cannot lose one (an actor handle or a value over Ray's
-        inline limit would live in the object store, owned by the driver)."""
-        from deploy.worker import DRAIN_GRACE_S, start_worker
+        a restart); `config`: WorkerConfig fields except the secret and host (its engine an
+        EngineConfig; its drain_grace_s is how long a SIGTERM lets live requests finish);
+        `registry`: the registry actor's name, looked up here.  Every argument is a plain value
+        (or a small frozen dataclass of them) Ray keeps in the actor's creation task: a restart
+        cannot lose one (an actor handle or a value over Ray's inline limit would live in the
+        object store, owned by the driver)."""
+        from deploy.worker import start_worker
         from worker.config import WorkerConfig
         if cores:
             _pin(cores)
         ip = ray.util.get_node_ip_address()
-        fields = dict(config)
-        self.drain_grace_s = float(fields.pop("drain_grace_s", DRAIN_GRACE_S))   # on SIGTERM
-        cfg = WorkerConfig(**fields, secret=secret, host=host or ip)
+        cfg = WorkerConfig(**config, secret=secret, host=host or ip)
+        self.drain_grace_s = cfg.drain_grace_s     # on SIGTERM
         self.role, self.index, self.worker_id = role, index, worker_id
         self.registry = ray.get_actor(registry, namespace=NAMESPACE)
         self._secret = secret             # for `stats()` and the registry: both refuse callers without it

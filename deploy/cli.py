@@ -18,24 +18,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING
 
-from deploy.flags import DTYPES, DefaultsShown, add_serve_flags, default_of, settings_fields
-from deploy.settings import ServeSettings, add_compile_flags
+from deploy.flags import ENGINE_FLAGS, DefaultsShown, add_serve_flags, serve_fields
+from deploy.settings import ServeSettings
+from engine import env
+from engine.config import DTYPE_NAMES, EngineConfig
+from engine.options import add_flags, build, default_of, given
 from kv_transfer.tls import SERVER_NAME
-from worker.config import WorkerConfig
 
 if TYPE_CHECKING:
     from engine import LLM
 
 COMMANDS_GROUP = "tandem.commands"
-API_KEYS_ENV = "TANDEM_API_KEYS"     # KEY[:TENANT],KEY[:TENANT],... (not shown by `ps`, unlike --api-key)
-ADMIN_KEYS_ENV = "TANDEM_ADMIN_KEYS"  # KEY,KEY,...: what /metrics and /v1/server_info require
 
 DEMO_PROMPTS = [
     "Repeat after me: tandem-canary-7f3a",
@@ -46,11 +45,9 @@ DEMO_PROMPTS = [
 
 def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
-              max_model_len=args.max_model_len, paged_experts_num_resident=args.paged_experts_num_resident,
-              compile=args.compile, compile_buckets=args.compile_buckets)
+    llm = LLM(**given(args, ENGINE_FLAGS))
     prompts = args.prompt or DEMO_PROMPTS
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed)
     start = time.perf_counter()
     outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     elapsed = time.perf_counter() - start
@@ -123,20 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("generate", help="run the single-process engine on a few chat prompts",
                          formatter_class=DefaultsShown)
-    gen.add_argument("--model", default=None, help="HF checkpoint directory (default: the shipped tiny-moe)")
-    gen.add_argument("--dtype", default=default_of(WorkerConfig, "dtype"), choices=DTYPES,
-                     help="the weights' and KV cache's floating point type")
-    gen.add_argument("--device", default=default_of(WorkerConfig, "device"), help="cpu, cuda or cuda:N")
-    gen.add_argument("--kv-cache-tokens", type=int, default=default_of(WorkerConfig, "kv_cache_tokens"),
-                     help="the KV pool, in tokens")
-    gen.add_argument("--max-model-len", type=int, default=None,
-                     help="the longest prompt + output, in tokens (default: the model's max_position_embeddings)")
-    gen.add_argument("--paged-experts-num-resident", type=int, default=None,
-                     help="keep K experts of each MoE layer on the device (default: all)")
-    add_compile_flags(gen)
+    add_flags(gen, EngineConfig, ENGINE_FLAGS)     # the engine's: EngineConfig's defaults and help
     gen.add_argument("--max-tokens", type=int, default=48, help="tokens to generate per prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    gen.add_argument("--seed", type=int, default=None, help="the sampling seed (default: none, not reproducible)")
+    gen.add_argument("--seed", dest="sampling_seed", type=int, default=None,
+                     help="the sampling seed (default: none, not reproducible)")
     gen.add_argument("--prompt", action="append",
                      help="a user message (repeatable; default: three demo prompts)")
     gen.set_defaults(func=_generate)
@@ -147,8 +135,8 @@ def add_preflight_parser(sub: argparse._SubParsersAction) -> None:
     pre.add_argument("--model", default=None, help="HF checkpoint directory (default: the shipped tiny-moe)")
     pre.add_argument("--memory-gib", type=float, required=True,
                      help="device memory budget for the model, in GiB (required, no default)")
-    pre.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="the weights' floating point type")
-    pre.add_argument("--device", default=default_of(WorkerConfig, "device"),
+    pre.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES, help="the weights' floating point type")
+    pre.add_argument("--device", default=default_of(EngineConfig, "device"),
                      help="where to measure the host-to-device link")
     pre.add_argument("--target-tok-s", type=float, default=50.0, help="the decode speed to size K for, tokens/s")
     pre.add_argument("--concurrency", type=int, default=8, help="the concurrent requests to size K for")
@@ -162,7 +150,7 @@ def add_drain_parser(sub: argparse._SubParsersAction) -> None:
     dr = sub.add_parser("drain", help="drain one worker of a running deployment: it admits nothing new, its "
                         "requests finish or move to another worker", formatter_class=DefaultsShown)
     dr.add_argument("worker", help="the worker's id, as `tandem status` shows it (decode-0, prefill-1, ...)")
-    dr.add_argument("--grace-s", type=float, default=default_of(ServeSettings, "drain_timeout_s"),
+    dr.add_argument("--grace-s", type=float, default=default_of(ServeSettings, "drain_grace_s"),
                     help="seconds its live requests may finish before they are ended and moved")
     dr.add_argument("--restart", action="store_true", help="then restart it (a fresh worker registers)")
     dr.add_argument("--undo", action="store_true", help="admit new requests again (a drained worker not restarted)")
@@ -191,32 +179,34 @@ def _run_plugin(ep: EntryPoint, argv: list[str]) -> int:
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     sv = sub.add_parser("serve", help="serve the model: Ray workers and the OpenAI-compatible gateway",
                         formatter_class=DefaultsShown)
-    add_serve_flags(sv)            # deploy/flags.py: one row per flag, its default the setting's
-    add_compile_flags(sv)
+    add_serve_flags(sv)            # deploy/flags.py: one row per flag, its default and help the field's
     sv.set_defaults(func=_serve)
 
 
 def serve_settings(args: argparse.Namespace) -> ServeSettings:
-    """The flags as ServeSettings; raises ValueError on a conflict or a missing model."""
-    from deploy.settings import check_ray_auth, parse_resources
+    """The flags as ServeSettings (the fields not given keep their defaults); raises ValueError
+    on a conflict or a bad value."""
+    from deploy.settings import check_ray_auth
     from gateway.config import api_keys
-    if args.colocated and (args.prefill_workers is not None or args.decode_workers is not None):
+    values = given(args, serve_fields())
+    if values.get("colocated") and {"prefill_workers", "decode_workers"} & values.keys():
         raise ValueError("--colocated workers do both prefill and decode: drop --prefill-workers/--decode-workers "
                          "(use --colocated-workers N)")
-    keys = api_keys(args.api_keys_file, args.api_key, os.environ.get(API_KEYS_ENV))
-    if warning := check_ray_auth(args.address, os.environ.get("RAY_AUTH_MODE"), args.allow_insecure_ray):
+    if {"kv_cache_tokens", "mem_fraction"} <= values.keys():
+        raise ValueError("--kv-cache-tokens and --mem-fraction both size the KV cache: give one")
+    keys = api_keys(args.api_keys_file, args.api_key, env.api_keys())
+    if warning := check_ray_auth(values.get("address"), env.ray_auth_mode(), args.allow_insecure_ray):
         print(warning, file=sys.stderr)
-    return ServeSettings(**settings_fields(args), api_keys=keys, admin_keys=admin_keys(os.environ.get(ADMIN_KEYS_ENV)),
-                         worker_resources=parse_resources(args.worker_resources))
+    return build(ServeSettings, **values, api_keys=keys, admin_keys=admin_keys(env.admin_keys()))
 
 
-def admin_keys(env: str | None) -> tuple[str, ...]:
-    """TANDEM_ADMIN_KEYS as keys (never a flag: `ps` would show it); an empty one is refused."""
-    if env is None:
+def admin_keys(value: str | None) -> tuple[str, ...]:
+    """TANDEM_ADMIN_KEYS (`value`) as keys (never a flag: `ps` would show it); an empty one is refused."""
+    if value is None:
         return ()
-    keys = tuple(k.strip() for k in env.split(","))
+    keys = tuple(k.strip() for k in value.split(","))
     if not all(keys):
-        raise ValueError(f"{ADMIN_KEYS_ENV} holds an empty key: it would let anyone in")
+        raise ValueError(f"{env.ADMIN_KEYS} holds an empty key: it would let anyone in")
     return keys
 
 
@@ -228,12 +218,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check_kv(settings: ServeSettings) -> None:
-    """Fail before starting anything when a worker's KV pool cannot hold one full-context request."""
+    """Fail before starting anything when a worker's KV pool cannot hold one full-context
+    request (a pool sized by --mem-fraction is known only on the worker, which checks it)."""
     from engine.config import ModelConfig
     mc = ModelConfig.from_path(settings.model)
-    context = min(settings.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-    for flag, tokens in (("--kv-cache-tokens", settings.kv_cache_tokens),
-                         ("--prefill-kv-cache-tokens", settings.prefill_kv_cache_tokens)):
+    context = min(settings.engine.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    pools: list[tuple[str, int | None]] = [("--prefill-kv-cache-tokens", settings.prefill_kv_cache_tokens)]
+    if settings.worker.mem_fraction is None:
+        pools.insert(0, ("--kv-cache-tokens", settings.engine.kv_cache_tokens))
+    for flag, tokens in pools:
         if tokens is not None and tokens < context:
             raise ValueError(f"{flag} {tokens} cannot hold one request of the maximum context ({context} "
                              f"tokens): raise it to at least {context} or lower --max-model-len")

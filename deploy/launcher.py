@@ -31,7 +31,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from deploy import registry as reg
 from deploy.actors import GatewayActor, WorkerActor
 from deploy.local_ray import LocalRay, keep_loopback
-from deploy.settings import FRONT_DOOR, ServeSettings
+from deploy.settings import ServeSettings
+from engine.options import fields_of
 from kv_transfer.frame import new_cluster_secret
 from kv_transfer.tls import ClusterCA, TlsIdentity
 from worker.types import Role
@@ -71,7 +72,7 @@ class Deployment:
         self._tls_for(pg)
         self._start_workers(pg, roles, bundles)
         self.say(f"tandem: loading {s.model} on {len(roles)} worker(s): {', '.join(self.workers)}")
-        if s.compile and any(r != Role.PREFILL for r in roles):
+        if s.engine.compile and any(r != Role.PREFILL for r in roles):
             self.say("tandem: the decode workers compile their decode step first (the first start on a node is "
                      "slow, later ones read the cache in $TANDEM_CACHE_DIR, default ~/.cache/tandem; progress in "
                      "each worker's log; --no-compile skips it)")
@@ -114,8 +115,7 @@ class Deployment:
         for i, role in enumerate(roles):
             wid = f"{role.value}-{counts.setdefault(role, 0)}"
             counts[role] += 1
-            config = {**s.worker_config(role), "tls": self._identity(wid, node_of.get(i)),
-                      "drain_grace_s": s.drain_timeout_s}
+            config = {**fields_of(s.worker_settings(role)), "tls": self._identity(wid, node_of.get(i))}
             self.workers[wid] = actor_class.options(
                 name=f"tandem-{wid}", namespace=reg.NAMESPACE, max_restarts=s.max_restarts,
                 num_cpus=bundles[i].get("CPU", 0), num_gpus=bundles[i].get("GPU", 0),
@@ -160,16 +160,11 @@ class Deployment:
         b.update(self.s.worker_resources.get(role.value, {}))
         return b
 
-    def _gateway_config(self, replica: int) -> dict:
-        s = self.s
-        return dict(model=s.model, served_model_name=s.name, host=s.host, port=s.port + replica if s.port else 0,
-                    api_keys=s.api_keys, cluster_secret=self._secret,
-                    tls=self._identity(f"gateway-{replica}", ray.get_runtime_context().get_node_id()),
-                    ssl_certfile=s.ssl_certfile, ssl_keyfile=s.ssl_keyfile,
-                    default_max_tokens=s.default_max_tokens, tenant_max_kv_tokens=s.tenant_max_kv_tokens,
-                    admin_keys=s.admin_keys, stream_idle_timeout_s=s.stream_idle_timeout_s, routing=s.routing,
-                    max_migrations=s.max_migrations, reasoning_parser=s.reasoning_parser,
-                    tool_call_parser=s.tool_call_parser, **{name: getattr(s, name) for name in FRONT_DOOR})
+    def _gateway_config(self, replica: int) -> dict[str, Any]:
+        """GatewayConfig's fields for gateway `replica` but its workers (the actor finds them):
+        the settings, on --port + replica, and what this deployment wires in."""
+        return {**self.s.gateway_fields(replica), "cluster_secret": self._secret,
+                "tls": self._identity(f"gateway-{replica}", ray.get_runtime_context().get_node_id())}
 
     def _wait_healthy(self, url: str, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s
@@ -195,7 +190,7 @@ class Deployment:
         group bundle stays reserved.  Raises KeyError for an unknown worker."""
         actor = self.workers.pop(wid)
         role = self.roles.pop(wid)
-        grace = self.s.drain_timeout_s if grace_s is None else grace_s
+        grace = self.s.worker.drain_grace_s if grace_s is None else grace_s
         try:
             counts: dict[str, Any] = ray.get(actor.drain.remote(grace), timeout=grace + 60)
             ray.get(actor.stop.remote(), timeout=60)
@@ -207,7 +202,7 @@ class Deployment:
         return counts
 
     def stop(self) -> None:
-        """Shut down within the drain grace (`drain_timeout_s`): the gateways stop admitting
+        """Shut down within the drain grace (`worker.drain_grace_s`): the gateways stop admitting
         (503) and let in-flight requests finish, then every worker drains for what is left of
         the grace (what still runs ends with DRAINING), stops and unregisters; then the actors,
         the placement group, the registry and a Ray of our own end."""
@@ -220,18 +215,18 @@ class Deployment:
             self._undo_loopback()
 
     def _drain_and_stop(self) -> None:
-        end = time.monotonic() + self.s.drain_timeout_s
+        end = time.monotonic() + self.s.worker.drain_grace_s
         # requests that end while the gateways wait are counted there: the workers' drain
         # that follows sees only what the grace period left running
         finished = left = drained = 0
-        for counts in ray.get([g.drain.remote(self.s.drain_timeout_s) for g in self.gateways]):
+        for counts in ray.get([g.drain.remote(self.s.worker.drain_grace_s) for g in self.gateways]):
             finished, left = finished + counts["finished"], left + counts["left"]
         if left:
             self.say(f"tandem: {left} request(s) still running after the grace period: ending them")
         drains = {wid: a.drain.remote(max(0.0, end - time.monotonic())) for wid, a in self.workers.items()}
         for wid, ref in drains.items():
             try:
-                counts = ray.get(ref, timeout=self.s.drain_timeout_s + 60)
+                counts = ray.get(ref, timeout=self.s.worker.drain_grace_s + 60)
                 finished, drained = finished + counts["finished"], drained + counts["drained"]
             except Exception as e:  # a worker that died is already gone
                 log.warning("draining %s: %s", wid, e)

@@ -6,7 +6,7 @@ with `--json`, as one JSON object for operators and scripts:
                   "node_id": "...", "address": "10.0.0.7:50052",
                   "transfer_endpoint": "grpc://10.0.0.7:50061", "tls": true,
                   "health": "ok", "running": 0, "draining": false, "requests_drained": 0,
-                  "kv_tokens_used": 0, "kv_tokens_capacity": 16384,
+                  "kv_tokens_used": 0, "kv_tokens_capacity": 8192,
                   "expert_hit_rate": 0.93, "cache_pages": 120, "cache_hit_tokens": 30720,
                   "cache_query_tokens": 40960, "cache_evictions": 0}, ...]}
 

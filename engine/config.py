@@ -1,20 +1,25 @@
 """Frozen configuration: the model's (read from config.json) and the engine's.
 
 Importing this module loads no torch (the gateway reads ModelConfig and SHIPPED_MODEL):
-torch is imported where a dtype is made, in `parse_dtype` and EngineConfig's default."""
+torch is imported where a dtype is made, in `parse_dtype` (EngineConfig.torch_dtype)."""
 
 from __future__ import annotations
 
 import json
-import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.compiled.buckets import decode_buckets, parse_buckets
+from engine.env import COMPILE, compile_default
+from engine.options import option
+
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DTYPES", "SHIPPED_MODEL", "EngineConfig", "ModelConfig", "parse_dtype"]
+__all__ = ["DTYPES", "DTYPE_NAMES", "MAX_NUM_SEQS", "SHIPPED_MODEL", "EngineConfig", "ModelConfig",
+           "check_compile_buckets", "compile_default", "dtype_name", "parse_compile_buckets", "parse_dtype"]
 
 
 def _shipped_model() -> Path:
@@ -27,9 +32,11 @@ def _shipped_model() -> Path:
 
 SHIPPED_MODEL = _shipped_model()
 
-# the dtype names accepted on command lines and in configs -> the torch attribute they name
+# the dtype names accepted in configs -> the torch attribute they name; the command lines offer the
+# canonical ones (DTYPE_NAMES)
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
           "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
+DTYPE_NAMES = tuple(dict.fromkeys(DTYPES.values()))
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -44,8 +51,13 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return dtype
 
 
-def _float32() -> torch.dtype:
-    return parse_dtype("float32")
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """The canonical name (a value of DTYPES) of a dtype name or torch.dtype: "bf16" and
+    torch.bfloat16 are "bfloat16".  Raises ValueError naming the choices."""
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
 
 
 @dataclass(frozen=True)
@@ -165,45 +177,74 @@ class ModelConfig:
         return cls.from_dict(raw)
 
 
-COMPILE_ENV = "TANDEM_COMPILE"   # "0" makes eager the default (the test suite sets it)
+# requests one batch holds: the largest compile bucket, and the limit each bucket is checked against
+MAX_NUM_SEQS = 64
 
 
-def compile_default() -> bool:
-    """Whether decode steps compile unless a config says otherwise: yes, unless the environment
-    sets TANDEM_COMPILE to 0 (or false, no, off).  Raises ValueError for another value."""
-    value = os.environ.get(COMPILE_ENV, "1").strip().lower()
-    if value in ("1", "true", "yes", "on", ""):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{COMPILE_ENV}={os.environ[COMPILE_ENV]!r}: expected 1 (compiled decode steps, the "
-                     f"default) or 0 (eager)")
+def check_compile_buckets(sizes: Sequence[int], max_num_seqs: int = MAX_NUM_SEQS) -> tuple[int, ...]:
+    """The compile buckets `sizes` sorted and deduplicated.  Raises ValueError naming a size
+    outside 1..max_num_seqs (a decode batch never holds more requests than that)."""
+    if over := [b for b in sizes if b > max_num_seqs]:
+        raise ValueError(f"compile bucket {over[0]} exceeds max_num_seqs={max_num_seqs}: a decode batch holds "
+                         f"at most {max_num_seqs} requests (choose sizes from 1 to max_num_seqs={max_num_seqs})")
+    return decode_buckets(max_num_seqs, sizes)
+
+
+def parse_compile_buckets(text: str, max_num_seqs: int = MAX_NUM_SEQS) -> tuple[int, ...]:
+    """--compile-buckets "1,2,4,8" -> (1, 2, 4, 8).  Raises ValueError naming the bad entry:
+    not a positive number, or above `max_num_seqs`."""
+    return check_compile_buckets(parse_buckets(text), max_num_seqs)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine runs a model: device, dtype, KV pool and batch limits."""
-    model: str
-    dtype: torch.dtype = field(default_factory=_float32)
-    device: str = "cpu"
-    page_size: int = 16
-    kv_cache_tokens: int = 16384
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_prefill_tokens: int = 2048
-    seed: int = 0
-    paged_experts_num_resident: int | None = None  # K resident experts per MoE layer; None: all
-    paged_experts_prefetch: bool | None = None       # None: on with CUDA, off elsewhere
-    enable_prefix_cache: bool = True                 # share full KV pages between requests
-    kv_audit: bool = False                           # hash cached pages (check_integrity(contents=True))
-    # decode steps run as compiled graphs, one per batch bucket (engine/compiled); off: eager
-    compile: bool = field(default_factory=compile_default)
-    compile_buckets: tuple[int, ...] | None = None   # None: 1, 2, 4, ... up to max_num_seqs
-    # a constraint not seen before is checked in a child process within this many seconds
-    # (engine/grammar_check.py; workers); None: compiled in-process without a budget (engine.LLM)
-    grammar_check_timeout_s: float | None = None
+    """How the engine runs a model: device, dtype, KV pool and batch limits.  Each field's help
+    is what `tandem` shows for its flag; `LLM(model, **fields)` takes them by name."""
+    model: str = option(str(SHIPPED_MODEL), help="HF checkpoint directory (default: the shipped tiny-moe)")
+    # a name of DTYPES (a torch.dtype is taken too), kept as its canonical name: `torch_dtype` is the dtype
+    dtype: str = option("float32", choices=DTYPE_NAMES, help="the weights' and KV cache's floating point type")
+    device: str = option("cpu", help="where the engine computes: cpu, cuda or cuda:N")
+    page_size: int = option(16, help="tokens per KV page (a power of two)")
+    kv_cache_tokens: int = option(16384, help="the KV pool, in tokens")
+    max_model_len: int | None = option(None, type=int, help="the longest prompt + output, in tokens (default: "
+                                       "the model's max_position_embeddings)")
+    max_num_seqs: int = option(MAX_NUM_SEQS, help="requests one batch holds")
+    max_prefill_tokens: int = option(2048, help="prompt tokens one prefill step computes")
+    seed: int = option(0, help="the engine's random seed (a request without a seed of its own draws from it)")
+    paged_experts_num_resident: int | None = option(
+        None, type=int, help="keep K experts of each MoE layer on the device, the rest in host memory (default: all "
+        "resident)")
+    paged_experts_prefetch: bool | None = option(
+        None, help="predict the next layer's experts and page them in early (default: on with CUDA, off elsewhere)")
+    enable_prefix_cache: bool = option(
+        True, flag="--no-prefix-cache", action="store_false",
+        help="the prefix cache: requests share the KV pages of a common prompt prefix, per tenant salt, with the "
+        "same outputs; --no-prefix-cache turns it off: every prompt is computed and its KV moved in full")
+    kv_audit: bool = option(False, help="hash cached pages when published, so pool.check_integrity(contents=True) "
+                            "proves none was written afterwards (tests)")
+    compile: bool = option(factory=compile_default, flag="--no-compile", action="store_false",
+                           help="compiled decode steps, one graph per batch bucket (engine/compiled); --no-compile "
+                           "runs them eager, with no start-up compilation (debugging). Default: compiled, unless "
+                           f"{COMPILE}=0 is set")
+    compile_buckets: tuple[int, ...] | None = option(
+        None, type=parse_compile_buckets, metavar="SIZES",
+        help=f"the decode batch sizes compiled at start-up, e.g. 1,2,4,8 (each 1..max_num_seqs; default: "
+        f"1,2,4,...,{MAX_NUM_SEQS}); a batch is padded to the next size, a batch above the largest runs eager")
+    grammar_check_timeout_s: float | None = option(
+        None, help="a structured-output constraint not seen before is checked in a child process within this many "
+        "seconds (engine/grammar_check.py; default: none, compiled in-process without a budget, as engine.LLM "
+        "does; a worker always sets one)")
 
     def __post_init__(self) -> None:
+        # accepted as given, kept in one form: the model's path as text, the dtype's canonical
+        # name, the buckets as a tuple (LLM(compile_buckets=[1, 2]) and argparse give lists),
+        # compile=None as the environment's default (as LLM has always taken it)
+        object.__setattr__(self, "model", str(self.model))
+        if self.compile is None:
+            object.__setattr__(self, "compile", compile_default())
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        if self.compile_buckets is not None:
+            object.__setattr__(self, "compile_buckets", tuple(self.compile_buckets))
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size={self.page_size} must be a positive power of two")
         if self.kv_cache_tokens < self.page_size:
@@ -214,8 +255,11 @@ class EngineConfig:
         if self.grammar_check_timeout_s is not None and not 0 < self.grammar_check_timeout_s < float("inf"):
             raise ValueError(f"grammar_check_timeout_s={self.grammar_check_timeout_s} must be > 0 and finite")
         if self.compile_buckets is not None:
-            from engine.compiled.buckets import decode_buckets
-            decode_buckets(self.max_num_seqs, self.compile_buckets)  # raises ValueError naming the limit
+            check_compile_buckets(self.compile_buckets, self.max_num_seqs)  # raises ValueError naming the limit
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
 
     @property
     def num_pages(self) -> int:

@@ -91,13 +91,13 @@ class EngineCore:
         if config.compile:
             use_cache_dir()   # an unusable cache directory fails before the model loads
         self.model_config = mc = ModelConfig.from_path(path)
-        validate_num_resident(k, mc.num_experts, mc.num_experts_per_tok, config.dtype)
+        validate_num_resident(k, mc.num_experts, mc.num_experts_per_tok, config.torch_dtype)
         self.tokenizer = Tokenizer(path)
         variants = kernel_variants(mc)
         attn = select_attention(device, attention, config.page_size, variants)
         self.attention_backend = attn.name
         triton_moe = select_moe_kernel(device, clamped="clamped_swiglu" in variants)
-        self.model = load_model(path, mc, config.dtype, device, attn, moe_triton=triton_moe,
+        self.model = load_model(path, mc, config.torch_dtype, device, attn, moe_triton=triton_moe,
                                 make_experts=paged_factory(k, device, triton_moe) if k is not None else None)
         if k is not None:
             for layer, experts in self.paged_experts().items():
@@ -106,7 +106,7 @@ class EngineCore:
             self.model.prefetch_experts = torch.device(device).type == "cuda" if prefetch is None else prefetch
         components, kv_heads, kv_dim = mc.kv_geometry
         self.pool = PagePool(config.num_pages, config.page_size, mc.num_hidden_layers,
-                             kv_heads, kv_dim, config.dtype, device, kv_components=components,
+                             kv_heads, kv_dim, config.torch_dtype, device, kv_components=components,
                              prefix_cache=config.enable_prefix_cache, audit=config.kv_audit)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_prefill_tokens, interleave)
         limit = mc.max_position_embeddings

@@ -2,18 +2,17 @@
 results are compared with), a thin layer over the `EngineCore` the workers drive.
 
     from engine import LLM, SamplingParams
-    llm = LLM()                                   # the shipped checkpoint, fp32, CPU
+    llm = LLM()                                   # the shipped checkpoint, EngineConfig's defaults
+    llm = LLM(kv_cache_tokens=4096, compile=False)   # any EngineConfig field, by name
     out = llm.generate(["def add(a, b):"], SamplingParams(max_tokens=32, temperature=0))
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
-import torch
-
-from engine.config import SHIPPED_MODEL, EngineConfig, ModelConfig, compile_default, parse_dtype
+from engine.config import EngineConfig, ModelConfig
 from engine.core import EngineCore
 from engine.errors import ErrorCode, RequestError
 from engine.experts import PagedExperts
@@ -34,31 +33,17 @@ def _is_one_prompt(prompts: Prompt | Sequence[Prompt]) -> bool:
 
 
 class LLM:
-    def __init__(self, model: str | Path | None = None, dtype: str | torch.dtype = "float32",
-                 device: str = "cpu", kv_cache_tokens: int = 16384, page_size: int = 16,
-                 max_model_len: int | None = None, max_num_seqs: int = 64,
-                 max_prefill_tokens: int = 2048, seed: int = 0, attention: str | None = None,
-                 paged_experts_num_resident: int | None = None, paged_experts_prefetch: bool | None = None,
-                 enable_prefix_cache: bool = True, kv_audit: bool = False, compile: bool | None = None,
-                 compile_buckets: Sequence[int] | None = None, prompt_special_tokens: bool = False):
-        """`enable_prefix_cache`: requests share the KV pages of a common prompt prefix (the
-        outputs do not change); `kv_audit`: hash every cached page when it is published, so
-        `pool.check_integrity(contents=True)` can prove none was written afterwards (tests);
-        `compile`: decode steps run as compiled graphs, one per batch bucket, compiled now
-        (default: on, unless TANDEM_COMPILE=0); `compile_buckets`: those batch sizes (default 1,
-        2, 4, ... up to max_num_seqs); `prompt_special_tokens`: a prompt string's added tokens'
-        text (`<|im_end|>`) reads as their control ids, as the gateway's flag of that name (default:
-        a prompt string is text; token-id prompts are taken as they are)."""
+    def __init__(self, model: str | Path | None = None, *, attention: str | None = None,
+                 prompt_special_tokens: bool = False, **overrides: Any) -> None:
+        """The engine on `model` (default: the shipped checkpoint).  `overrides`: EngineConfig's
+        fields by name (kv_cache_tokens=4096, dtype="bfloat16", compile=False, ...: each
+        field's help in engine/config.py says what it does and its default); an unknown name
+        is a TypeError, a bad value a ValueError.  `attention`: the attention backend's name
+        (default: the device's).  `prompt_special_tokens`: a prompt string's added tokens'
+        text (`<|im_end|>`) reads as their control ids, as the gateway's flag of that name
+        (default: a prompt string is text; token-id prompts are taken as they are)."""
         self.prompt_special_tokens = prompt_special_tokens
-        config = EngineConfig(model=str(Path(model) if model is not None else SHIPPED_MODEL),
-                              dtype=parse_dtype(dtype), device=device, page_size=page_size,
-                              kv_cache_tokens=kv_cache_tokens, max_model_len=max_model_len,
-                              max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens, seed=seed,
-                              paged_experts_num_resident=paged_experts_num_resident,
-                              paged_experts_prefetch=paged_experts_prefetch,
-                              enable_prefix_cache=enable_prefix_cache, kv_audit=kv_audit,
-                              compile=compile_default() if compile is None else compile,
-                              compile_buckets=None if compile_buckets is None else tuple(compile_buckets))
+        config = EngineConfig(**overrides) if model is None else EngineConfig(model=str(model), **overrides)
         self.core = EngineCore(config, attention)
 
     # ---- the core's parts, read by tests, benchmarks and tools -----------------

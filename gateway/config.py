@@ -1,4 +1,9 @@
-"""The gateway's settings: one frozen config, validated."""
+"""The gateway's settings: one frozen config, validated.
+
+    GatewaySettings   what an operator chooses (`tandem serve` holds one for every replica)
+    GatewayConfig     one running gateway: its settings, and the model, workers, cluster secret
+                      and certificate its launcher wires in
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,11 @@ import hashlib
 import hmac
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from engine.config import SHIPPED_MODEL
+from engine.options import option
 from gateway.compile_queue import DEFAULT_MAX_PENDING, DEFAULT_TENANT_MAX_PENDING
 from gateway.reasoning import REASONING_PARSERS
 from gateway.tools import TOOL_PARSERS
@@ -21,91 +28,86 @@ REASONING_CHOICES = PARSER_FLAGS + REASONING_PARSERS
 TOOL_CALL_CHOICES = PARSER_FLAGS + TOOL_PARSERS
 
 
-# GatewayConfig field -> (flag, help): what a connection and a client address may hold
-FRONT_DOOR_FLAGS = {
-    "max_header_bytes": ("--max-header-bytes", "the longest request head (request line and headers) in bytes, "
-                         "however it arrives; longer: 431"),
-    "header_timeout_s": ("--header-timeout", "seconds a request head may take to arrive whole; slower: 408"),
-    "body_timeout_s": ("--body-timeout", "seconds a request body may go without a byte; longer: 408"),
-    "max_connections": ("--max-connections", "open connections (and requests in flight) in all; a new connection "
-                        "past it closes the one idle longest, or gets 503 when every one has a request in flight"),
-    "max_connections_per_client": ("--max-connections-per-client", "open connections from one client address (an "
-                                   "IPv6 /64); more: 429"),
-}
+# what a connection and a client address may hold at the front door (gateway/connections.py):
+# GatewaySettings' fields, which `tandem serve` and `python -m gateway.server` both take as flags
+FRONT_DOOR = ("max_header_bytes", "header_timeout_s", "body_timeout_s", "max_connections", "max_connections_per_client")
 
 
 @dataclass(frozen=True)
-class GatewayConfig:
-    model: str | None = None                 # checkpoint dir (tokenizer, chat template, context)
-    served_model_name: str = "tiny-moe"
-    host: str = "127.0.0.1"
-    port: int = 8000
-    decode_workers: tuple[str, ...] = ()     # host:port of decode (or colocated) workers
-    prefill_workers: tuple[str, ...] = ()
-    colocated_workers: tuple[str, ...] = ()
-    api_keys: dict[str, str] = field(default_factory=dict, repr=False)   # key -> tenant; empty: no auth
-    max_queue: int = 256                     # requests admitted or waiting, in all
-    max_running: int = 128                   # requests forwarded to workers at once
-    tenant_max_concurrency: int = 64         # per tenant, running + waiting
-    queue_timeout_s: float = 30.0
-    request_timeout_s: float = 600.0         # the one timeout of a request once admitted
-    max_n: int = 8
-    max_body_bytes: int = 4 << 20
-    refresh_s: float = 1.0                   # how often workers' Health/Stats are read
-    max_attempts: int = 3                    # tries before the first token (capacity, unreachable)
-    # a choice whose decode stream breaks after a token continues on another worker pair at most
-    # this many times (gateway/migration.py); 0: never (the stream ends with MIGRATION_FAILED)
-    max_migrations: int = 3
-    # the workers refuse every call without credentials made with it (kv_transfer/auth.py)
-    cluster_secret: bytes = field(default=b"", repr=False)
-    # its cluster certificate: worker channels run mutual TLS (the workers' is on across nodes)
-    tls: TlsIdentity | None = field(default=None, repr=False)
-    ssl_certfile: str | None = None          # HTTPS on the front door (uvicorn's TLS), with ssl_keyfile
-    ssl_keyfile: str | None = None
-    # fair share (gateway/fairness.py): chat requests without max_tokens get this many (clipped to
-    # the context left), not the whole context, since their pages are reserved up front
-    default_max_tokens: int = 1024
-    # KV tokens (prompt + max_tokens of each running choice) one tenant may hold at once; None: half
-    # the decode workers' total capacity (all of it when the API keys name one tenant), at least one
-    # request of the longest allowed length
-    tenant_max_kv_tokens: int | None = None
+class GatewaySettings:
+    """What an operator chooses for a gateway (`tandem serve` holds one for every replica).
+    Each field's help is what the command lines show for its flag."""
+    served_model_name: str = option("", help="the model name clients use (default: the model directory's name)")
+    host: str = option("127.0.0.1", help="the address the gateway listens on (0.0.0.0: every interface)")
+    port: int = option(8000, help="the gateway's port (0: a free one)")
+    api_keys: dict[str, str] = option(factory=dict, repr=False, help="API key -> tenant (default: none, every "
+                                      "request is let in)")
+    # empty: /metrics is open, /v1/server_info takes any API key (or none when no keys are configured)
+    admin_keys: tuple[str, ...] = option((), repr=False, flag="--admin-key", action="append",
+                                         help="a Bearer key for /metrics and /v1/server_info (repeatable; "
+                                         "default: none, /metrics is open)")
+    max_queue: int = option(256, help="requests admitted or waiting, in all")
+    max_running: int = option(128, help="requests forwarded to workers at once")
+    tenant_max_concurrency: int = option(64, help="requests of one tenant, running and waiting")
+    queue_timeout_s: float = option(30.0, help="seconds a request may wait for admission")
+    request_timeout_s: float = option(600.0, flag="--request-timeout", help="seconds a request may take once "
+                                      "admitted (its one timeout)")
+    max_n: int = option(8, help="choices one request may ask for (n)")
+    max_body_bytes: int = option(4 << 20, help="the largest request body, in bytes")
+    refresh_s: float = option(1.0, help="how often the workers' Health and Stats are read, seconds")
+    max_attempts: int = option(3, help="tries before the first token (no capacity, a worker unreachable)")
+    max_migrations: int = option(3, help="how many times one response may move to another decode worker (its worker "
+                                 "died or drained after a token) before it ends with an error (0: never, "
+                                 "MIGRATION_FAILED)")
+    ssl_certfile: str | None = option(None, help="serve HTTPS with this certificate, PEM (default: plain HTTP)")
+    ssl_keyfile: str | None = option(None, help="... and this private key, PEM (default: none)")
+    # fair share (gateway/fairness.py): since pages are reserved up front, not the whole context
+    default_max_tokens: int = option(1024, help="a chat request's max_tokens when it sets none (clipped to the "
+                                     "context left)")
+    tenant_max_kv_tokens: int | None = option(
+        None, type=int, help="KV tokens (prompt + max_tokens of each running choice) one tenant may hold reserved at "
+        "once (default: half the decode workers' KV; all of it when the API keys name one tenant; at least one "
+        "request of the longest allowed length)")
     # what the front door reads and holds (gateway/limits.py, gateway/prompts.py)
-    stream_idle_timeout_s: float = 30.0      # a client that reads nothing of its response this long is cut off
-    max_header_bytes: int = 16 << 10         # request line + headers, however they arrive (else 431)
-    # open connections, and requests in flight (gateway/connections.py): a new connection past it takes
-    # the slot of the one idle longest (no request in flight); when none is idle it is answered 503
-    max_connections: int = 512
-    max_connections_per_client: int = 256    # open connections from one address (an IPv6 /64); more: 429
-    header_timeout_s: float = 5.0            # a request head must arrive whole within this (else 408)
-    body_timeout_s: float = 10.0             # a request body may go this long without a byte (else 408)
-    prepare_threads: int = 4                 # tokenising, templates, regex checks: off the event loop
-    # Bearer keys for /metrics and /v1/server_info; empty: /metrics is open, /v1/server_info
-    # takes any API key (or none when no keys are configured)
-    admin_keys: tuple[str, ...] = field(default=(), repr=False)
-    max_messages: int = 1024                 # messages in one chat request (checked before the template)
-    # how a request's workers are chosen (gateway/routing.py): "prefix" weighs what each worker's
-    # prefix cache holds of the prompt against its load, "load" takes the least loaded
-    routing: str = "prefix"
-    # structured outputs: a constraint's compilation may take this long before the request is refused (400)
-    grammar_compile_timeout_s: float = 5.0
+    stream_idle_timeout_s: float = option(30.0, flag="--stream-idle-timeout", help="seconds a client may read "
+                                          "nothing of its streamed response before it is reset")
+    max_header_bytes: int = option(16 << 10, help="the longest request head (request line and headers) in bytes, "
+                                   "however it arrives; longer: 431")
+    max_connections: int = option(512, help="open connections (and requests in flight) in all; a new connection "
+                                  "past it closes the one idle longest, or gets 503 when every one has a request "
+                                  "in flight")
+    max_connections_per_client: int = option(256, help="open connections from one client address (an IPv6 /64); "
+                                             "more: 429")
+    header_timeout_s: float = option(5.0, flag="--header-timeout", help="seconds a request head may take to arrive "
+                                     "whole; slower: 408")
+    body_timeout_s: float = option(10.0, flag="--body-timeout", help="seconds a request body may go without a "
+                                   "byte; longer: 408")
+    prepare_threads: int = option(4, help="threads for tokenising, templates and regex checks, off the event loop")
+    max_messages: int = option(1024, help="messages in one chat request (checked before the template)")
+    routing: str = option("prefix", choices=ROUTING_MODES, help="how the gateway picks a request's workers "
+                          "(gateway/routing.py): prefix weighs the prompt's prefix each worker caches against its "
+                          "load; load takes the least loaded")
+    grammar_compile_timeout_s: float = option(5.0, help="seconds a structured-output constraint may take to "
+                                              "compile before the request is refused (400)")
     # structured-output compilations waiting or running (gateway/compile_queue.py): in all, and per
     # tenant (the tenants' share key, as admission); past either a request is refused with 429
-    grammar_max_pending: int = DEFAULT_MAX_PENDING
-    grammar_tenant_max_pending: int = DEFAULT_TENANT_MAX_PENDING
-    # how the model's output is read (gateway/chat.py output_settings): a parser's name, "none", or
-    # "auto" (from the chat template's markers)
-    reasoning_parser: str = "auto"
-    tool_call_parser: str = "auto"
-    # a /v1/completions `prompt` string whose added tokens' text (<|im_end|>, ...) reads as their
-    # control ids, as the tokenizer alone reads it; off: every prompt string is text (token-id
-    # prompts are taken as they are either way; chat messages are always text)
-    prompt_special_tokens: bool = False
+    grammar_max_pending: int = option(DEFAULT_MAX_PENDING, help="structured-output compilations waiting or "
+                                      "running, in all")
+    grammar_tenant_max_pending: int = option(DEFAULT_TENANT_MAX_PENDING, help="... and of one tenant")
+    reasoning_parser: str = option("auto", choices=REASONING_CHOICES, help="how the gateway splits reasoning from "
+                                   "the answer (reasoning_content); auto: from the chat template's markers, none: "
+                                   "off")
+    tool_call_parser: str = option("auto", choices=TOOL_CALL_CHOICES, help="the model's tool-call syntax, read into "
+                                   "tool_calls; auto: from the chat template's markers, none: tool_choice auto is "
+                                   "refused")
+    prompt_special_tokens: bool = option(
+        False, action="store_true", help="read control token text (<|im_end|>, ...) in a /v1/completions prompt "
+        "string as the control token, as the tokenizer alone reads it (as before issue 41); token-id prompts are "
+        "taken as they are, chat messages are always text")
 
     def __post_init__(self) -> None:
-        if not (self.decode_workers or self.colocated_workers):
-            raise ValueError("the gateway needs at least one decode or colocated worker")
-        if self.decode_workers and not self.prefill_workers:
-            raise ValueError("decode workers need at least one prefill worker (or use colocated workers)")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port={self.port} is not a TCP port")
         for name in ("max_queue", "max_running", "tenant_max_concurrency", "max_n", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -114,7 +116,6 @@ class GatewayConfig:
         for name in ("queue_timeout_s", "request_timeout_s", "refresh_s", "grammar_compile_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
-        check_secret(self.cluster_secret)
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("HTTPS needs both --ssl-certfile and --ssl-keyfile")
         for name in ("ssl_certfile", "ssl_keyfile"):
@@ -136,8 +137,8 @@ class GatewayConfig:
             raise ValueError(f"grammar_tenant_max_pending={self.grammar_tenant_max_pending} must be <= "
                              f"grammar_max_pending={self.grammar_max_pending}")
         for name in ("stream_idle_timeout_s", "header_timeout_s", "body_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0 and finite")
         if not all(self.admin_keys):
             raise ValueError("an empty admin key would let anyone in: refused")
         if self.routing not in ROUTING_MODES:
@@ -145,6 +146,35 @@ class GatewayConfig:
         for name, known in (("reasoning_parser", REASONING_CHOICES), ("tool_call_parser", TOOL_CALL_CHOICES)):
             if getattr(self, name) not in known:
                 raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(known)}")
+
+
+@dataclass(frozen=True)
+class GatewayConfig(GatewaySettings):
+    """One gateway: its settings, and what its launcher wires in (the model, the workers, the
+    cluster secret, its certificate).  `served_model_name` left empty becomes the model
+    directory's name."""
+    model: str | None = option(None, help="checkpoint directory: tokenizer, chat template, context (default: the "
+                               "shipped tiny-moe)")
+    decode_workers: tuple[str, ...] = option((), flag="--decode", action="append", metavar="HOST:PORT",
+                                             help="a decode worker's HOST:PORT (repeatable)")
+    prefill_workers: tuple[str, ...] = option((), flag="--prefill", action="append", metavar="HOST:PORT",
+                                              help="a prefill worker's HOST:PORT (repeatable)")
+    colocated_workers: tuple[str, ...] = option((), flag="--colocated", action="append", metavar="HOST:PORT",
+                                                help="a colocated worker's HOST:PORT (repeatable)")
+    # the workers refuse every call without credentials made with it (kv_transfer/auth.py)
+    cluster_secret: bytes = option(b"", repr=False, help="the cluster secret (never printed)")
+    # worker channels run mutual TLS with it (the workers' is on across nodes)
+    tls: TlsIdentity | None = option(None, repr=False, help="its cluster certificate (default: none, plaintext)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (self.decode_workers or self.colocated_workers):
+            raise ValueError("the gateway needs at least one decode or colocated worker")
+        if self.decode_workers and not self.prefill_workers:
+            raise ValueError("decode workers need at least one prefill worker (or use colocated workers)")
+        check_secret(self.cluster_secret)
+        if not self.served_model_name:
+            object.__setattr__(self, "served_model_name", Path(self.model or SHIPPED_MODEL).name)
 
 
 def load_api_keys(path: str | Path) -> dict[str, str]:

@@ -5,25 +5,18 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import fields
 from typing import Any
 
 import uvicorn
 
+from engine import env
+from engine.options import add_flags, build, given
 from gateway.app import create_app
-from gateway.config import (
-    FRONT_DOOR_FLAGS,
-    REASONING_CHOICES,
-    ROUTING_MODES,
-    TOOL_CALL_CHOICES,
-    GatewayConfig,
-    api_keys,
-)
+from gateway.config import FRONT_DOOR, GatewayConfig, api_keys
 from gateway.connection_table import ConnectionLimits
 from gateway.connections import protocol_for
 from kv_transfer.tls import TlsIdentity
@@ -95,71 +88,39 @@ def connection_limits(config: GatewayConfig) -> ConnectionLimits:
                             body_timeout_s=config.body_timeout_s)
 
 
-def _front_door_flags(ap: argparse.ArgumentParser) -> None:
-    """The flags of FRONT_DOOR_FLAGS, typed and defaulted from GatewayConfig's fields."""
-    defaults = {f.name: f.default for f in fields(GatewayConfig)}
-    for name, (flag, text) in FRONT_DOOR_FLAGS.items():
-        default = defaults[name]
-        ap.add_argument(flag, dest=name, type=type(default), default=default, help=f"{text} (default {default})")
-
-
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def main(argv: list[str] | None = None) -> int:
+# GatewayConfig's fields `python -m gateway.server` takes as flags, in --help's order: each
+# field's help, type and default are the field's (gateway/config.py)
+FLAGS = ("host", "port", "model", "served_model_name", "decode_workers", "prefill_workers", "colocated_workers",
+         "request_timeout_s", "ssl_certfile", "ssl_keyfile", "admin_keys", "stream_idle_timeout_s", "routing",
+         "max_migrations", "reasoning_parser", "tool_call_parser", *FRONT_DOOR, "prompt_special_tokens")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The gateway process's options: FLAGS, and the API keys and certificate it reads itself."""
     ap = argparse.ArgumentParser(prog="python -m gateway.server")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--served-model-name", default="tiny-moe")
-    ap.add_argument("--decode", action="append", default=[])
-    ap.add_argument("--prefill", action="append", default=[])
-    ap.add_argument("--colocated", action="append", default=[])
-    ap.add_argument("--api-key", action="append", default=[], help="KEY or KEY:TENANT")
-    ap.add_argument("--api-keys-file", default=None)
-    ap.add_argument("--request-timeout", type=float, default=600.0)
+    add_flags(ap, GatewayConfig, FLAGS)
+    ap.add_argument("--api-key", action="append", default=[], help="KEY or KEY:TENANT (repeatable; default: none)")
+    ap.add_argument("--api-keys-file", default=None, help="JSON {key: tenant} or lines `KEY TENANT` (default: none)")
     ap.add_argument("--tls-dir", default=None, help="the gateway's cluster certificate (tandem certs): mutual TLS "
-                    "to workers started with --tls-dir")
-    ap.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM)")
-    ap.add_argument("--ssl-keyfile", default=None, help="... and this key (PEM)")
-    ap.add_argument("--admin-key", action="append", default=[], help="a Bearer key for /metrics and "
-                    "/v1/server_info (repeatable; none: /metrics is open)")
-    ap.add_argument("--stream-idle-timeout", type=float, default=30.0,
-                    help="close a response the client has not read for this many seconds")
-    ap.add_argument("--routing", default="prefix", choices=ROUTING_MODES,
-                    help="prefix: weigh each worker's cached prefix of the prompt against its load; load: least loaded")
-    ap.add_argument("--max-migrations", type=int, default=3,
-                    help="how many times a stream whose decode worker fails after a token may continue on "
-                    "another worker (0: never)")
-    ap.add_argument("--reasoning-parser", default="auto", choices=REASONING_CHOICES,
-                    help="how reasoning is split from the answer (reasoning_content); auto: from the chat template")
-    ap.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_CHOICES,
-                    help="the model's tool-call syntax, read into tool_calls; auto: from the chat template")
-    _front_door_flags(ap)
-    ap.add_argument("--prompt-special-tokens", action="store_true",
-                    help="read control token text in a /v1/completions prompt string as the control token "
-                    "(chat messages are always text; default: off, a prompt string is text)")
-    args = ap.parse_args(argv)
-    keys = api_keys(args.api_keys_file, args.api_key)
-    # the workers' secret, hex (as deploy/worker.py reads it): every worker call is authenticated
-    secret = bytes.fromhex(os.environ.get("TANDEM_CLUSTER_SECRET", ""))
-    config = GatewayConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
-                           port=args.port, decode_workers=tuple(args.decode), prefill_workers=tuple(args.prefill),
-                           colocated_workers=tuple(args.colocated), api_keys=keys,
-                           request_timeout_s=args.request_timeout, cluster_secret=secret,
-                           tls=TlsIdentity.load(args.tls_dir) if args.tls_dir else None,
-                           ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
-                           admin_keys=tuple(args.admin_key), stream_idle_timeout_s=args.stream_idle_timeout,
-                           routing=args.routing, max_migrations=args.max_migrations,
-                           reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-                           prompt_special_tokens=args.prompt_special_tokens,
-                           **{name: getattr(args, name) for name in FRONT_DOOR_FLAGS})
+                    "to workers started with --tls-dir (default: plaintext)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    # the workers' secret, hex, from the environment (as deploy/worker.py reads it): every worker
+    # call is authenticated
+    config = build(GatewayConfig, **given(args, FLAGS), api_keys=api_keys(args.api_keys_file, args.api_key),
+                   cluster_secret=env.cluster_secret(), tls=TlsIdentity.load(args.tls_dir) if args.tls_dir else None)
     app = create_app(config)
     freeze_heap()
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", **uvicorn_limits(config))
+    uvicorn.run(app, host=config.host, port=config.port, log_level="info", **uvicorn_limits(config))
     return 0
 
 

@@ -4,6 +4,9 @@ fast with a readable message before anything starts."""
 import pytest
 
 from deploy.cli import main
+from engine.options import default_of
+from gateway.config import GatewaySettings
+from worker.config import WorkerSettings
 
 
 def test_generate_prints_replies_and_speed(capsys):
@@ -23,12 +26,11 @@ def test_generate_refuses_a_prompt_over_the_context(capsys):
     (["serve", "--kv-cache-tokens", "4096", "--mem-fraction", "0.5"], "give one"),
     (["serve", "--colocated", "--prefill-workers", "2"], "--colocated workers do both"),
     (["serve", "--decode-workers", "0"], "--decode-workers must be >= 1"),
-    (["serve", "--mem-fraction", "1.5"], "--mem-fraction must be in (0, 1)"),
+    (["serve", "--mem-fraction", "1.5"], "mem_fraction=1.5 must be in (0, 1)"),
     (["serve", "--device", "cuda"], "--gpus-per-worker > 0"),
-    (["serve", "--worker-resources", "[1]"], "JSON object of role"),
     (["serve", "--worker-resources", '{"gpu": {"gpu_node": 1}}'], "gpu is not a role"),
-    (["serve", "--drain-grace-s", "-1"], "--drain-grace-s must be >= 0"),
-    (["serve", "--max-migrations", "-1"], "--max-migrations must be >= 0"),
+    (["serve", "--drain-grace-s", "-1"], "drain_grace_s=-1.0 must be >= 0"),
+    (["serve", "--max-migrations", "-1"], "max_migrations=-1 must be >= 0"),
     (["drain", "decode-0", "--restart", "--undo"], "--restart and --undo contradict each other"),
     (["drain", "decode-0", "--grace-s", "-2"], "--grace-s must be >= 0"),
 ])
@@ -37,12 +39,16 @@ def test_serve_fails_fast_on_bad_settings(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["serve", "--no-such-flag"], ["serve", "--placement-strategy", "RANDOM"],
-                                  ["serve", "--port", "eighty"]])
-def test_serve_refuses_unknown_or_malformed_flags(capsys, argv):
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--no-such-flag"], "unrecognized arguments"), (["serve", "--placement-strategy", "RANDOM"], "invalid"),
+    (["serve", "--port", "eighty"], "invalid int value"),
+    (["serve", "--worker-resources", "[1]"], "JSON object of role"),
+    (["serve", "--worker-resources", "{"], "argument --worker-resources")])
+def test_serve_refuses_unknown_or_malformed_flags(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         main(argv)
-    assert e.value.code == 2 and "error:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "error:" in err and message in err
 
 
 def test_every_placement_strategy_the_flag_offers_is_accepted():
@@ -65,8 +71,8 @@ def test_prefill_workers_get_their_own_kv_pool():
     from worker.types import Role
     s = serve_settings(build_parser().parse_args(
         ["serve", "--kv-cache-tokens", "4096", "--prefill-kv-cache-tokens", "16384", "--max-model-len", "1024"]))
-    assert s.worker_config(Role.PREFILL)["kv_cache_tokens"] == 16384
-    assert s.worker_config(Role.DECODE)["kv_cache_tokens"] == 4096
+    assert s.worker_settings(Role.PREFILL).engine.kv_cache_tokens == 16384
+    assert s.worker_settings(Role.DECODE).engine.kv_cache_tokens == 4096
     _check_kv(s)
     small = serve_settings(build_parser().parse_args(["serve", "--prefill-kv-cache-tokens", "512",
                                                       "--max-model-len", "1024"]))
@@ -79,9 +85,10 @@ def test_prefill_workers_get_their_own_kv_pool():
 def test_serve_maps_the_drain_and_migration_flags():
     from deploy.cli import build_parser, serve_settings
     s = serve_settings(build_parser().parse_args(["serve", "--drain-grace-s", "7.5", "--max-migrations", "0"]))
-    assert (s.drain_timeout_s, s.max_migrations) == (7.5, 0)
+    assert (s.worker.drain_grace_s, s.gateway.max_migrations) == (7.5, 0)
     d = serve_settings(build_parser().parse_args(["serve"]))
-    assert (d.drain_timeout_s, d.max_migrations) == (30.0, 3)
+    assert (d.worker.drain_grace_s, d.gateway.max_migrations) == (default_of(WorkerSettings, "drain_grace_s"),
+                                                                  default_of(GatewaySettings, "max_migrations"))
 
 
 # ---- the compiled decode step's flags (nothing here compiles: engines start with --no-compile) ----
@@ -107,18 +114,19 @@ def test_compile_flags_reach_every_worker_of_serve(monkeypatch):
     """The default (compiled unless TANDEM_COMPILE=0) is decided in the driver and handed to the
     workers; a prefill worker never compiles (it runs no decode batch)."""
     from deploy.cli import build_parser, serve_settings
+    from engine.options import fields_of
     from worker.config import WorkerConfig
     from worker.types import Role
     monkeypatch.delenv("TANDEM_COMPILE", raising=False)
     s = serve_settings(build_parser().parse_args(["serve", "--compile-buckets", "4,1,2,2"]))
-    assert s.compile and s.compile_buckets == (1, 2, 4)
+    assert s.engine.compile and s.engine.compile_buckets == (1, 2, 4)
     for role, compiled in ((Role.DECODE, True), (Role.COLOCATED, True), (Role.PREFILL, False)):
-        ec = WorkerConfig(**s.worker_config(role), secret=b"s" * 32).engine_config()
+        ec = WorkerConfig(**fields_of(s.worker_settings(role)), secret=b"s" * 32).engine_config()
         assert (ec.compile, ec.compile_buckets) == (compiled, (1, 2, 4))
     off = serve_settings(build_parser().parse_args(["serve", "--no-compile"]))
-    assert not off.compile and not any(off.worker_config(r)["compile"] for r in Role)
+    assert not off.engine.compile and not any(off.worker_settings(r).engine.compile for r in Role)
     monkeypatch.setenv("TANDEM_COMPILE", "0")
-    assert not serve_settings(build_parser().parse_args(["serve"])).compile
+    assert not serve_settings(build_parser().parse_args(["serve"])).engine.compile
 
 
 def test_compile_flags_reach_a_plain_worker_process_engine_config(monkeypatch):
@@ -136,14 +144,16 @@ def test_compile_flags_reach_a_plain_worker_process_engine_config(monkeypatch):
 def test_bucket_settings_are_checked_before_anything_loads():
     """A config built without the flags (Ray hands a dict to WorkerConfig) is checked too."""
     from deploy.settings import ServeSettings
+    from engine.options import build
     from worker.config import WorkerConfig
-    with pytest.raises(ValueError, match="--compile-buckets: compile bucket 65 exceeds max_num_seqs=64"):
-        ServeSettings(compile_buckets=(1, 65))
+    with pytest.raises(ValueError, match="compile bucket 65 exceeds max_num_seqs=64"):
+        build(ServeSettings, compile_buckets=(1, 65))
     with pytest.raises(ValueError, match="compile bucket 16 exceeds max_num_seqs=8"):
-        WorkerConfig(max_num_seqs=8, compile_buckets=(1, 16), secret=b"s" * 32)
+        build(WorkerConfig, max_num_seqs=8, compile_buckets=(1, 16), secret=b"s" * 32)
     with pytest.raises(ValueError, match="at least one is needed"):
-        WorkerConfig(compile_buckets=(), secret=b"s" * 32)
-    assert WorkerConfig(max_num_seqs=8, compile_buckets=(8, 1), secret=b"s" * 32).compile_buckets == (8, 1)
+        build(WorkerConfig, compile_buckets=(), secret=b"s" * 32)
+    kept = build(WorkerConfig, max_num_seqs=8, compile_buckets=(8, 1), secret=b"s" * 32)
+    assert kept.engine.compile_buckets == (8, 1)
 
 
 def test_generate_with_no_compile_runs_eager_even_when_compiling_is_the_default(monkeypatch, capsys):

@@ -1,23 +1,22 @@
 """`tandem ... --help` says what every option does and what it is when not given, and for
-`tandem serve` that default is the setting's own (deploy/settings.py ServeSettings), both as
-shown and as parsed: a default is written once."""
+`tandem serve` that default is the field's own (ServeSettings' tree: deploy/settings.py,
+worker/config.py, engine/config.py, gateway/config.py), both as shown and as parsed: a default
+is written once."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import re
+from typing import Any
 
 import pytest
 
 from deploy import worker
 from deploy.cli import build_parser, serve_settings
-from deploy.flags import COMPILE_SETTINGS, SERVE_FLAGS, default_of
+from deploy.flags import NOT_FLAGS, serve_fields
 from deploy.settings import ServeSettings
-
-# ServeSettings fields no flag sets one to one: read from the environment (admin keys), built
-# from several flags (api keys), parsed from JSON (worker resources), or for library callers only
-NOT_FLAGS = {"api_keys", "admin_keys", "worker_resources", "worker_host", "max_restarts"}
+from engine.options import default_of, help_of, paths
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:
@@ -50,22 +49,21 @@ def test_every_option_of_every_command_has_help_that_shows_its_default(name):
             assert "default" in text.lower(), f"tandem {name} {action.option_strings[0]}: no default in {text!r}"
 
 
-def test_the_default_serve_shows_for_each_flag_is_the_settings_default():
+def test_the_default_serve_shows_for_each_flag_is_the_fields_default():
     parser = subcommands()["serve"]
     by_dest = {a.dest: a for a in parser._actions}
-    for flag in SERVE_FLAGS:
-        if flag.setting is None:
-            continue
-        action = by_dest[flag.dest]
-        default = default_of(ServeSettings, flag.setting)
+    for name in serve_fields():
+        action = by_dest[name]
+        default = default_of(ServeSettings, name)
         text = shown_help(parser, action)
-        if isinstance(action, argparse._StoreConstAction):     # a switch: off means the setting's default
-            assert action.default == default and action.const != default, flag.name
-            assert text.endswith("(default: off)"), (flag.name, text)
-        elif default is None:                                  # said in words: "(default: all)"
-            assert re.search(r"default: \w", text), (flag.name, text)
+        assert action.default is argparse.SUPPRESS, name          # argparse keeps no copy of the default
+        if "default" in help_of(ServeSettings, name).lower():    # said in words: "(default: all)"
+            assert re.search(r"default: \w", text, re.IGNORECASE), (name, text)
+        elif isinstance(action, argparse._StoreConstAction):   # a switch: off means the field's default
+            assert action.const != default, name
+            assert text.endswith("(default: off)"), (name, text)
         else:
-            assert text.endswith(f"(default: {default})"), (flag.name, text, default)
+            assert text.endswith(f"(default: {default})"), (name, text, default)
 
 
 def test_serve_without_flags_parses_to_the_settings_defaults(monkeypatch):
@@ -75,21 +73,27 @@ def test_serve_without_flags_parses_to_the_settings_defaults(monkeypatch):
     assert parsed == ServeSettings()
 
 
-def test_every_setting_has_a_flag_or_is_named_as_having_none():
-    flagged = {f.setting for f in SERVE_FLAGS if f.setting is not None} | set(COMPILE_SETTINGS)
-    fields = {f.name for f in dataclasses.fields(ServeSettings)}
-    assert fields - flagged == NOT_FLAGS
-    assert flagged <= fields
+def test_every_setting_of_serve_itself_has_a_flag_or_is_named_as_having_none():
+    own = {f.name for f in dataclasses.fields(ServeSettings) if "branch" not in f.metadata}
+    assert own - set(serve_fields()) == own & set(NOT_FLAGS)
+    assert set(NOT_FLAGS) <= paths(ServeSettings).keys()
 
 
-@pytest.mark.parametrize("argv, field, value", [
+def value(settings: Any, name: str) -> Any:
+    """The field `name` of a ServeSettings tree, wherever it lives."""
+    for step in paths(ServeSettings)[name]:
+        settings = getattr(settings, step)
+    return settings
+
+
+@pytest.mark.parametrize("argv, field, value_", [
     (["--port", "9000"], "port", 9000), (["--host", "0.0.0.0"], "host", "0.0.0.0"),
     (["--dtype", "bfloat16"], "dtype", "bfloat16"), (["--prefill-workers", "2"], "prefill_workers", 2),
     (["--max-model-len", "512"], "max_model_len", 512), (["--stream-idle-timeout", "5"], "stream_idle_timeout_s", 5.0),
-    (["--no-prefix-cache"], "prefix_cache", False), (["--header-timeout", "2.5"], "header_timeout_s", 2.5),
+    (["--no-prefix-cache"], "enable_prefix_cache", False), (["--header-timeout", "2.5"], "header_timeout_s", 2.5),
     (["--max-connections-per-client", "8"], "max_connections_per_client", 8),
-    (["--prompt-special-tokens"], "prompt_special_tokens", True), (["--drain-grace-s", "2.5"], "drain_timeout_s", 2.5),
+    (["--prompt-special-tokens"], "prompt_special_tokens", True), (["--drain-grace-s", "2.5"], "drain_grace_s", 2.5),
     (["--colocated", "--colocated-workers", "3"], "colocated_workers", 3), (["--no-compile"], "compile", False),
 ])
-def test_a_flag_given_sets_its_setting(argv, field, value):
-    assert getattr(serve_settings(build_parser().parse_args(["serve", *argv])), field) == value
+def test_a_flag_given_sets_its_setting(argv, field, value_):
+    assert value(serve_settings(build_parser().parse_args(["serve", *argv])), field) == value_

@@ -30,6 +30,7 @@ from deploy.launcher import Deployment
 from deploy.settings import ServeSettings
 from deploy.status import read_stats
 from engine.errors import ErrorCode
+from engine.options import build
 from engine.params import SamplingParams
 from gateway.server import _free_port
 from proto import worker_pb2 as wpb
@@ -125,8 +126,8 @@ def _serves(url: str, timeout_s: float = 60) -> None:
 
 
 def test_worker_actors_restart_from_plain_arguments_drain_and_scale_down(capfd):
-    settings = ServeSettings(port=_free_port("127.0.0.1"), decode_workers=2, kv_cache_tokens=4096,
-                             max_restarts=3, drain_timeout_s=5.0, log_level="warning")
+    settings = build(ServeSettings, port=_free_port("127.0.0.1"), decode_workers=2, kv_cache_tokens=4096,
+                     max_restarts=3, drain_grace_s=5.0, log_level="warning")
     d = Deployment(settings, say=lambda _: None)
     try:
         d.start(timeout_s=180)
@@ -164,8 +165,8 @@ def test_the_shutdown_log_counts_a_stream_that_finished_during_the_drain():
     """Deployment.stop drains the gateways first: a stream in flight finishes there, before any
     worker drains, and the log counts it (it said "workers finished 0 request(s)")."""
     said: list[str] = []
-    settings = ServeSettings(port=_free_port("127.0.0.1"), colocated=True, kv_cache_tokens=4096, compile=False,
-                             drain_timeout_s=60.0, log_level="warning")
+    settings = build(ServeSettings, port=_free_port("127.0.0.1"), colocated=True, kv_cache_tokens=4096,
+                     compile=False, drain_grace_s=60.0, log_level="warning")
     d = Deployment(settings, say=said.append)
     try:
         d.start(timeout_s=180)

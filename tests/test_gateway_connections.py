@@ -8,7 +8,6 @@ request these tests make is one the gateway answers itself (/v1/models, a refusa
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import json
@@ -20,10 +19,11 @@ from collections.abc import Iterator
 import h11
 import pytest
 
+from engine.options import build, default_of, given
 from gateway.config import GatewayConfig
 from gateway.connection_table import ConnectionLimits, ConnectionTable, client_key
 from gateway.framing import StrictConnection, framing_problem
-from gateway.server import _front_door_flags
+from gateway.server import FLAGS, parser
 from kv_transfer.tls import ClusterCA
 from tests.gateway_helpers import API_KEY, start_gateway
 from tests.workers import SECRET
@@ -351,11 +351,14 @@ def test_the_limits_are_validated_and_have_flags_defaulted_from_the_config():
     for bad in ({"header_timeout_s": 0}, {"body_timeout_s": -1.0}, {"max_connections_per_client": 0}):
         with pytest.raises(ValueError, match=f"{next(iter(bad))}=.* must be"):
             GatewayConfig(colocated_workers=NO_WORKER, cluster_secret=SECRET, **bad)
-    ap = argparse.ArgumentParser()
-    _front_door_flags(ap)
+    ap = parser()
     args = ap.parse_args(["--header-timeout", "2.5", "--max-connections-per-client", "7"])
-    assert (args.header_timeout_s, args.max_connections_per_client, args.body_timeout_s) == (2.5, 7, 10.0)
-    assert "(default 5.0)" in ap.format_help() and "(default 16384)" in ap.format_help()
+    config = build(GatewayConfig, colocated_workers=NO_WORKER, cluster_secret=SECRET, **given(args, FLAGS))
+    assert (config.header_timeout_s, config.max_connections_per_client) == (2.5, 7)
+    assert config.body_timeout_s == default_of(GatewayConfig, "body_timeout_s")     # not given: the field's
+    shown = " ".join(ap.format_help().split())
+    for name in ("header_timeout_s", "max_header_bytes"):
+        assert f"(default: {default_of(GatewayConfig, name)})" in shown
 
 
 def test_a_started_gateway_has_frozen_its_start_up_heap():

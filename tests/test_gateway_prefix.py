@@ -194,9 +194,9 @@ def test_serve_flags_turn_the_cache_off_on_every_worker_and_choose_the_routing()
     from deploy.cli import build_parser, serve_settings
     args = build_parser().parse_args(["serve", "--no-prefix-cache", "--routing", "load"])
     s = serve_settings(args)
-    assert s.worker_config()["prefix_cache"] is False and s.routing == "load"
+    assert s.engine.enable_prefix_cache is False and s.gateway.routing == "load"
     s = serve_settings(build_parser().parse_args(["serve"]))
-    assert s.worker_config()["prefix_cache"] is True and s.routing == "prefix"
+    assert s.engine.enable_prefix_cache is True and s.gateway.routing == "prefix"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--routing", "random"])
     with pytest.raises(ValueError, match="routing"):

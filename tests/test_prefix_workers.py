@@ -209,9 +209,9 @@ def test_eviction_under_a_small_pool_keeps_outputs_exact(reference):
 
 def test_no_prefix_cache_computes_and_transfers_everything(reference, monkeypatch):
     monkeypatch.setenv("TANDEM_CLUSTER_SECRET", SECRET.hex())
-    assert not config_from(parser().parse_args(["--role", "decode", "--no-prefix-cache"])).prefix_cache
-    assert config_from(parser().parse_args(["--role", "decode"])).prefix_cache
-    cfg = config(prefix_cache=False)
+    assert not config_from(parser().parse_args(["--role", "decode", "--no-prefix-cache"])).engine.enable_prefix_cache
+    assert config_from(parser().parse_args(["--role", "decode"])).engine.enable_prefix_cache
+    cfg = config(enable_prefix_cache=False)
     decode, prefill = start_decode(cfg), start_prefill(cfg)
     try:
         dch, pch = channel(decode.address), channel(prefill.address)

@@ -21,6 +21,7 @@ from deploy import registry as reg
 from deploy.launcher import Deployment
 from deploy.settings import ServeSettings
 from deploy.status import read_stats
+from engine.options import build
 from engine.params import SamplingParams
 from gateway.server import _free_port
 from tests.gateway_helpers import connection
@@ -45,10 +46,10 @@ def workers() -> dict[str, dict]:
 
 def test_a_stream_survives_its_decode_worker_killed_on_another_node(cluster, shipped_llm):
     c, nodes = cluster
-    settings = ServeSettings(address=c.address, port=_free_port("127.0.0.1"), worker_host="127.0.0.1",
-                             decode_workers=2, placement_strategy="SPREAD", kv_cache_tokens=4096, max_restarts=3,
-                             gateway_replicas=2,
-                             worker_resources={"prefill": {"prefill_node": 1}, "decode": {"decode_node": 1}})
+    settings = build(ServeSettings, address=c.address, port=_free_port("127.0.0.1"), worker_host="127.0.0.1",
+                     decode_workers=2, placement_strategy="SPREAD", kv_cache_tokens=4096, max_restarts=3,
+                     gateway_replicas=2,
+                     worker_resources={"prefill": {"prefill_node": 1}, "decode": {"decode_node": 1}})
     d = Deployment(settings, say=lambda _: None).start(timeout_s=180)
     try:
         placed = {wid: w["node_id"] for wid, w in workers().items()}

@@ -158,9 +158,10 @@ def test_tandem_status_reads_stats_through_each_workers_actor():
     from deploy.launcher import Deployment
     from deploy.settings import ServeSettings
     from deploy.status import read_stats
+    from engine.options import build
 
-    settings = ServeSettings(colocated=True, port=0, worker_host="127.0.0.1", kv_cache_tokens=4096,
-                             max_model_len=512, log_level="error")
+    settings = build(ServeSettings, colocated=True, port=0, worker_host="127.0.0.1", kv_cache_tokens=4096,
+                     max_model_len=512, log_level="error")
     d = Deployment(settings, say=lambda _: None).start(timeout_s=180)
     try:
         entries = ray.get(reg.lookup().workers.remote())

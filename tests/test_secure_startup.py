@@ -79,7 +79,7 @@ def test_serve_reads_keys_from_tandem_api_keys(monkeypatch):
     monkeypatch.setenv("TANDEM_API_KEYS", "sk-env:globex")
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     settings = serve_settings(build_parser().parse_args(["serve", "--api-key", "sk-flag"]))
-    assert settings.api_keys == {"sk-env": "globex", "sk-flag": "default"}
+    assert settings.gateway.api_keys == {"sk-env": "globex", "sk-flag": "default"}
 
 
 def test_the_key_table_finds_the_tenant_of_the_right_key_only():
@@ -177,12 +177,13 @@ def test_status_has_a_json_flag():
 
 def test_tls_is_on_across_nodes_unless_turned_off():
     from deploy.settings import ServeSettings
+    from engine.options import build
     assert not ServeSettings().use_tls(1) and ServeSettings().use_tls(2)
     assert ServeSettings(tls="on").use_tls(1) and not ServeSettings(tls="off").use_tls(3)
     with pytest.raises(ValueError, match="--tls"):
         ServeSettings(tls="maybe")
     with pytest.raises(ValueError, match="both --ssl-certfile and --ssl-keyfile"):
-        ServeSettings(ssl_certfile=__file__)
+        build(ServeSettings, ssl_certfile=__file__)
 
 
 def test_tandem_certs_writes_one_private_directory_per_process(tmp_path, capsys):
@@ -202,15 +203,15 @@ def test_tandem_certs_writes_one_private_directory_per_process(tmp_path, capsys)
 def test_serve_passes_the_fairness_settings_to_the_gateway():
     args = build_parser().parse_args(["serve", "--default-max-tokens", "64", "--tenant-max-kv-tokens", "4096"])
     s = serve_settings(args)
-    assert (s.default_max_tokens, s.tenant_max_kv_tokens) == (64, 4096)
-    with pytest.raises(ValueError, match="--tenant-max-kv-tokens"):
+    assert (s.gateway.default_max_tokens, s.gateway.tenant_max_kv_tokens) == (64, 4096)
+    with pytest.raises(ValueError, match="tenant_max_kv_tokens=0 must be >= 1"):
         serve_settings(build_parser().parse_args(["serve", "--tenant-max-kv-tokens", "0"]))
 
 
 def test_serve_takes_admin_keys_from_the_environment_only(monkeypatch):
     monkeypatch.setenv("TANDEM_ADMIN_KEYS", "ops-1,ops-2")
     s = serve_settings(build_parser().parse_args(["serve", "--stream-idle-timeout", "5"]))
-    assert s.admin_keys == ("ops-1", "ops-2") and s.stream_idle_timeout_s == 5
+    assert s.gateway.admin_keys == ("ops-1", "ops-2") and s.gateway.stream_idle_timeout_s == 5
     assert "ops-1" not in repr(s)
     monkeypatch.setenv("TANDEM_ADMIN_KEYS", "ops-1,")
     with pytest.raises(ValueError, match="empty key"):

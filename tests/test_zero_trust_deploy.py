@@ -19,6 +19,7 @@ from deploy import registry as reg
 from deploy.launcher import Deployment
 from deploy.settings import ServeSettings
 from deploy.status import read_stats
+from engine.options import build
 from kv_transfer.auth import channel
 from kv_transfer.tls import ClusterCA
 from proto import worker_pb2 as wpb
@@ -38,9 +39,9 @@ def completion(url: str, context: ssl.SSLContext, prompt: str) -> dict:
 
 def test_a_deployment_over_mutual_tls_with_an_https_gateway(tmp_path):
     web = ClusterCA().issue("web", hosts=["127.0.0.1"]).write(tmp_path / "web")   # the front door's own CA
-    settings = ServeSettings(tls="on", port=0, worker_host="127.0.0.1", kv_cache_tokens=4096, max_model_len=512,
-                             log_level="error", api_keys={KEY: "acme"},
-                             ssl_certfile=str(web / "cert.pem"), ssl_keyfile=str(web / "key.pem"))
+    settings = build(ServeSettings, tls="on", port=0, worker_host="127.0.0.1", kv_cache_tokens=4096,
+                     max_model_len=512, log_level="error", api_keys={KEY: "acme"},
+                     ssl_certfile=str(web / "cert.pem"), ssl_keyfile=str(web / "key.pem"))
     said: list[str] = []
     d = Deployment(settings, say=said.append).start(timeout_s=240)
     try:

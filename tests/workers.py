@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
+from engine.options import build
 from engine.params import SamplingParams
 from kv_transfer import auth
 from worker.client import generate
@@ -55,9 +56,10 @@ def module_worker(start: Callable[[WorkerConfig], WorkerHandle], **kw: Any) -> A
     return worker
 
 
-def config(**kw) -> WorkerConfig:
+def config(**kw: Any) -> WorkerConfig:
+    """A test worker's config: WorkerConfig's fields, its engine's among them, by name."""
     kw.setdefault("kv_cache_tokens", 8192)
-    return WorkerConfig(secret=SECRET, **kw)
+    return build(WorkerConfig, secret=SECRET, **kw)
 
 
 @dataclass

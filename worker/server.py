@@ -15,7 +15,7 @@ from typing import Callable
 import grpc
 import torch
 
-from engine.config import ModelConfig, parse_dtype
+from engine.config import ModelConfig
 from engine.core import EngineCore
 from kv_transfer.auth import AuthInterceptor, Verifier
 from kv_transfer.hooks import TransferHooks
@@ -130,13 +130,13 @@ def kv_tokens_for_fraction(config: WorkerConfig) -> int:
     assert config.mem_fraction is not None
     ec = config.engine_config()
     mc = ModelConfig.from_path(ec.model)
-    per_token = mc.kv_bytes_per_token(torch.empty(0, dtype=parse_dtype(config.dtype)).element_size())
-    if torch.device(config.device).type == "cuda":
-        free = torch.cuda.mem_get_info(torch.device(config.device))[0]
+    per_token = mc.kv_bytes_per_token(torch.empty(0, dtype=ec.torch_dtype).element_size())
+    if torch.device(ec.device).type == "cuda":
+        free = torch.cuda.mem_get_info(torch.device(ec.device))[0]
     else:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     tokens = int(free * config.mem_fraction) // per_token
-    return tokens // config.page_size * config.page_size
+    return tokens // ec.page_size * ec.page_size
 
 
 def grpc_server(config: WorkerConfig, auth: Verifier) -> tuple[grpc.Server, str]:
