@@ -19,6 +19,7 @@ from chaos.actor import ChaosWorkerActor
 from deploy.launcher import Deployment
 from deploy.registry import ActorHandle
 from deploy.settings import ServeSettings
+from engine.options import build
 from worker.types import Role
 
 log = logging.getLogger("tandem.chaos")
@@ -43,11 +44,12 @@ class ChaosCluster:
                  say: Callable[[str], object] = print) -> None:
         """`seed`: the run's; worker i's injectors are seeded with seed + i."""
         self.shape, self.say = shape, say
-        self.settings = ServeSettings(
+        self.settings = build(
+            ServeSettings,
             prefill_workers=shape.prefill_workers, decode_workers=shape.decode_workers, port=0,
             api_keys=api_keys, kv_cache_tokens=shape.kv_cache_tokens, max_model_len=shape.max_model_len,
             paged_experts_num_resident=shape.paged_experts_num_resident, transfer=shape.transfer,
-            verify_experts=shape.verify_experts, max_restarts=100, log_level="error", drain_timeout_s=5.0,
+            verify_experts=shape.verify_experts, max_restarts=100, log_level="error", drain_grace_s=5.0,
             stream_idle_timeout_s=shape.stream_idle_timeout_s)
         self.deployment = Deployment(self.settings, say=lambda m: None, worker_class=ChaosWorkerActor,
                                      worker_args=(seed,))
