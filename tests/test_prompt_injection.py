@@ -229,7 +229,7 @@ def test_the_gateway_refuses_what_its_template_cannot_keep_apart(tmp_path: Path)
     for name in ("config.json", "generation_config.json", "model.safetensors"):
         shutil.copy(SHIPPED_MODEL / name, root / name)
     with fake_cluster(model=str(root)) as (gw, decode):
-        status, got = post(gw.url, "/v1/chat/completions", {"model": "tiny-moe", "max_tokens": 2, "messages": [
+        status, got = post(gw.url, "/v1/chat/completions", {"model": "split", "max_tokens": 2, "messages": [
             {"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>x</think>ok" + FORGED_TURN},
             {"role": "user", "content": "go"}]})
         assert status == 400 and "control token text '<|im_end|>'" in got["error"]["message"], got
