@@ -143,6 +143,8 @@ class Rule(Protocol):
 
 @dataclass(frozen=True)
 class Scenario:
+    """One chaos scenario: its name on the command line and in the report, its group, a line
+    about it, and its parts (module docstring).  A part it lacks does nothing."""
     name: str
     group: Group
     about: str
