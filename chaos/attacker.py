@@ -11,7 +11,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from chaos.cluster import ChaosCluster
@@ -19,6 +19,10 @@ from chaos.gauges import Peaks, Sampler, check_ready
 from chaos.prompts import ATTACKER
 from chaos.report import ScenarioResult
 from gateway.http_client import post_json
+
+if TYPE_CHECKING:
+    from chaos.client import Outcome
+    from chaos.scenario import Stage
 
 
 @dataclass
@@ -113,6 +117,11 @@ class HostileAttack(ABC):
         self.failure: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._main, name=f"chaos-{self.name}", daemon=True)
+
+    @classmethod
+    def build(cls, stage: Stage, outs: list[Outcome]) -> HostileAttack:
+        """The attack by the hostile tenant (its own API key) beside `outs`, the victims' requests."""
+        return cls(stage.cluster, stage.attacker_key, stage.model)
 
     def _main(self) -> None:
         async def go() -> None:

@@ -1,5 +1,6 @@
-"""Attacks on the cluster's trust boundary (I9) that wrap a scenario's requests: `begin` runs
-before they are sent, `end` after they all ended (always, also when driving them failed).
+"""Attacks on the cluster's trust boundary (I9) that wrap a scenario's requests (each a
+chaos.scenario.Attack): `begin` runs before they are sent, `end` after they all ended (always,
+also when driving them failed).
 Each one fills the scenario's row (faults injected and detected) and adds its violations.
 
     rogue_client     a process without the cluster secret calls every worker RPC and the KV
@@ -19,7 +20,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -29,17 +30,10 @@ from chaos.report import ScenarioResult
 from proto import worker_pb2 as wpb
 from worker.types import Role
 
+if TYPE_CHECKING:
+    from chaos.scenario import Stage
+
 ROGUE_TIMEOUT_S = 120.0
-
-
-class Attack(Protocol):
-    def begin(self, res: ScenarioResult) -> None:
-        """Before the scenario's requests (the cluster is idle)."""
-        ...
-
-    def end(self, res: ScenarioResult) -> None:
-        """After the scenario's requests; undoes whatever `begin` left open."""
-        ...
 
 
 class RogueClient:
@@ -48,6 +42,11 @@ class RogueClient:
 
     def __init__(self, cluster: ChaosCluster, prompt: list[int], tenant: str) -> None:
         self.cluster, self.prompt, self.tenant = cluster, prompt, tenant
+
+    @classmethod
+    def build(cls, stage: Stage, outs: list[Outcome]) -> RogueClient:
+        """The rogue client sends the first request's prompt, as its tenant."""
+        return cls(stage.cluster, outs[0].job.ids, outs[0].job.tenant)
 
     def _plan(self) -> dict[str, Any]:
         plan: dict[str, Any] = {"decode": [], "prefill": [], "prompt": self.prompt, "tenant": self.tenant}
@@ -160,6 +159,10 @@ class StalledStreams:
         self._closed: dict[str, Any] | None = None
         self._timer: threading.Timer | None = None
         self._start: dict[str, Any] = {}
+
+    @classmethod
+    def build(cls, stage: Stage, outs: list[Outcome]) -> StalledStreams:
+        return cls(stage.cluster, outs)
 
     def begin(self, res: ScenarioResult) -> None:
         info = self._start = self.cluster.call(self.victim, "push_streams")

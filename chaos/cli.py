@@ -13,7 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from chaos.report import ScenarioResult, table
-from chaos.scenarios import Scenario, select, split
+from chaos.scenario import Scenario
+from chaos.scenarios import select, split
 
 
 def build_parser() -> argparse.ArgumentParser:

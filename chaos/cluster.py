@@ -16,6 +16,7 @@ from typing import Any
 import ray
 
 from chaos.actor import ChaosWorkerActor
+from chaos.ledger import Ledger
 from deploy.launcher import Deployment
 from deploy.registry import ActorHandle
 from deploy.settings import ServeSettings
@@ -92,8 +93,9 @@ class ChaosCluster:
         for wid in self.workers():
             self.call(wid, "disarm")
 
-    def ledgers(self) -> dict[str, dict[str, Any]]:
-        return {wid: self.call(wid, "ledger") for wid in self.workers()}
+    def ledgers(self) -> dict[str, Ledger]:
+        """Every worker's chaos ledger now."""
+        return {wid: Ledger.read(self.call(wid, "ledger")) for wid in self.workers()}
 
     def kill(self, wid: str) -> None:
         """SIGKILL-like end of the worker's process; Ray restarts the actor."""

@@ -18,37 +18,34 @@ their own between the phases and a judgement of their own after the common oracl
 
 from __future__ import annotations
 
-import math
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from chaos.client import Outcome
 from chaos.cluster import ChaosCluster
 from chaos.prefix_checks import digests_changed, own_bound
 from chaos.prompts import VICTIMS, Job, PromptMaker
 from chaos.report import ScenarioResult
-from chaos.scenarios import Scenario
+from chaos.workloads import Phase, Plan
 from worker.types import Role
+
+if TYPE_CHECKING:
+    from chaos.ledger import Logged
+    from chaos.scenario import Stage
 
 SUFFIX_TOKENS = (12, 40)
 MAX_TOKENS = (8, 16)
 SQUEEZE_KEEP = 32           # pages each decode pool keeps allocatable under evict_under_load
 
 
-@dataclass
-class Phase:
-    name: str
-    outs: list[Outcome]
-    probe: bool = False     # cross_tenant_probe: its requests' prompts are cached by another cohort only
-
-
-class PrefixWorkload(ABC):
+class PrefixWorkload(Plan, ABC):
     """A prefix scenario's requests in phases, its actions around them and its judgement."""
 
-    def __init__(self, cluster: ChaosCluster, maker: PromptMaker, sc: Scenario, n: int) -> None:
-        self.cluster, self.maker, self.sc = cluster, maker, sc
-        self.phases = self.plan(n)
+    def __init__(self, cluster: ChaosCluster, maker: PromptMaker, scenario: str, n: int) -> None:
+        self.cluster, self.maker, self.scenario = cluster, maker, scenario
+        super().__init__(self.phases_for(n))
 
     @staticmethod
     @abstractmethod
@@ -56,33 +53,23 @@ class PrefixWorkload(ABC):
         """How many requests the workload sends when the run gives it `n`."""
 
     @abstractmethod
-    def plan(self, n: int) -> list[Phase]:
+    def phases_for(self, n: int) -> list[Phase]:
         """The phases and their requests."""
 
     @abstractmethod
-    def judge(self, res: ScenarioResult, new: dict) -> None:
+    def judge(self, res: ScenarioResult, logged: Logged) -> None:
         """Fill the row (faults, figures, violations) once every phase ran and the cluster is idle;
-        `new`: what the workers logged meanwhile (chaos.runner.new_entries)."""
-
-    def before(self, index: int, res: ScenarioResult) -> None:
-        """Before phase `index` runs (the cluster is idle)."""
-
-    def end(self, res: ScenarioResult) -> None:
-        """After the last phase, also when driving failed: undo what `before` left."""
-
-    @property
-    def outcomes(self) -> list[Outcome]:
-        return [o for p in self.phases for o in p.outs]
+        `logged`: what the workers logged meanwhile."""
 
     def request(self, tenant: str, ids: list[int], canary: str, max_tokens: int, salt: str | None = None,
                 stream: bool = True) -> Outcome:
         self.maker.n += 1
-        return Outcome(Job(self.maker.n, self.sc.name, tenant, canary, ids, max_tokens, stream=stream,
+        return Outcome(Job(self.maker.n, self.scenario, tenant, canary, ids, max_tokens, stream=stream,
                            cache_salt=salt, usage=True))
 
     def prefix(self, length: int) -> tuple[list[int], str]:
         """A prompt head of `length` ids opened by a fresh canary, and the canary."""
-        job = self.maker.job(self.sc.name, length, 1)
+        job = self.maker.job(self.scenario, length, 1)
         return job.ids, job.canary
 
     def suffix(self) -> list[int]:
@@ -105,7 +92,7 @@ class CrossTenant(PrefixWorkload):
     def count(n: int) -> int:
         return len(CrossTenant.PHASES) * max(1, round(n / len(CrossTenant.PHASES)))
 
-    def plan(self, n: int) -> list[Phase]:
+    def phases_for(self, n: int) -> list[Phase]:
         prompts = []
         for _ in range(self.count(n) // len(self.PHASES)):       # one distinct prefix per prompt
             head, canary = self.prefix(self.PREFIX_TOKENS)
@@ -115,7 +102,7 @@ class CrossTenant(PrefixWorkload):
                        for i, (head, canary, tails, mt) in enumerate(prompts)], probe)
                 for tenant, salt, which, probe in self.PHASES]
 
-    def judge(self, res: ScenarioResult, new: dict) -> None:
+    def judge(self, res: ScenarioResult, logged: Logged) -> None:
         size = int(self.cluster.call(self.decode_workers()[0], "ledger")["page_size"])
         outs = [(i, o) for i, p in enumerate(self.phases) for o in p.outs]
         usage = [(i, o) for i, o in outs if o.cached_tokens is not None]
@@ -167,7 +154,7 @@ class CachePoison(PrefixWorkload):
     def count(n: int) -> int:
         return 2 * max(1, n // 4) + max(n, CachePoison.MIN_POISONED)
 
-    def plan(self, n: int) -> list[Phase]:
+    def phases_for(self, n: int) -> list[Phase]:
         self.snapshot: dict[str, dict[int, tuple[int, str]]] = {}
         k = max(1, n // 4)
         heads = [self.prefix(self.PREFIX_TOKENS) for _ in range(k)]
@@ -179,15 +166,11 @@ class CachePoison(PrefixWorkload):
                 Phase("after", round_(k))]
 
     def before(self, index: int, res: ScenarioResult) -> None:
+        """Before the poisoned phase (its scenario arms `poison_cached` for it): hash every cached page."""
         if index == 1:
             self.snapshot = {w: self.cluster.call(w, "cache_pages") for w in self.decode_workers()}
-            times = max(1, math.ceil(len(self.phases[1].outs) * self.sc.share))
-            assert self.sc.role is not None and self.sc.point is not None
-            self.cluster.arm(self.sc.role, self.sc.point, times=times, probability=self.sc.per_frame)
-        elif index == 2:
-            self.cluster.disarm()
 
-    def judge(self, res: ScenarioResult, new: dict) -> None:
+    def judge(self, res: ScenarioResult, logged: Logged) -> None:
         checked = changed = 0
         for w in self.decode_workers():
             c, bad = digests_changed(self.snapshot.get(w, {}), self.cluster.call(w, "cache_pages"))
@@ -210,7 +193,7 @@ class EvictUnderLoad(PrefixWorkload):
     def count(n: int) -> int:
         return max(n, 16)
 
-    def plan(self, n: int) -> list[Phase]:
+    def phases_for(self, n: int) -> list[Phase]:
         self.squeezed: dict[str, dict[str, int]] = {}
         self.watch: PoolWatch | None = None
         self.base: dict[str, int] = {}
@@ -234,7 +217,7 @@ class EvictUnderLoad(PrefixWorkload):
         for w in self.squeezed:
             self.cluster.call(w, "unsqueeze")
 
-    def judge(self, res: ScenarioResult, new: dict) -> None:
+    def judge(self, res: ScenarioResult, logged: Logged) -> None:
         """Injected: the cached pages the requests' allocations evicted (not those the squeeze
         itself evicted); tolerated, as long as every response is exact and the pools idle clean."""
         res.tolerated = True
@@ -290,12 +273,14 @@ class PoolWatch:
                 last[w] = (s["evictions"], held)
 
 
-WORKLOADS: dict[str, type[PrefixWorkload]] = {"cross_tenant": CrossTenant, "poison": CachePoison,
-                                              "evict": EvictUnderLoad}
+@dataclass(frozen=True)
+class Phased:
+    """A prefix workload as a scenario's workload (chaos.scenario.Workload): `kind` plans the
+    phases of each run."""
+    kind: type[PrefixWorkload]
 
+    def count(self, n: int) -> int:
+        return self.kind.count(n)
 
-def planned(sc: Scenario, n: int) -> int:
-    """The requests a scenario given `n` sends: a hostile one's twice, a prefix workload's count."""
-    if sc.client in WORKLOADS:
-        return WORKLOADS[sc.client].count(n)
-    return 2 * n if sc.group == "hostile" else n
+    def plan(self, stage: Stage, scenario: str, n: int) -> Plan:
+        return self.kind(stage.cluster, stage.maker, scenario, n)

@@ -14,7 +14,6 @@ import secrets
 from dataclasses import dataclass, replace
 from typing import Any
 
-from chaos.scenarios import Scenario
 from engine import corpus
 from engine.tokenizer import Tokenizer
 
@@ -74,37 +73,3 @@ class PromptMaker:
         """The same request (prompt, canary, tenant, behaviour) under a new index."""
         self.n += 1
         return replace(job, index=self.n)
-
-
-def jobs_for(maker: PromptMaker, scenario: Scenario, n: int, limit: int) -> list[Job]:
-    """The scenario's `n` requests; `limit` is the cluster's prompt + max_tokens limit."""
-    rng = maker.rng
-    out = []
-    for i in range(n):
-        mt = rng.randint(4, 16)
-        length = rng.randint(12, 96)
-        client = scenario.client
-        if client == "normal" and scenario.max_tokens:       # a quarter not streamed (migrated unseen)
-            out.append(maker.job(scenario.name, length, scenario.max_tokens, stream=rng.random() < 0.75,
-                                 wave=i * scenario.waves // n))
-        elif client == "victim":          # a hostile scenario's other tenants: streamed, for their TTFT
-            job = maker.job(scenario.name, length, mt)
-            out.append(replace(job, tenant=VICTIMS[job.index % len(VICTIMS)]))
-        elif client == "normal":
-            out.append(maker.job(scenario.name, length, mt, stream=rng.random() < 0.5))
-        elif client == "disconnect":
-            out.append(maker.job(scenario.name, length, mt, disconnect_s=rng.uniform(0.05, 0.6)))
-        elif client == "storm":
-            stream = rng.random() < 0.7
-            out.append(maker.job(scenario.name, length, 24, stream=stream,     # some stay to the end
-                                 disconnect_after=rng.randint(0, 12) if stream and rng.random() < 0.5 else None,
-                                 disconnect_s=rng.uniform(0.0, 0.8) if rng.random() < 0.7 else None))
-        elif client == "over_by_one":
-            out.append(maker.job(scenario.name, limit - mt + 1, mt, expect_reject=True))
-        elif client == "far_over":
-            out.append(maker.job(scenario.name, limit * rng.randint(2, 8), mt, expect_reject=True))
-        elif client == "at_limit":
-            out.append(maker.job(scenario.name, limit - mt, mt, stream=rng.random() < 0.5))
-        else:
-            raise ValueError(f"scenario {scenario.name}: unknown client behaviour {client!r}")
-    return out

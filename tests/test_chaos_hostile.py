@@ -19,6 +19,7 @@ from chaos.oracle import judge
 from chaos.prompts import ATTACKER, VICTIMS, Job
 from chaos.report import ScenarioResult
 from chaos.scenarios import BY_NAME
+from chaos.workloads import Victims
 
 HOSTILE = ("redos", "slow_reader", "chunked_bomb", "kv_hog")
 
@@ -61,8 +62,6 @@ def test_an_attackers_stream_and_error_bodies_are_read():
 
 
 def test_victims_are_the_other_tenants_and_an_attackers_canary_is_a_leak():
-    from chaos.prompts import jobs_for
-
     class Maker:
         rng = __import__("random").Random(1)
         n = 0
@@ -70,7 +69,8 @@ def test_victims_are_the_other_tenants_and_an_attackers_canary_is_a_leak():
         def job(self, scenario, length, max_tokens, **kw):
             self.n += 1
             return Job(self.n, scenario, "umbrella", f"canary {self.n:010x}", [1] * length, max_tokens, **kw)
-    jobs = jobs_for(Maker(), BY_NAME["kv_hog"], 9, 512)     # type: ignore[arg-type]
+    jobs = Victims().jobs(Maker(), "kv_hog", 9, 512)     # type: ignore[arg-type]
+    assert BY_NAME["kv_hog"].workload == Victims() and BY_NAME["kv_hog"].sends(9) == 18   # and again, alone
     assert ATTACKER not in {j.tenant for j in jobs} and {j.tenant for j in jobs} == set(VICTIMS)
     assert all(j.stream for j in jobs)
     r = ScenarioResult("kv_hog", "hostile", "", outcomes=[Outcome(jobs[0], "ok", text=jobs[0].canary)],

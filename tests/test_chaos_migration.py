@@ -6,14 +6,17 @@ the kill and drain scenarios' accounting."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from chaos.client import Outcome
 from chaos.gauges import parse_metrics
+from chaos.judges import Moves
+from chaos.ledger import Logged
 from chaos.migrations import MigrationCounts, bucket_quantile, read
-from chaos.moves import moved_streams
+from chaos.moving import Move
 from chaos.oracle import NEAR_TIE, compare, judge
 from chaos.prompts import Job
 from chaos.report import ScenarioResult, table, totals
@@ -118,32 +121,38 @@ def _outs(n: int, outcome: str = "ok") -> list[Outcome]:
     return [Outcome(Job(i, "x", "acme", f"canary {i:010x}", [1], 4), outcome) for i in range(n)]
 
 
+def moved_streams(res: ScenarioResult, moves: list[Move], want: int) -> None:
+    """Judge `moves` as a moving scenario wanting `want` of them (on a 2-decode-worker cluster)."""
+    from chaos.scenario import Evidence
+    from chaos.scenarios import BY_NAME
+    Moves(want).judge(BY_NAME[res.name], res, Evidence(Logged(), moves, 512, 2))
+
+
 def test_kills_and_drains_are_detected_by_the_gateways_migrations():
-    kill = {"point": "kill_decode", "worker": "decode-0", "victim": [0, 1], "held": 2, "held_resumed": 0,
-            "migrated": {"lost": 2}, "recovered_s": 3.0}
-    again = {**kill, "point": "kill_migrated", "worker": "decode-1", "held_resumed": 1, "migrated": {"lost": 1}}
+    kill = Move("kill_decode", "decode-0", [0, 1], held=2, held_resumed=0, migrated={"lost": 2}, recovered_s=3.0)
+    again = replace(kill, point="kill_migrated", worker="decode-1", held_resumed=1, migrated={"lost": 1})
     r = ScenarioResult("kill_decode_twice", "process", "", outcomes=_outs(3))
     moved_streams(r, [kill, again], 2)
     r.account()
     assert (r.faults_injected, r.faults_detected) == (2, 2) and r.ok
     assert "killed decode-0 holding 2 streams mid-way (0 of them migrated there); the gateway migrated 2" in r.notes[0]
     nothing = ScenarioResult("kill_decode", "process", "", outcomes=_outs(3))
-    moved_streams(nothing, [{**kill, "migrated": {}}], 1)                 # the kill moved no stream
+    moved_streams(nothing, [replace(kill, migrated={})], 1)                 # the kill moved no stream
     nothing.account()
     assert nothing.unaccounted == 1 and not nothing.ok
     short = ScenarioResult("kill_decode_twice", "process", "", outcomes=_outs(3))
     moved_streams(short, [kill], 2)
     assert any("1 of its 2 kills or drains" in v for v in short.violations)
 
-    drain = {"point": "drain_decode", "worker": "decode-0", "victim": [0], "held": 1, "held_resumed": 0,
-             "reply": {"finished": 1, "drained": 2}, "migrated": {"drain": 2}, "recovered_s": 2.0}
-    quiet = {**drain, "worker": "decode-1", "reply": {"finished": 3, "drained": 0}, "migrated": {}}
+    drain = Move("drain_decode", "decode-0", [0], held=1, held_resumed=0, reply={"finished": 1, "drained": 2},
+                 migrated={"drain": 2}, recovered_s=2.0)
+    quiet = replace(drain, worker="decode-1", reply={"finished": 3, "drained": 0}, migrated={})
     d = ScenarioResult("drain_decode", "process", "", outcomes=_outs(2))
     moved_streams(d, [drain, quiet], 2)
     d.account()
     assert (d.faults_detected, d.faults_tolerated, d.ok) == (1, 1, True)
     cut = ScenarioResult("drain_decode", "process", "", outcomes=_outs(2))
-    moved_streams(cut, [{**drain, "migrated": {"drain": 1, "lost": 1}}], 1)
+    moved_streams(cut, [replace(drain, migrated={"drain": 1, "lost": 1})], 1)
     assert any("cut 1 streams" in v for v in cut.violations)
 
 
@@ -152,6 +161,7 @@ def test_waves_hold_requests_until_the_driver_opens_them_and_all_open_when_it_en
 
     from chaos.drivers import Waves
     from chaos.scenarios import BY_NAME, split
+    from chaos.workloads import Streams
 
     async def run() -> list[str]:
         waves, seen = Waves(3), []
@@ -175,7 +185,9 @@ def test_waves_hold_requests_until_the_driver_opens_them_and_all_open_when_it_en
     assert asyncio.run(run())[-1] == "c"
     moving = [BY_NAME[n] for n in ("kill_decode", "kill_decode_twice", "drain_decode")]
     assert split(6, moving) == [6, 8, 8]                     # the moving scenarios' least requests
-    assert all(s.waves == (2 if s.name != "drain_decode" else 3) for s in moving)   # a wave to spare
+    # a wave per kill or drain (one per decode worker: two), and one to spare
+    assert [s.workload for s in moving] == [Streams(48, waves=2), Streams(48, waves=2), Streams(48, waves=3)]
+    assert [s.judged[0] for s in moving] == [Moves(1), Moves(2), Moves(None)]
 
 
 def test_pace_lets_a_loop_apply_one_steps_output_per_hold():

@@ -5,13 +5,15 @@ injections with refusals."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
 from chaos.injectors import ReceiverFaults, corrupt_expert
+from chaos.judges import match
+from chaos.ledger import Ledger, Logged
 from chaos.report import ScenarioResult
-from chaos.runner import _match, new_entries
 from chaos.scenarios import SCENARIOS, select, split
 from chaos.sender_faults import FaultInjector
 from kv_transfer.errors import Refusal, TransferRefused
@@ -145,21 +147,25 @@ def test_expert_guard_repairs_a_corrupted_slot_before_use():
 
 def test_matching_counts_each_refusal_once_and_names_the_misses():
     res = ScenarioResult("x", "transfer", "")
-    _match(res, "drop", ["aa", "aa", "bb"], [("aa", "INCOMPLETE"), ("aa", "AFTER_FAILURE"), ("cc", "INCOMPLETE")],
+    match(res, "drop", ["aa", "aa", "bb"], [("aa", "INCOMPLETE"), ("aa", "AFTER_FAILURE"), ("cc", "INCOMPLETE")],
            ("INCOMPLETE",))
     assert (res.faults_injected, res.faults_detected) == (3, 1)
     assert len(res.violations) == 2 and "bb" in res.violations[1] and "AFTER_FAILURE" in res.violations[0]
 
 
-def test_new_entries_start_from_zero_for_a_restarted_worker():
-    before = {"d": {"pid": 1, "injected": [("x", "a")], "refusals": [("a", "R")], "failures": [], "corrupt_slots": 2,
-                    "accepted_bytes": 10, "counts": {"reserved": 3}}}
-    same = {"d": {**before["d"], "injected": [("x", "a"), ("y", "b")], "accepted_bytes": 15, "corrupt_slots": 3}}
-    restarted = {"d": {**same["d"], "pid": 2}}
-    assert new_entries(before, same)["injected"] == [("y", "b")]
-    assert new_entries(before, same)["accepted_bytes"] == 5 and new_entries(before, same)["corrupt_slots"] == 1
-    assert new_entries(before, restarted)["injected"] == [("x", "a"), ("y", "b")]
-    assert new_entries(before, restarted)["reserved"] == 3
+def test_what_was_logged_starts_from_zero_for_a_restarted_worker():
+    raw = {"pid": 1, "injected": [("x", "a")], "refusals": [("a", "R")], "failures": [], "corrupt_slots": 2,
+           "accepted_bytes": 10, "counts": {"reserved": 3}}
+    before = {"d": Ledger.read(raw)}
+    same = {"d": Ledger.read({**raw, "injected": [("x", "a"), ("y", "b")], "accepted_bytes": 15, "corrupt_slots": 3})}
+    restarted = {"d": replace(same["d"], pid=2)}
+    assert Logged.between(before, same).injected == [("y", "b")] and Logged.between(before, same).victims("y") == ["b"]
+    assert Logged.between(before, same).accepted_bytes == 5 and Logged.between(before, same).corrupt_slots == 1
+    assert Logged.between(before, restarted).injected == [("x", "a"), ("y", "b")]
+    assert Logged.between(before, restarted).reserved == 3
+    prefill = Ledger.read({"pid": 4, "injected": [], "corrupt_slots": 0, "counts": {"submitted": 2}})
+    assert (prefill.refusals, prefill.accepted_bytes) == ((), 0)       # no receiver: nothing refused
+    assert Logged.between({}, {"p": prefill}).submitted == 2
 
 
 def test_scenario_selection_and_split():

@@ -15,7 +15,9 @@ import pytest
 
 from chaos.client import Outcome
 from chaos.control import SQUEEZE_ID, ChaosControl, cached_page_digests
-from chaos.prefix import WORKLOADS, CrossTenant, planned
+from chaos.judges import Refusals
+from chaos.ledger import Logged
+from chaos.prefix import CachePoison, CrossTenant, EvictUnderLoad, Phased
 from chaos.prefix_checks import digests_changed, own_bound
 from chaos.prompts import Job
 from chaos.report import ScenarioResult
@@ -206,8 +208,8 @@ def test_cross_tenant_judge_flags_a_probe_served_another_tenants_pages():
     from chaos.prompts import PromptMaker
     from engine.config import SHIPPED_MODEL
     from engine.tokenizer import Tokenizer
-    work = CrossTenant(FakeCluster(), PromptMaker(Tokenizer(SHIPPED_MODEL), 1), BY_NAME["cross_tenant_probe"], 10)
-    assert [len(p.outs) for p in work.phases] == [2] * 5 and planned(BY_NAME["cross_tenant_probe"], 10) == 10
+    work = CrossTenant(FakeCluster(), PromptMaker(Tokenizer(SHIPPED_MODEL), 1), "cross_tenant_probe", 10)
+    assert [len(p.outs) for p in work.phases] == [2] * 5 and BY_NAME["cross_tenant_probe"].sends(10) == 10
     assert [(p.outs[0].job.tenant, p.outs[0].job.cache_salt, p.probe) for p in work.phases] == [
         ("acme", None, False), ("globex", None, True), ("globex", None, False), ("acme", "probe-1", True),
         ("acme", "probe-2", True)]
@@ -219,20 +221,22 @@ def test_cross_tenant_judge_flags_a_probe_served_another_tenants_pages():
     for o in again:
         o.cached_tokens = 160                                        # its own prefix, cached by globex's probe
     res = ScenarioResult("cross_tenant_probe", "prefix", "")
-    work.judge(res, {})
+    work.judge(res, Logged())
     assert res.violations == [] and (res.faults_injected, res.faults_detected) == (6, 6)
     probe[1].cached_tokens = 16                                      # a page of acme's reached globex
     res = ScenarioResult("cross_tenant_probe", "prefix", "")
-    work.judge(res, {})
+    work.judge(res, Logged())
     assert (res.faults_injected, res.faults_detected) == (6, 5)
     assert len(res.violations) == 1 and "globex" in res.violations[0] and "(I10)" in res.violations[0]
 
 
 def test_prefix_workloads_are_registered():
-    assert {BY_NAME[n].client for n in PREFIX} == set(WORKLOADS)
-    assert BY_NAME["cache_poison"].expect == ("CACHED_PAGE",) and BY_NAME["cache_poison"].point == "poison_cached"
-    assert planned(BY_NAME["evict_under_load"], 3) == 16 and planned(BY_NAME["cache_poison"], 3) == 6
-    assert planned(BY_NAME["redos"], 4) == 8 and planned(BY_NAME["flipped_bit"], 4) == 4
+    assert [BY_NAME[n].workload for n in PREFIX] == [Phased(CrossTenant), Phased(CachePoison), Phased(EvictUnderLoad)]
+    poison = BY_NAME["cache_poison"]
+    assert poison.judged == (Refusals("CACHED_PAGE"),) and poison.faults is not None
+    assert (poison.faults.point, poison.faults.phase) == ("poison_cached", 1)          # armed for the poisoned phase
+    assert BY_NAME["evict_under_load"].sends(3) == 16 and poison.sends(3) == 6
+    assert BY_NAME["redos"].sends(4) == 8 and BY_NAME["flipped_bit"].sends(4) == 4
 
 
 def test_the_prefix_scenarios_in_a_small_run():
@@ -249,4 +253,4 @@ def test_the_prefix_scenarios_in_a_small_run():
     assert poison["faults_injected"] >= 1 and poison["faults_detected"] == poison["faults_injected"]
     assert poison["figures"]["cached_pages_checked"] > 0 and poison["figures"]["cached_pages_changed"] == 0
     assert evict["figures"]["evictions"] > 0 and evict["tolerated"]
-    assert report["requests"] == sum(planned(BY_NAME[n], c) for n, c in zip(PREFIX, (4, 4, 4)))
+    assert report["requests"] == sum(BY_NAME[n].sends(c) for n, c in zip(PREFIX, (4, 4, 4)))

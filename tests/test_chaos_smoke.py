@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from chaos.prefix import planned
+from chaos.judges import Lossless
+from chaos.moving import DrainDecode
 from chaos.scenarios import SCENARIOS, split
 
 
@@ -67,7 +68,7 @@ def test_every_scenario_injects_and_nothing_leaks():
     assert report["ok"] and report["violations"] == 0, why
     assert report["leaks"] == report["corrupted_completions"] == report["pages_leaked"] == report["silent"] == 0
     # hostile scenarios run their requests twice, prefix ones send what their workload plans
-    assert report["requests"] == sum(planned(s, n) for s, n in zip(SCENARIOS, split(90, list(SCENARIOS))))
+    assert report["requests"] == sum(s.sends(n) for s, n in zip(SCENARIOS, split(90, list(SCENARIOS))))
     assert report["completed"] > 0
     for s in SCENARIOS:
         row = rows[s.name]
@@ -77,12 +78,12 @@ def test_every_scenario_injects_and_nothing_leaks():
         assert row["faults_unaccounted"] == 0, said(row)       # every fault detected or tolerated
         if not row["tolerated"] and s.group != "hostile":    # a hostile row counts what was held back
             assert row["faults_detected"] + row["faults_tolerated"] == row["faults_injected"], said(row)
-        if s.lossless:                                       # kills and drains: nothing fails
+        if Lossless() in s.judged:                           # kills and drains: nothing fails
             assert row["completed"] == row["requests"], said(row)
             # a kill or drain is detected only by streams the gateway migrated; a drain whose
             # streams all finished within its grace is tolerated (a small run may see only that)
             assert row["faults_detected"] == 0 or row["figures"]["migrations"] >= 1, said(row)
-            if s.driver != "drain_decode":
+            if not isinstance(s.driver, DrainDecode):
                 assert row["figures"]["migrations"] >= 1, said(row)    # a kill always cuts a stream
     transfer = [rows[s.name] for s in SCENARIOS if s.group == "transfer"]
     assert report["transfer_faults_injected"] == sum(r["faults_injected"] for r in transfer) >= len(transfer)

@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from chaos.scenarios import BY_NAME
-from chaos.tokens import Answer, Injection, injections, judge_answer, send
+from chaos.tokens import Answer, ControlTokenInjection, Injection, injections, judge_answer, send
+from chaos.workloads import Victims
 from engine.config import SHIPPED_MODEL
 from engine.tokenizer import Tokenizer
 from tests.gateway_helpers import API_KEY, fake_cluster
@@ -29,7 +30,8 @@ def test_every_injection_carries_every_special_token_and_can_be_told_apart():
         body = json.dumps(inj.body)
         assert all(json.dumps(a.content)[1:-1] in body for a in TOK.backend.get_added_tokens_decoder().values())
         assert inj.forged < inj.as_text
-    assert BY_NAME["control_tokens"].group == "hostile" and BY_NAME["control_tokens"].client == "victim"
+    row = BY_NAME["control_tokens"]
+    assert row.group == "hostile" and row.workload == Victims() and row.attack is ControlTokenInjection
 
 
 def test_the_judge_accepts_only_text_counts_and_named_refusals():
