@@ -19,7 +19,7 @@ import pytest
 
 from engine.errors import ErrorCode
 from engine.params import SamplingParams
-from gateway.attempt import Attempt, Broken, Failed, Finished, Retry
+from gateway.attempt import Attempt
 from gateway.choice import Choice
 from gateway.errors import (
     CODES,
@@ -35,6 +35,7 @@ from gateway.errors import (
 )
 from gateway.forward import Picker
 from gateway.migration import resume_failed
+from gateway.outcome import Broken, Failed, Finished, Retry
 from gateway.route import Route
 from gateway.routing import WorkerPool
 from proto import worker_pb2 as wpb
