@@ -148,7 +148,7 @@ class FakePrefill:
 
 def route() -> Route:
     pool = WorkerPool(("127.0.0.1:1",), ("127.0.0.1:2",), (), b"")
-    return Route(pool, "r", "acme", time.monotonic() + 30, 3)
+    return Route(pool, "r", "acme", time.monotonic() + 30, 3, capacity_wait_s=30.0, max_migrations=3)
 
 
 def attempt(script: list[object]) -> Attempt:
