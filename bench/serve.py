@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-itl-ms", type=float, default=200.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--timeout", type=float, default=gateway.request_timeout_s, help="seconds one request may take")
     ap.add_argument("--tokenizer", default=str(SHIPPED_MODEL), help="checkpoint dir whose tokenizer cuts the prompts")
     ap.add_argument("--compare", action="store_true", help="start Tandem colocated, then disaggregated, and compare")
     ap.add_argument("--workload", default="random", choices=["random", "shared-prefix", "multi-turn"],

@@ -18,10 +18,10 @@ A request's life here:
                  then the pages are freed (a transfer that never committed publishes nothing)
                                                                            -> Error event
 
-A migrated request (`generated`: the tokens it streamed before) is reserved for the KV of its
-prompt and those tokens, with its stop checks replayed over them and its generator past their
-draws, so the stream continues as if never broken; when they already end it, reserve() returns
-its Finish and reserves nothing.  While draining (worker/drain.py), reserve() refuses with
+A migrated request (`GenerateOrder.generated_token_ids`: the tokens it streamed before) is
+reserved for the KV of its prompt and those tokens, with its stop checks replayed over them and
+its generator past their draws, so the stream continues as if never broken; when they already
+end it, reserve() returns its Finish and reserves nothing.  While draining (worker/drain.py), reserve() refuses with
 DRAINING.
 """
 
@@ -31,14 +31,12 @@ import hmac
 import math
 import secrets
 import threading
-from collections.abc import Sequence
-from dataclasses import replace
 
 from decode_worker.requests import Abort, Committed, DecodeRequest, InboxItem, TransferFailed, decode_generator
 from engine.core import EngineCore, TokenEvent
 from engine.errors import ErrorCode
 from engine.kv_pool import PoolExhausted
-from engine.params import SamplingParams
+from engine.request import Request
 from engine.scheduler import ScheduledBatch
 from kv_transfer.frame import prompt_digest
 from kv_transfer.hooks import TransferHooks
@@ -48,6 +46,7 @@ from proto import worker_pb2 as wpb
 from worker.checks import check_request_id, new_request, request_salt
 from worker.config import MAX_REQUEST_TIMEOUT_S
 from worker.convert import finish_to_proto, logprobs_to_proto
+from worker.handoff import GenerateOrder
 from worker.role import RoleEngine
 from worker.types import WorkerError
 
@@ -71,62 +70,86 @@ class DecodeEngine(RoleEngine[InboxItem]):
         self.receiver.install_hooks(hooks.receiver)
 
     # ---- called from RPC threads -------------------------------------------------
-    def reserve(self, request_id: str, tenant: str, ids: list[int], params: SamplingParams,
-                timeout_s: float | None = None, cache_salt: str = "",
-                generated: Sequence[int] = ()) -> DecodeRequest | wpb.Finish:
-        """Check the request, reserve its pages and open its transfer.  The longest prefix of
+    def reserve(self, order: GenerateOrder) -> DecodeRequest | wpb.Finish:
+        """Check the order, reserve its pages and open its transfer.  The longest prefix of
         whole prompt pages cached under the request's salt (its tenant and `cache_salt`) is
-        shared, not transferred: `reservation.cached_tokens`.  `timeout_s` (None: the
+        shared, not transferred: `reservation.cached_tokens`.  `order.timeout_s` (None: the
         receiver's transfer timeout) is how long the reservation waits for a frame; above
         `max_timeout_s` (infinity included) it is clamped to it.
 
-        `generated` (a migrated request, with `params.seed` its first reservation's): the tokens
-        it streamed before.  The transfer carries the KV of `ids + generated` (its digest binds
-        the boundary), the stop checks replay them and the stream goes on after them.  When they
-        already end the request, returns its Finish, reserving nothing.
+        `order.generated_token_ids` (a migrated request, with `params.seed` its first
+        reservation's): the tokens it streamed before.  The transfer carries the KV of the
+        prompt and them (its digest binds the boundary), the stop checks replay them and the
+        stream goes on after them.  When they already end the request, returns its Finish,
+        reserving nothing.
 
         Raises WorkerError (INVALID_REQUEST, PROMPT_TOO_LONG, KV_FULL, DRAINING, UNAVAILABLE)
         having reserved nothing."""
-        core = self.core
         self._check_admitting()
-        if timeout_s is not None:
-            if math.isnan(timeout_s) or timeout_s <= 0:
-                raise WorkerError(ErrorCode.INVALID_REQUEST, f"timeout_s={timeout_s} must be > 0")
-            timeout_s = min(timeout_s, self.max_timeout_s)
-        check_request_id(request_id)
-        if params.seed is None:
-            if generated:
-                raise WorkerError(ErrorCode.INVALID_REQUEST,
-                                  "a resumed request (generated tokens) needs the seed of its first reservation")
-            params = replace(params, seed=secrets.randbits(63))   # prefill gets it with the reservation
-        salt = request_salt(self.secret, tenant, cache_salt)
-        req = new_request(core, request_id, ids, params, generator=decode_generator(params, len(generated)),
-                          salt=salt, generated=generated)
+        timeout_s = self._timeout(order.timeout_s)
+        check_request_id(order.request_id)
+        order = self._seeded(order)
+        req = new_request(self.core, order.request_id, list(order.prompt_token_ids), order.params,
+                          generator=decode_generator(order.params, len(order.generated_token_ids)),
+                          salt=request_salt(self.secret, order.tenant, order.cache_salt),
+                          generated=order.generated_token_ids)
         if req.finish_reason is not None:         # the generated tokens already end it
-            assert req.stopper is not None
-            with self.lock:
-                self.counts["finished"] += 1
-            return finish_to_proto(req.finish_reason, req.stopper.matched_stop, req.num_prompt_tokens,
-                                   req.num_completion_tokens)
-        kv_ids = req.prompt_token_ids             # prompt + generated: the KV the transfer carries
-        digest = prompt_digest(kv_ids, req.resumed)   # ids checked by new_request; hashed outside the lock
+            return self._finished_already(req)
+        digest = prompt_digest(req.prompt_token_ids, req.resumed)   # ids checked by new_request; hashed
+        with self.lock:                                             # outside the lock
+            dreq = self._reserve(order, req, digest, timeout_s)
+        self.cache.count(req.num_prompt_tokens, dreq.cached_prompt_tokens)   # the prompt's lookups only
+        return dreq
+
+    def _timeout(self, timeout_s: float | None) -> float | None:
+        """The reservation's timeout: None (the receiver's), or the caller's clamped to
+        `max_timeout_s`; raises WorkerError(INVALID_REQUEST) unless it is > 0."""
+        if timeout_s is None:
+            return None
+        if math.isnan(timeout_s) or timeout_s <= 0:
+            raise WorkerError(ErrorCode.INVALID_REQUEST, f"timeout_s={timeout_s} must be > 0")
+        return min(timeout_s, self.max_timeout_s)
+
+    @staticmethod
+    def _seeded(order: GenerateOrder) -> GenerateOrder:
+        """The order with its sampler's seed: a new one for a first reservation (prefill gets it
+        with the reservation); raises WorkerError(INVALID_REQUEST) for a resumed request
+        without its first reservation's."""
+        if order.params.seed is not None:
+            return order
+        if order.generated_token_ids:
+            raise WorkerError(ErrorCode.INVALID_REQUEST,
+                              "a resumed request (generated tokens) needs the seed of its first reservation")
+        return order.with_seed(secrets.randbits(63))
+
+    def _finished_already(self, req: Request) -> wpb.Finish:
+        """The Finish of a migrated request its generated tokens already end (nothing reserved)."""
+        assert req.stopper is not None and req.finish_reason is not None
         with self.lock:
-            self._check_admitting()               # under the lock: a drain admits nothing after it began
-            if request_id in self.requests or self.pool.has(request_id):
-                raise WorkerError(ErrorCode.INVALID_REQUEST, f"request id {request_id!r} is already in use")
-            try:
-                cached = core.allocate_for(req, req.max_total_tokens)
-            except PoolExhausted as e:
-                raise WorkerError(ErrorCode.KV_FULL, str(e)) from None
-            try:
-                res = self.receiver.reserve(request_id, tenant, len(kv_ids), digest, timeout_s, cached_tokens=cached)
-            except ValueError as e:
-                core.release(req)                     # nothing stays reserved, nothing is published
-                raise WorkerError(ErrorCode.INVALID_REQUEST, str(e)) from None
-            dreq = self.requests[request_id] = DecodeRequest(req, tenant, res, params)
-            dreq.reserved_pages = len(self.pool.page_table(request_id))
-            self.counts["reserved"] += 1
-        self.cache.count(len(ids), min(cached, len(ids)))     # the prompt's lookups, not the generated
+            self.counts["finished"] += 1
+        return finish_to_proto(req.finish_reason, req.stopper.matched_stop, req.num_prompt_tokens,
+                               req.num_completion_tokens)
+
+    def _reserve(self, order: GenerateOrder, req: Request, digest: bytes, timeout_s: float | None) -> DecodeRequest:
+        """(Under the lock.)  Reserve the pages of `req` (its cached prefix shared) and the
+        receiver's transfer into them, and record the request.  Raises WorkerError (DRAINING,
+        INVALID_REQUEST, KV_FULL) having reserved nothing."""
+        self._check_admitting()               # under the lock: a drain admits nothing after it began
+        rid = order.request_id
+        if rid in self.requests or self.pool.has(rid):
+            raise WorkerError(ErrorCode.INVALID_REQUEST, f"request id {rid!r} is already in use")
+        try:
+            cached = self.core.allocate_for(req, req.max_total_tokens)
+        except PoolExhausted as e:
+            raise WorkerError(ErrorCode.KV_FULL, str(e)) from None
+        try:       # the transfer carries the KV of prompt + generated
+            res = self.receiver.reserve(rid, order.tenant, len(req.prompt_token_ids), digest, timeout_s,
+                                        cached_tokens=cached)
+        except ValueError as e:
+            self.core.release(req)            # nothing stays reserved, nothing is published
+            raise WorkerError(ErrorCode.INVALID_REQUEST, str(e)) from None
+        dreq = self.requests[rid] = DecodeRequest(order, req, res, reserved_pages=len(self.pool.page_table(rid)))
+        self.counts["reserved"] += 1
         return dreq
 
     def abort(self, request_id: str, code: ErrorCode = ErrorCode.ABORTED, message: str = "request aborted",

@@ -14,6 +14,7 @@ from engine.request import Request
 from engine.sampling import request_generator
 from kv_transfer.reservation import Reservation
 from proto import worker_pb2 as wpb
+from worker.handoff import GenerateOrder
 
 
 @dataclass(frozen=True)
@@ -43,10 +44,11 @@ InboxItem = Committed | TransferFailed | Abort
 
 @dataclass
 class DecodeRequest:
+    """A request reserved here: its order (with the seed: prefill samples with it), the core's
+    request, its transfer's reservation, and the stream's events."""
+    order: GenerateOrder
     req: Request
-    tenant: str
     reservation: Reservation
-    params: SamplingParams                # the caller's, with the seed (prefill samples with them)
     events: queue.SimpleQueue[wpb.GenerateResponse] = field(default_factory=queue.SimpleQueue)
     done: bool = False
     reserved_pages: int = 0

@@ -14,9 +14,8 @@ from kv_transfer.auth import Verifier
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from worker.cache_events import CacheEventStreams
-from worker.convert import params_from_proto, prefill_request
 from worker.drain import Drainable, drain_reply
-from worker.handoff import PrefillOrder
+from worker.handoff import GenerateOrder, PrefillOrder
 from worker.stats import LoopWatch, health, stats
 from worker.types import Role, WorkerError
 
@@ -49,31 +48,39 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
 
     def Generate(self, request: wpb.GenerateRequest, context: grpc.ServicerContext
                  ) -> Iterator[wpb.GenerateResponse]:
-        rid = request.request_id
+        """Reserve for the request (worker.handoff.GenerateOrder), answer with the reservation,
+        then stream its tokens and its Finish, or one Error.  A cancelled stream ends the request."""
         try:
-            params = params_from_proto(request.params)
-            dreq = self.engine.reserve(rid, request.tenant, list(request.prompt_token_ids), params,
-                                       request.timeout_s or None, request.cache_salt,
-                                       list(request.generated_token_ids))
+            dreq = self.engine.reserve(GenerateOrder.from_proto(request))
         except WorkerError as e:
             yield wpb.GenerateResponse(error=e.to_proto())
             return
         if isinstance(dreq, wpb.Finish):  # a migrated request its generated tokens already ended
             yield wpb.GenerateResponse(finish=dreq)
             return
+        rid = dreq.order.request_id
 
         def cancel() -> None:
             self.engine.abort(rid, ErrorCode.CANCELLED, "the Generate stream was cancelled")
         if not context.add_callback(cancel):
             cancel()                      # the stream already ended
             return
-        res = dreq.reservation
-        reservation = wpb.Reservation(
-            transfer_id=res.transfer_id, transfer_endpoint=self.endpoint, prompt_tokens=dreq.req.num_prompt_tokens,
-            reserved_pages=dreq.reserved_pages, seed=dreq.req.params.seed, cached_tokens=res.cached_tokens)
+        reservation = self._reservation(dreq)
         yield wpb.GenerateResponse(reservation=reservation)
         if self.prefill is not None:
-            self._prefill_here(self.prefill, dreq, request, reservation)
+            self._prefill_here(self.prefill, dreq, reservation)
+        yield from self._events(dreq, context)
+
+    def _reservation(self, dreq: DecodeRequest) -> wpb.Reservation:
+        """The reservation's answer: where to push its pages, with which seed, from which token."""
+        res = dreq.reservation
+        return wpb.Reservation(
+            transfer_id=res.transfer_id, transfer_endpoint=self.endpoint, prompt_tokens=dreq.req.num_prompt_tokens,
+            reserved_pages=dreq.reserved_pages, seed=dreq.req.params.seed, cached_tokens=res.cached_tokens)
+
+    @staticmethod
+    def _events(dreq: DecodeRequest, context: grpc.ServicerContext) -> Iterator[wpb.GenerateResponse]:
+        """The request's tokens, then its Finish or Error; stops early when the client has gone."""
         while True:
             try:
                 msg = dreq.events.get(timeout=POLL_S)
@@ -85,17 +92,13 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
             if msg.WhichOneof("kind") in ("finish", "error"):
                 return
 
-    def _prefill_here(self, prefill: LocalPrefill, dreq: DecodeRequest, request: wpb.GenerateRequest,
-                      reservation: wpb.Reservation) -> None:
+    def _prefill_here(self, prefill: LocalPrefill, dreq: DecodeRequest, reservation: wpb.Reservation) -> None:
         """(Colocated) fill this reservation with the local prefill role: the order is built as
         a prefill worker builds it from the gateway's Prefill call."""
         try:
-            order = PrefillOrder.from_proto(prefill_request(
-                request.request_id, request.tenant, list(request.prompt_token_ids), dreq.params, reservation,
-                request.cache_salt, request.generated_token_ids))
-            prefill.submit(order)
+            prefill.submit(PrefillOrder.from_proto(dreq.order.prefill_request(reservation)))
         except WorkerError as e:
-            self.engine.abort(request.request_id, e.code, e.message)
+            self.engine.abort(dreq.order.request_id, e.code, e.message)
 
     def Abort(self, request: wpb.AbortRequest, context: grpc.ServicerContext) -> wpb.AbortReply:
         """End the request only if the caller names its reservation's transfer id too (a

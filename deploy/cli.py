@@ -29,12 +29,13 @@ from deploy.settings import ServeSettings
 from engine import env
 from engine.config import DTYPE_NAMES, EngineConfig
 from engine.options import add_flags, build, default_of, given
-from kv_transfer.tls import SERVER_NAME
+from kv_transfer.tls import SERVER_NAME, VALIDITY_S
 
 if TYPE_CHECKING:
     from engine import LLM
 
 COMMANDS_GROUP = "tandem.commands"
+DAY_S = 86400
 
 DEMO_PROMPTS = [
     "Repeat after me: tandem-canary-7f3a",
@@ -84,7 +85,7 @@ def _certs(args: argparse.Namespace) -> int:
     from kv_transfer.tls import ClusterCA
     if len(set(args.names)) != len(args.names) or any("/" in n or n.startswith(".") for n in args.names):
         raise ValueError("certificate names must be distinct plain names (no '/', not starting with '.')")
-    ca = ClusterCA(validity_s=args.days * 86400)
+    ca = ClusterCA(validity_s=args.days * DAY_S)
     for name in args.names:
         ca.issue(name, hosts=args.host).write(Path(args.dir) / name)
     print(f"tandem: wrote {len(args.names)} certificate(s) of a new cluster CA under {args.dir} "
@@ -111,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     ct.add_argument("--host", action="append", default=[],
                     help=f"an IP or DNS name every certificate names too (repeatable; default: none, only "
                     f"{SERVER_NAME})")
-    ct.add_argument("--days", type=float, default=30.0, help="how long the certificates are valid, in days")
+    ct.add_argument("--days", type=float, default=VALIDITY_S / DAY_S,
+                    help="how long the certificates are valid, in days")
     ct.set_defaults(func=_certs)
     add_plugin_parsers(sub)
     return parser

@@ -148,10 +148,11 @@ class TritonAttention(TorchAttention):
 VARIANTS = frozenset({"window", "sinks", "latent"})
 
 
-def select_attention(device: torch.device | str, backend: str | None = None,
-                     page_size: int = 16, variants: frozenset[str] = VARIANTS) -> TorchAttention:
-    """Pick the backend once: `None` means Triton on CUDA, torch elsewhere.  `variants`: the
-    kernel variants the model runs (see VARIANTS), checked at start-up with the plain kernel.
+def select_attention(device: torch.device | str, page_size: int, backend: str | None = None,
+                     variants: frozenset[str] = VARIANTS) -> TorchAttention:
+    """Pick the backend once, for pages of `page_size` tokens (the pool's): `backend` None means
+    Triton on CUDA, torch elsewhere.  `variants`: the kernel variants the model runs (see
+    VARIANTS), checked at start-up with the plain kernel.
 
     Raises ValueError for an unknown name or Triton off CUDA (the Triton interpreter is
     for kernel tests, never for serving); RuntimeError when the kernel fails its

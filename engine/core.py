@@ -36,21 +36,18 @@ from typing import Callable
 
 import torch
 
-from engine.attention import select_attention
 from engine.compiled.cache import use_cache_dir
 from engine.compiled.startup import compile_decode
 from engine.config import EngineConfig, ModelConfig
 from engine.constraint import Constraint, GrammarCompiler
 from engine.errors import ErrorCode, RequestError
-from engine.experts import PagedExperts, check_independence, paged_factory, validate_num_resident
+from engine.experts import PagedExperts, validate_num_resident
 from engine.guide import Guide
 from engine.guided_mask import MaskWork
 from engine.guides import Guides
 from engine.kv_pool import PagePool
-from engine.loader import load_model
+from engine.loader import load_engine_model
 from engine.model_runner import ModelRunner
-from engine.models import kernel_variants
-from engine.moe import select_moe_kernel
 from engine.params import SamplingParams
 from engine.request import Request, Status
 from engine.sampling import SampleOutput, request_generator
@@ -83,27 +80,9 @@ class EngineCore:
         `stop_limits`: the regex window and per-token budget of every request's stop checks.
         Raises ValueError naming the setting to change, CheckpointError naming the tensor,
         ExpertCheckError when the start-up check of paged experts fails."""
-        device, k = config.device, config.paged_experts_num_resident
-        path = Path(config.model)
-        if torch.device(device).type == "cuda" and torch.device(device).index is not None:
-            torch.cuda.set_device(torch.device(device))  # streams, events and Triton use it
         self.config, self.stop_limits = config, stop_limits
-        if config.compile:
-            use_cache_dir()   # an unusable cache directory fails before the model loads
-        self.model_config = mc = ModelConfig.from_path(path)
-        validate_num_resident(k, mc.num_experts, mc.num_experts_per_tok, config.torch_dtype)
-        self.tokenizer = Tokenizer(path)
-        variants = kernel_variants(mc)
-        attn = select_attention(device, attention, config.page_size, variants)
-        self.attention_backend = attn.name
-        triton_moe = select_moe_kernel(device, clamped="clamped_swiglu" in variants)
-        self.model = load_model(path, mc, config.torch_dtype, device, attn, moe_triton=triton_moe,
-                                make_experts=paged_factory(k, device, triton_moe) if k is not None else None)
-        if k is not None:
-            for layer, experts in self.paged_experts().items():
-                check_independence(experts.slots, layer)
-            prefetch = config.paged_experts_prefetch
-            self.model.prefetch_experts = torch.device(device).type == "cuda" if prefetch is None else prefetch
+        self._load(attention)
+        device, mc = config.device, self.model_config
         components, kv_heads, kv_dim = mc.kv_geometry
         self.pool = PagePool(config.num_pages, config.page_size, mc.num_hidden_layers,
                              kv_heads, kv_dim, config.torch_dtype, device, kv_components=components,
@@ -118,6 +97,22 @@ class EngineCore:
         self.guides = Guides(self.tokenizer, mc.vocab_size, self.eos_ids, config.grammar_check_timeout_s)
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
+
+    def _load(self, attention: str | None) -> None:
+        """The checkpoint's config.json, tokenizer and model (engine/loader.py), on the
+        config's device; the settings refused before the weights are read."""
+        config = self.config
+        device, path = torch.device(config.device), Path(config.model)
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)      # streams, events and Triton use it
+        if config.compile:
+            use_cache_dir()   # an unusable cache directory fails before the model loads
+        self.model_config = mc = ModelConfig.from_path(path)
+        validate_num_resident(config.paged_experts_num_resident, mc.num_experts, mc.num_experts_per_tok,
+                              config.torch_dtype)
+        self.tokenizer = Tokenizer(path)
+        self.model = load_engine_model(config, mc, attention)
+        self.attention_backend = self.model.attention.name
 
     # ---- requests --------------------------------------------------------------------
     def check(self, ids: list[int], params: SamplingParams, reserve_output: bool = True) -> None:

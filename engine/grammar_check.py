@@ -137,7 +137,7 @@ class CheckerPool:
     `GrammarCompiler`'s checker)."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int],
-                 limits: llguidance.LLParserLimits | None = None, processes: int = 2, timeout_s: float = 10.0):
+                 limits: llguidance.LLParserLimits | None = None, *, timeout_s: float, processes: int = 2):
         self.timeout_s = timeout_s
         # the children check under every one of the limits the workers' matchers run under
         self.setup = {"tokenizer": tokenizer_json, "vocab_size": vocab_size, "eos_ids": list(eos_ids),

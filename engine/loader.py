@@ -9,6 +9,10 @@ Real checkpoints carry more than the model runs: block-wise FP8 weights are dequ
 serving dtype here (engine/checkpoint.py `dequantized`), and the multi-token-prediction layers
 of DeepSeek-V3 and GLM-4.5 (`num_nextn_predict_layers` layers numbered from num_hidden_layers
 on) are skipped with one log line.
+
+`load_engine_model` is what an `EngineCore` loads: the model its `EngineConfig` asks for, with
+every kernel choice made once, here, at start-up (attention backend, fused-MoE kernel), and
+with paged experts their slots checked and their prefetcher set.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
-from engine.attention import TorchAttention
+from engine.attention import TorchAttention, select_attention
 from engine.checkpoint import SCALE_SUFFIX, CheckpointError, dequantized, fp8_block, iter_tensors, weight_files
-from engine.config import ModelConfig
-from engine.models import spec_for
+from engine.config import EngineConfig, ModelConfig
+from engine.experts import check_independence, paged_factory
+from engine.models import kernel_variants, spec_for
 from engine.models.decoder import DecoderModel
 from engine.models.weights import ExpertsFactory
+from engine.moe import select_moe_kernel
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PROGRESS_MIN_TENSORS = 2000
@@ -35,6 +41,27 @@ WEIGHT_ALIGNMENT = 64  # bytes; torch's CPU allocator gives 64, CUDA's caching a
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 log = logging.getLogger(__name__)
+
+
+def load_engine_model(config: EngineConfig, cfg: ModelConfig, attention: str | None = None) -> DecoderModel:
+    """The model of checkpoint `config.model` (its config.json read as `cfg`) on
+    `config.device`, its kernels chosen once: the attention backend (`attention` forces one;
+    `model.attention.name` says which), the fused-MoE kernel, and with paged experts
+    (`config.paged_experts_num_resident`) each layer's slots, checked by paging every expert
+    through one, and the prefetcher (default: on CUDA).  Raises CheckpointError naming the
+    tensor, ExpertCheckError when the check of paged experts fails."""
+    device, k = config.device, config.paged_experts_num_resident
+    variants = kernel_variants(cfg)
+    attn = select_attention(device, config.page_size, attention, variants)
+    triton_moe = select_moe_kernel(device, clamped="clamped_swiglu" in variants)
+    model = load_model(Path(config.model), cfg, config.torch_dtype, device, attn, moe_triton=triton_moe,
+                       make_experts=paged_factory(k, device, triton_moe) if k is not None else None)
+    if k is not None:
+        for layer, experts in model.paged_experts().items():
+            check_independence(experts.slots, layer)
+        prefetch = config.paged_experts_prefetch
+        model.prefetch_experts = torch.device(device).type == "cuda" if prefetch is None else prefetch
+    return model
 
 
 def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,

@@ -1,4 +1,5 @@
-"""One attempt of a choice on one worker pair (`Attempt`), and how it ended (`Outcome`).
+"""One attempt of a choice on one worker pair (`Attempt`); how it ended is an `Outcome`
+(gateway/outcome.py).
 
 `Generate` on the decode worker reserves room for the prompt (and a migrated choice's tokens
 so far); unless that worker is colocated, `Prefill` on the prefill worker fills the
@@ -13,52 +14,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import grpc
 
 from engine.errors import ErrorCode
 from gateway.choice import Choice
-from gateway.errors import Cause, ForwardError, Next, call_error, policy
+from gateway.errors import ForwardError, Next, call_error, policy
+from gateway.outcome import Broken, Failed, Finished, Outcome, Retry
 from gateway.route import Route
 from gateway.routing import Worker
 from proto import worker_pb2 as wpb
 from worker.convert import params_to_proto, prefill_request
-
-
-class Outcome:
-    """How an attempt ended."""
-
-
-@dataclass(frozen=True)
-class Finished(Outcome):
-    """The stream ended with its Finish (recorded in the choice)."""
-
-
-@dataclass(frozen=True)
-class Retry(Outcome):
-    """Nothing was streamed, and another attempt may succeed: `error` says why (the error table
-    says whether it was a failed attempt), `exclude` are the workers not to ask again for this
-    stream, `last_resort` a prefill worker whose push broke (asked only when no other is up)."""
-    error: ForwardError
-    exclude: frozenset[str] = frozenset()
-    last_resort: str | None = None
-
-
-@dataclass(frozen=True)
-class Broken(Outcome):
-    """The stream broke after it streamed a token: the choice migrates, for `cause`; `address`
-    is the decode worker's."""
-    cause: Cause
-    error: ForwardError
-    address: str
-
-
-@dataclass(frozen=True)
-class Failed(Outcome):
-    """No attempt may succeed: the request fails with `error`."""
-    error: ForwardError
 
 
 class Attempt:

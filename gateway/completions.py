@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -32,6 +33,18 @@ from gateway.streaming import DoneEvent, ErrorEvent, Event, EventStream, Generat
 log = logging.getLogger("tandem.gateway")
 
 
+@dataclass(frozen=True)
+class Running:
+    """An admitted request being forwarded: its choices, how they are formatted, the events
+    their tasks report, the tasks with their admission slot, and the task that watches for a
+    non-streaming client that leaves."""
+    choices: list[Choice]
+    fmt: Formatter
+    events: asyncio.Queue[Event]
+    generation: Generation
+    watch: asyncio.Task[None]
+
+
 class CompletionHandler(RequestPlanner):
     """Serves a request's choices (`RequestPlanner`, gateway/planner.py, makes them): admission,
     forwarding every choice, the JSON or event-stream answer."""
@@ -47,6 +60,19 @@ class CompletionHandler(RequestPlanner):
         return response
 
     async def _serve(self, body: Body, request: Request, tenant: str) -> Response:
+        """Check the request, admit it, forward every choice; answer as a stream or as JSON."""
+        choices, share = await self._prepare(body, request, tenant)
+        fmt = self._formatter(body)
+        slot = AsyncExitStack()
+        await slot.enter_async_context(self.gw.queue.admit(share, reserved_tokens(choices)))
+        run = self._start(choices, fmt, tenant, slot, request)
+        if body.stream:
+            return await self._streamed(body, run)
+        return await self._collected(run)
+
+    async def _prepare(self, body: Body, request: Request, tenant: str) -> tuple[list[Choice], str]:
+        """The request's choices, tokenized and checked against the context and the decode
+        workers' KV capacity, and whom it counts against in the limits; raises Rejected."""
         gw = self.gw
         if gw.draining:
             raise Rejected(503, "draining", "the server is shutting down; retry on another replica")
@@ -54,50 +80,62 @@ class CompletionHandler(RequestPlanner):
         context, capacity = gw.context_len(), gw.pool.capacity_tokens()
         if capacity == 0:
             raise Rejected(503, "no_worker", "no decode worker is ready; retry later")
-        share = share_key(request, tenant, bool(gw.keys))     # whom it counts against in the limits
+        share = share_key(request, tenant, bool(gw.keys))
         constraint = await gw.structured.constraint(body, gw.output_settings, share)
         choices = await gw.prepare(self.choices, body, context, capacity, tenant,
                                    frozenset(gw.pool.page_sizes()), constraint)
+        return choices, share
+
+    def _formatter(self, body: Body) -> Formatter:
         so = body.stream_options
-        fmt = Formatter("chat" if isinstance(body, ChatCompletionRequest) else "text",
-                        gw.config.served_model_name, gw.tokenizer, body.logprobs_n, body.return_token_ids,
-                        continuous_usage=bool(body.stream and so and so.include_usage and so.continuous_usage_stats))
-        slot = AsyncExitStack()
-        await slot.enter_async_context(gw.queue.admit(share, reserved_tokens(choices)))
+        return Formatter("chat" if isinstance(body, ChatCompletionRequest) else "text",
+                         self.gw.config.served_model_name, self.gw.tokenizer, body.logprobs_n, body.return_token_ids,
+                         continuous_usage=bool(body.stream and so and so.include_usage and so.continuous_usage_stats))
+
+    def _start(self, choices: list[Choice], fmt: Formatter, tenant: str, slot: AsyncExitStack,
+               request: Request) -> Running:
+        """One forwarding task per choice, under the admission `slot` (it goes back when the
+        tasks end), and the watch for a client that leaves."""
         events: asyncio.Queue[Event] = asyncio.Queue()
         started = time.monotonic()
         route = self._route(fmt.id, tenant, started)
         tasks = [asyncio.create_task(self._run(choice, route, events, started)) for choice in choices]
-        generation = Generation(slot, tasks)      # the slot goes back when the tasks end
         watch = asyncio.create_task(_watch_disconnect(request, tasks, events))
-        if body.stream:
-            # until the first event nothing is written, so a client that left is noticed here
-            try:
-                first = await events.get()
-            except BaseException:
-                await generation.close()
-                raise
-            finally:
-                watch.cancel()
-            if isinstance(first, ErrorEvent) and first.choice is None:     # failed before any token
-                await generation.close()
-                return self._error(first.error, fmt.id)
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = sse(fmt, choices, events, first, include_usage, lambda e: self._error_body(e, fmt.id),
-                         lambda: self._count(choices, "ok"))
-            return EventStream(stream, on_close=generation.close)
+        return Running(choices, fmt, events, Generation(slot, tasks), watch)
+
+    async def _streamed(self, body: Body, run: Running) -> Response:
+        """The event stream, once its first event is in: until then nothing is written, so a
+        client that left is noticed here, and a failure before any token is a JSON error."""
+        try:
+            first = await run.events.get()
+        except BaseException:
+            await run.generation.close()
+            raise
+        finally:
+            run.watch.cancel()
+        fmt = run.fmt
+        if isinstance(first, ErrorEvent) and first.choice is None:     # failed before any token
+            await run.generation.close()
+            return self._error(first.error, fmt.id)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        stream = sse(fmt, run.choices, run.events, first, include_usage, lambda e: self._error_body(e, fmt.id),
+                     lambda: self._count(run.choices, "ok"))
+        return EventStream(stream, on_close=run.generation.close)
+
+    async def _collected(self, run: Running) -> Response:
+        """The JSON answer once every choice is done, or the first error."""
         try:
             done = 0
-            while done < len(choices):
-                event = await events.get()
+            while done < len(run.choices):
+                event = await run.events.get()
                 if isinstance(event, ErrorEvent):
-                    return self._error(event.error, fmt.id)
+                    return self._error(event.error, run.fmt.id)
                 done += isinstance(event, DoneEvent)
         finally:
-            watch.cancel()
-            await generation.close()
-        self._count(choices, "ok")
-        return JSONResponse(fmt.response(choices))
+            run.watch.cancel()
+            await run.generation.close()
+        self._count(run.choices, "ok")
+        return JSONResponse(run.fmt.response(run.choices))
 
     def _route(self, rid: str, tenant: str, started: float) -> Route:
         """How the request's choices are forwarded: its id, tenant and deadline, the gateway's

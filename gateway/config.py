@@ -50,6 +50,8 @@ class GatewaySettings:
     max_running: int = option(128, help="requests forwarded to workers at once")
     tenant_max_concurrency: int = option(64, help="requests of one tenant, running and waiting")
     queue_timeout_s: float = option(30.0, help="seconds a request may wait for admission")
+    # = worker/config.py MAX_REQUEST_TIMEOUT_S, the longest a worker lets a Generate wait (that
+    # module loads torch: the gateway cannot import it)
     request_timeout_s: float = option(600.0, flag="--request-timeout", help="seconds a request may take once "
                                       "admitted (its one timeout)")
     max_n: int = option(8, help="choices one request may ask for (n)")
@@ -87,6 +89,7 @@ class GatewaySettings:
     routing: str = option("prefix", choices=ROUTING_MODES, help="how the gateway picks a request's workers "
                           "(gateway/routing.py): prefix weighs the prompt's prefix each worker caches against its "
                           "load; load takes the least loaded")
+    # half a worker's check budget (worker/config.py GRAMMAR_CHECK_TIMEOUT_S)
     grammar_compile_timeout_s: float = option(5.0, help="seconds a structured-output constraint may take to "
                                               "compile before the request is refused (400)")
     # structured-output compilations waiting or running (gateway/compile_queue.py): in all, and per

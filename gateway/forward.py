@@ -18,10 +18,11 @@ import time
 from collections.abc import AsyncIterator
 
 from engine.errors import ErrorCode
-from gateway.attempt import Attempt, Broken, Failed, Retry
+from gateway.attempt import Attempt
 from gateway.choice import Choice
 from gateway.errors import ForwardError, Next
 from gateway.migration import migrate, resume_failed
+from gateway.outcome import Broken, Failed, Retry
 from gateway.route import Route
 from gateway.routing import Worker
 from proto import worker_pb2 as wpb

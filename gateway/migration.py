@@ -22,9 +22,9 @@ from __future__ import annotations
 import logging
 
 from engine.errors import ErrorCode
-from gateway.attempt import Broken
 from gateway.choice import Choice
 from gateway.errors import ForwardError, policy
+from gateway.outcome import Broken
 from gateway.route import Route
 from gateway.routing import WorkerPool
 from worker.types import Role

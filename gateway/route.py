@@ -46,8 +46,8 @@ class Route:
     tenant: str
     deadline: float                     # time.monotonic() when the request's timeout passes
     max_attempts: int                   # failed tries of one stream before its first token
-    capacity_wait_s: float = 30.0       # how long one stream waits for a worker with room
-    max_migrations: int = 3             # per choice
+    capacity_wait_s: float              # how long one stream waits for a worker with room
+    max_migrations: int                 # per choice
     observer: MigrationObserver = field(default_factory=NoObserver)
 
     def choice_id(self, choice: Choice) -> str:

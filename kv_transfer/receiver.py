@@ -33,7 +33,7 @@ from kv_transfer.frame import (
 )
 from kv_transfer.hooks import PLAIN_RECEIVER, ReceiverHooks
 from kv_transfer.pages import block_parts, holds_block, write_payload
-from kv_transfer.reservation import Reservation, State, prompt_pages
+from kv_transfer.reservation import TRANSFER_TIMEOUT_S, Reservation, State, prompt_pages
 from proto import kv_transfer_pb2 as pb
 
 TOMBSTONES = 65536   # released transfer ids remembered so late frames read EXPIRED
@@ -41,7 +41,7 @@ REFUSAL_LOG = 65536  # (transfer id hex, reason) of the latest refusals, for the
 
 
 class TransferReceiver:
-    def __init__(self, pool: PagePool, secret: bytes, timeout_s: float = 30.0,
+    def __init__(self, pool: PagePool, secret: bytes, timeout_s: float = TRANSFER_TIMEOUT_S,
                  clock: Callable[[], float] = time.monotonic,
                  on_failed: Callable[[Reservation], None] | None = None,
                  on_committed: Callable[[Reservation], None] | None = None):

@@ -25,6 +25,8 @@ from kv_transfer.frame import commit_digest
 from kv_transfer.pages import block_nbytes, block_shape, dtype_name, tokens_in_page
 from proto import kv_transfer_pb2 as pb
 
+TRANSFER_TIMEOUT_S = 30.0   # a reservation's default idle timeout (WorkerSettings.transfer_timeout_s)
+
 
 class State(str, Enum):
     RESERVED = "RESERVED"
@@ -77,7 +79,7 @@ class Reservation:
     num_layers: int
     page_size: int
     deadline: float
-    timeout_s: float = 30.0   # idle timeout: no frame arriving for this long ends the transfer
+    timeout_s: float          # idle timeout: no frame arriving for this long ends the transfer
     cached_tokens: int = 0    # leading prompt tokens in the receiver's prefix cache (a multiple of S)
     state: State = State.RESERVED
     reason: Refusal | None = None

@@ -81,9 +81,11 @@ class PrefillEngine(RoleEngine[Pushed | CancelJob]):
     """The prefill role (worker/role.py): it releases a job's pages once its push has ended."""
 
     def __init__(self, core: EngineCore, secret: bytes, lock: threading.RLock, wake: threading.Event,
-                 peers: Callable[[str], bool], layer_group: int = 2, transport: TransportConfig | None = None,
+                 peers: Callable[[str], bool], layer_group: int, transport: TransportConfig | None = None,
                  owner_suffix: str = ""):
-        """`peers(endpoint)`: whether a push to that decode endpoint is allowed (worker/peers.py)."""
+        """`peers(endpoint)`: whether a push to that decode endpoint is allowed (worker/peers.py);
+        `layer_group`: a push sends every that many layers as they are computed
+        (WorkerSettings.layer_group)."""
         super().__init__(core, lock, wake)
         self.peers = peers
         self.secret, self.layer_group = secret, layer_group

@@ -28,6 +28,7 @@ from tests.kv_helpers import LAYERS, SECRET, make_pool, prepare
 from tests.workers import channel, config, wait_idle
 from worker.config import MAX_REQUEST_TIMEOUT_S
 from worker.convert import params_to_proto
+from worker.handoff import GenerateOrder
 from worker.server import build_core
 from worker.types import WorkerError
 
@@ -76,10 +77,14 @@ def test_a_nan_timeout_is_refused(decode):
     wait_idle(decode)
 
 
+def order(rid: str, timeout_s: float) -> GenerateOrder:
+    return GenerateOrder(rid, "acme", tuple(range(1, 40)), (), PARAMS, "", timeout_s)
+
+
 def test_a_clamped_reservation_frees_its_pages_when_the_transfer_times_out():
     core = build_core(config(kv_cache_tokens=1024, max_model_len=1024))
     engine = DecodeEngine(core, SECRET, 30.0, threading.RLock(), threading.Event(), max_timeout_s=0.2)
-    dreq = engine.reserve("huge", "acme", list(range(1, 40)), PARAMS, timeout_s=1e30)
+    dreq = engine.reserve(order("huge", 1e30))
     assert dreq.reservation.timeout_s == 0.2
     assert core.pool.num_free < core.pool.num_pages
     end = time.monotonic() + 10
@@ -90,7 +95,7 @@ def test_a_clamped_reservation_frees_its_pages_when_the_transfer_times_out():
     assert core.pool.num_free == core.pool.num_pages
     assert dreq.done and dreq.reservation.state == State.FAILED
     with pytest.raises(WorkerError) as e:
-        engine.reserve("zero", "acme", list(range(1, 40)), PARAMS, timeout_s=0.0)
+        engine.reserve(order("zero", 0.0))
     assert e.value.code == ErrorCode.INVALID_REQUEST
 
 

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-import engine.core
+import engine.loader
 from engine import LLM, SamplingParams
 from engine.experts.check import ExpertCheckError
 from engine.kv_pool import PagePool
@@ -107,7 +107,7 @@ def test_disaggregated_greedy_equals_the_engine(family: tuple[str, Path], refere
 
 def test_the_independence_check_catches_swapped_experts(family: tuple[str, Path],
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    real = engine.core.paged_factory
+    real = engine.loader.paged_factory
 
     def swapping(*args: Any, **kw: Any) -> Any:
         make = real(*args, **kw)
@@ -116,7 +116,7 @@ def test_the_independence_check_catches_swapped_experts(family: tuple[str, Path]
             w13[[0, 1]] = w13[[1, 0]].clone()   # a stacking bug: experts 0 and 1 trade gate/up
             return make(layer, w13, w2, prints, **more)
         return make_swapped
-    monkeypatch.setattr(engine.core, "paged_factory", swapping)
+    monkeypatch.setattr(engine.loader, "paged_factory", swapping)
     with pytest.raises(ExpertCheckError, match="expert 0"):
         LLM(family[1], paged_experts_num_resident=resident_experts(family[1])[0])
 

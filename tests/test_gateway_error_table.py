@@ -19,7 +19,7 @@ import pytest
 
 from engine.errors import ErrorCode
 from engine.params import SamplingParams
-from gateway.attempt import Attempt, Broken, Failed, Finished, Retry
+from gateway.attempt import Attempt
 from gateway.choice import Choice
 from gateway.errors import (
     CODES,
@@ -35,6 +35,7 @@ from gateway.errors import (
 )
 from gateway.forward import Picker
 from gateway.migration import resume_failed
+from gateway.outcome import Broken, Failed, Finished, Retry
 from gateway.route import Route
 from gateway.routing import WorkerPool
 from proto import worker_pb2 as wpb
@@ -147,7 +148,7 @@ class FakePrefill:
 
 def route() -> Route:
     pool = WorkerPool(("127.0.0.1:1",), ("127.0.0.1:2",), (), b"")
-    return Route(pool, "r", "acme", time.monotonic() + 30, 3)
+    return Route(pool, "r", "acme", time.monotonic() + 30, 3, capacity_wait_s=30.0, max_migrations=3)
 
 
 def attempt(script: list[object]) -> Attempt:

@@ -364,10 +364,10 @@ def test_a_stream_that_fits_no_other_worker_fails_at_once_naming_the_capacity():
     from dataclasses import replace
 
     from engine.params import SamplingParams
-    from gateway.attempt import Broken
     from gateway.choice import Choice
     from gateway.errors import Cause, ForwardError
     from gateway.migration import migrate
+    from gateway.outcome import Broken
     from gateway.route import Route
     pool = WorkerPool(("127.0.0.1:1", "127.0.0.1:2"), ("127.0.0.1:3",), (), b"")
     big, small = pool.of(Role.DECODE)

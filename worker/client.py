@@ -28,11 +28,12 @@ from engine.errors import ErrorCode
 from engine.params import SamplingParams
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
+from worker.config import MAX_REQUEST_TIMEOUT_S
 from worker.convert import params_to_proto, prefill_request
 
 
 def generate(decode: grpc.Channel, prefill: grpc.Channel | None, request_id: str, tenant: str,
-             ids: list[int], params: SamplingParams, timeout_s: float = 600.0,
+             ids: list[int], params: SamplingParams, timeout_s: float = MAX_REQUEST_TIMEOUT_S,
              cache_salt: str = "", generated: Sequence[int] = ()) -> Iterator[wpb.GenerateResponse]:
     call = wpb_grpc.DecodeServiceStub(decode).Generate(wpb.GenerateRequest(
         request_id=request_id, tenant=tenant, prompt_token_ids=ids, params=params_to_proto(params),

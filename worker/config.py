@@ -20,14 +20,19 @@ from engine.config import EngineConfig
 from engine.options import branch, option
 from engine.stop import STOP_BUDGET_S, STOP_WINDOW_CHARS, StopLimits
 from kv_transfer.frame import check_secret
+from kv_transfer.reservation import TRANSFER_TIMEOUT_S
 from kv_transfer.tls import TlsIdentity
 from kv_transfer.transport.base import TransportConfig
 
-MAX_REQUEST_TIMEOUT_S = 600.0   # the longest a Generate may ask its reservation to wait (the gateway's default)
+# the longest a Generate may ask its reservation to wait: the gateway's default request timeout
+# (GatewaySettings.request_timeout_s restates it: the gateway stays torch-free, and this module
+# loads torch through TransportConfig)
+MAX_REQUEST_TIMEOUT_S = 600.0
 STEP_DEADLINE_S = 30.0          # a loop iteration longer than this: Health says not ready
 # a worker's engine checks a constraint it has not seen in a child process killed past this
 # budget (engine/grammar_check.py) when its EngineConfig sets none: twice the gateway's compile
-# timeout, so what the gateway passed passes here
+# timeout (GatewaySettings.grammar_compile_timeout_s, which this module may not import), so what
+# the gateway passed passes here
 GRAMMAR_CHECK_TIMEOUT_S = 10.0
 TRANSFERS = ("grpc", "shm")
 
@@ -41,7 +46,8 @@ class WorkerSettings:
     mem_fraction: float | None = option(None, type=float, help="size the KV pool as this share of free memory, "
                                         "instead of --kv-cache-tokens (default: not used)")
     transfer: str = option("grpc", choices=TRANSFERS, help="how prefill reaches decode (shm: same node only)")
-    transfer_timeout_s: float = option(30.0, help="a reservation that receives nothing for this long ends, seconds")
+    transfer_timeout_s: float = option(TRANSFER_TIMEOUT_S, help="a reservation that receives nothing for this long "
+                                       "ends, seconds")
     max_request_timeout_s: float = option(MAX_REQUEST_TIMEOUT_S, help="a Generate's timeout_s is clamped to this")
     step_deadline_s: float = option(STEP_DEADLINE_S, help="Health is not ready while one loop iteration runs "
                                     "longer, seconds")

@@ -16,8 +16,9 @@ from typing import TypedDict
 
 import torch
 
-from engine.config import ModelConfig, parse_dtype
+from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.models import spec_for
+from engine.options import default_of
 
 PROBE_BYTES = 256 << 20
 
@@ -81,7 +82,7 @@ def measure_link(device: str, nbytes: int = PROBE_BYTES, repeats: int = 3) -> tu
 
 def preflight(model: str | Path, memory_gib: float, dtype: str = "bfloat16", device: str = "cpu",
               target_tok_s: float = 50.0, concurrency: int = 8, link_bytes_per_s: float | None = None,
-              page_size: int = 16) -> PreflightReport:
+              page_size: int = default_of(EngineConfig, "page_size")) -> PreflightReport:
     """Sizes, costs and a recommended K.  Raises ValueError when the budget cannot hold the
     non-expert weights plus top_k slots per layer."""
     loaded = ModelConfig.from_path(model)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kv_transfer.frame import SUPPORTED_VERSIONS
+from kv_transfer.reservation import TRANSFER_TIMEOUT_S
 from kv_transfer.tls import TlsIdentity
 
 
@@ -32,7 +33,7 @@ class TransportConfig:
         before it is read.  The receiver runs `max_push_streams + HANDSHAKE_THREADS` threads,
         so a Handshake always finds one however many Push streams stall.
     stream_idle_s: a Push stream that sends nothing for this long is cut by the gRPC receiver
-        (60 s, twice the decode worker's default transfer timeout), so stalled streams give
+        (twice the default transfer timeout, TRANSFER_TIMEOUT_S: 60 s), so stalled streams give
         their threads back; the transfers it had proven (a verified frame) fail.
     tls: this process's cluster certificate: gRPC streams and servers run mutual TLS with it
         (kv_transfer/tls.py); None runs them in plaintext (one node).  Ignored by local://
@@ -48,7 +49,7 @@ class TransportConfig:
     queue_messages: int = 8
     versions: tuple[int, ...] = SUPPORTED_VERSIONS
     max_push_streams: int = 256
-    stream_idle_s: float = 60.0
+    stream_idle_s: float = 2 * TRANSFER_TIMEOUT_S
     tls: TlsIdentity | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
