@@ -18,12 +18,12 @@ log = logging.getLogger("tandem.worker")
 
 
 class LoopWatch:
-    """When the worker loop last began an iteration, as a role sees it.  The loop calls every
-    role's `drain` first in each iteration (`worker.loop`), and iterates at least every
-    `idle_wait_s` while idle: a role that calls `beat` there knows how long the current
-    iteration (one step) has run.  Longer than `deadline_s`, the worker is stalled (a step that
-    does not end, or a loop that stopped) and Health says not ready, so the gateway stops
-    routing to it; the next iteration makes it ready again."""
+    """When the worker loop last began an iteration.  The loop (`worker.loop.WorkerLoop`) calls
+    `beat` at the start of every iteration, before each role's `handle_inbox`, and iterates at
+    least every `idle_wait_s` while idle, so the time since the last beat is how long the
+    current iteration (one step) has run.  Longer than `deadline_s`, the worker is stalled (a
+    step that does not end, or a loop that stopped) and Health says not ready, so the gateway
+    stops routing to it; the next iteration makes it ready again."""
 
     def __init__(self, deadline_s: float = STEP_DEADLINE_S, clock: Callable[[], float] = time.monotonic):
         self.deadline_s, self.clock = deadline_s, clock
