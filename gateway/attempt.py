@@ -148,11 +148,11 @@ class Attempt:
         fails; before one another pair may succeed, or the request fails (with the prefill's
         failure, when there was one: the decode worker's error follows from it)."""
         own = ForwardError.from_proto(error)
-        err = self.prefill_error or own
-        if self.streamed:
+        if self.streamed:                        # the transfer committed: a prefill failure is not the cause
             if own.code != error.code:           # a code this gateway does not know: never migrated
-                return Failed(err)
-            return self._after_token(own.code, own, err)
+                return Failed(own)
+            return self._after_token(own.code, own, own)
+        err = self.prefill_error or own
         if own.policy.before_token is Next.LEAVE:
             # it drains or stops (the push it cut may have failed first): another worker, never this one
             return self._refused(own)
@@ -207,15 +207,17 @@ class Attempt:
         return self._retry(ForwardError(ErrorCode.DECODE_UNAVAILABLE, message))
 
     def _prefill_failed(self) -> Outcome | None:
-        """None when the prefill did not fail.  Else the decode call broke because of it, and
-        that failure is the request's, unless no token went out and another pair may succeed:
-        the prefill worker could not be reached or is going away (it is excluded: try another),
-        or its push to this decode worker was refused or broke (TRANSFER_FAILED: try another
-        decode worker, e.g. when this one's receiver is at its stream cap)."""
+        """None when the prefill did not fail, or failed after a token went out: the transfer had
+        committed (its reply may still fail, when the commit's acknowledgement is lost with the
+        decode worker), so the stream's own break decides.  Else the decode call broke because of
+        it, and that failure is the request's, unless another pair may succeed: the prefill
+        worker could not be reached or is going away (it is excluded: try another), or its push
+        to this decode worker was refused or broke (TRANSFER_FAILED: try another decode worker,
+        e.g. when this one's receiver is at its stream cap)."""
         err = self.prefill_error
-        if err is None:
+        if err is None or self.streamed:
             return None
-        if self.streamed or err.policy.before_token not in (Next.RETRY, Next.LEAVE):
+        if err.policy.before_token not in (Next.RETRY, Next.LEAVE):
             return Failed(err)
         if err.code == ErrorCode.TRANSFER_FAILED:
             self.exclude.add(self.decode.address)

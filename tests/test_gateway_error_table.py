@@ -122,6 +122,8 @@ class FakeCall:
 
     async def read(self) -> object:
         await asyncio.sleep(0)
+        while self.script and isinstance(self.script[0], float):    # a pause: other tasks run
+            await asyncio.sleep(self.script.pop(0))
         if not self.script:
             return grpc.aio.EOF
         item = self.script.pop(0)
@@ -142,8 +144,11 @@ class FakeDecode:
 
 
 class FakePrefill:
+    def __init__(self, reply: wpb.PrefillReply | None = None) -> None:
+        self.reply = reply or wpb.PrefillReply(ok=True)
+
     async def Prefill(self, request: wpb.PrefillRequest, timeout: float) -> wpb.PrefillReply:
-        return wpb.PrefillReply(ok=True)
+        return self.reply
 
 
 def route() -> Route:
@@ -151,11 +156,12 @@ def route() -> Route:
     return Route(pool, "r", "acme", time.monotonic() + 30, 3, capacity_wait_s=30.0, max_migrations=3)
 
 
-def attempt(script: list[object]) -> Attempt:
-    """One attempt of a fresh choice whose decode worker answers with `script`, run to its end."""
+def attempt(script: list[object], prefill_reply: wpb.PrefillReply | None = None) -> Attempt:
+    """One attempt of a fresh choice whose decode worker answers with `script` (a float: a pause
+    of that many seconds) and its prefill worker with `prefill_reply` (ok), run to its end."""
     r = route()
     (decode,), (prefill,) = r.pool.of(Role.DECODE), r.pool.of(Role.PREFILL)
-    decode.decode_stub, prefill.prefill_stub = FakeDecode(script), FakePrefill()
+    decode.decode_stub, prefill.prefill_stub = FakeDecode(script), FakePrefill(prefill_reply)
     a = Attempt(Choice(0, [1, 2, 3], SamplingParams(max_tokens=4)), r, decode, prefill, 30.0)
 
     async def run() -> None:
@@ -221,6 +227,19 @@ def test_a_stream_that_ends_without_a_final_message_is_lost():
     assert isinstance(attempt([RESERVED, TOKEN]).outcome, Broken)
     done = attempt([RESERVED, TOKEN, FINISH])
     assert isinstance(done.outcome, Finished) and done.choice.finish_reason == "stop"
+
+
+def test_a_prefill_failure_after_a_token_does_not_stop_the_migration():
+    """A decode worker dies after its first token while the prefill's reply is still on its way:
+    the prefill answers TRANSFER_FAILED (the commit's acknowledgement was lost with the worker),
+    but the transfer had committed, so the stream's break decides and the choice migrates."""
+    late = wpb.PrefillReply(ok=False, error=wpb.Error(code="TRANSFER_FAILED", message="the push broke"))
+    for end in (rpc_error(grpc.StatusCode.UNAVAILABLE), error(ErrorCode.DRAINING)):
+        a = attempt([RESERVED, TOKEN, 0.05, end], late)
+        assert a.prefill_error is not None and a.prefill_error.code == ErrorCode.TRANSFER_FAILED
+        assert isinstance(a.outcome, Broken), a.outcome
+    before = attempt([RESERVED, 0.05, rpc_error(grpc.StatusCode.UNAVAILABLE)], late)
+    assert isinstance(before.outcome, Retry) and before.outcome.error.code == ErrorCode.TRANSFER_FAILED
 
 
 def test_an_unknown_code_fails_as_internal_and_never_migrates():
