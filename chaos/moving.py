@@ -63,11 +63,10 @@ class KillDecode:
 
     async def drive(self, cluster: ChaosCluster, live: list[Outcome], done: asyncio.Event, rng: random.Random,
                     waves: Waves) -> list[Move]:
-        await _pace(cluster, waves)
-        held = await _held(cluster, live, done, waves, self.wait_s, streams=2)
-        if held is None:
+        struck = await _first_kill(cluster, live, done, waves, self.wait_s)
+        if struck is None:
             return []
-        move, pid, before = await _strike(cluster, live, *held, point="kill_decode")
+        move, pid, before = struck
         await _back(cluster, move, pid)
         move.migrated = (await _moved(cluster, before)).by_cause
         return [move]
@@ -84,11 +83,10 @@ class KillDecodeTwice:
 
     async def drive(self, cluster: ChaosCluster, live: list[Outcome], done: asyncio.Event, rng: random.Random,
                     waves: Waves) -> list[Move]:
-        await _pace(cluster, waves)
-        held = await _held(cluster, live, done, waves, self.wait_s, streams=2)
-        if held is None:
+        struck = await _first_kill(cluster, live, done, waves, self.wait_s)
+        if struck is None:
             return []
-        first, pid, before = await _strike(cluster, live, *held, point="kill_decode")
+        first, pid, before = struck
         others = [w for w in sorted(cluster.workers(Role.DECODE)) if w != first.worker]
         again = await _held(cluster, live, done, waves, self.wait_s, among=others, migrated=True, feed=False)
         moves, pids, mid = [first], [pid], before
@@ -126,6 +124,17 @@ class DrainDecode:
             left.remove(held[0])
             moves.append(await _drain(cluster, held, pids[held[0]]))
         return moves
+
+
+async def _first_kill(cluster: ChaosCluster, live: list[Outcome], done: asyncio.Event, waves: Waves,
+                      wait_s: float) -> tuple[Move, int, migrations.MigrationCounts] | None:
+    """Pace the decode workers, wait until one holds two streams mid-way and kill it: its
+    `Move`, its pid and the migration counters before (`_strike`); None when none held them."""
+    await _pace(cluster, waves)
+    held = await _held(cluster, live, done, waves, wait_s, streams=2)
+    if held is None:
+        return None
+    return await _strike(cluster, live, *held, point="kill_decode")
 
 
 async def _drain(cluster: ChaosCluster, held: Held, pid: int) -> Move:

@@ -134,8 +134,9 @@ def add_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: typ
              **overrides: Any) -> argparse.Action:
     """The field `name` of `cls`'s tree as an option of `parser` (dest: the field's name).
     Its help is the field's, followed by "(default: X)" unless it says its default in words (a
-    switch: "(default: off)"); its type, choices and action are the field's (`overrides`
-    win).  Not given, it parses to nothing (argparse.SUPPRESS): the field keeps its default.
+    switch: the field's own state, "(default: off)", or "(default: on)" for a `--no-...` one);
+    its type, choices and action are the field's (`overrides` win).  Not given, it parses to
+    nothing (argparse.SUPPRESS): the field keeps its default.
     Raises TypeError when the field's help cannot state its default truly."""
     f = field_of(cls, name)
     opts = {**f.metadata.get(CLI, {}), **overrides}
@@ -177,7 +178,7 @@ def _with_default(cls: type, name: str, text: str, action: str | None) -> str:
     if action in SWITCHES:
         if default != (action == "store_false"):
             raise TypeError(f"{cls.__name__}.{name}: a {action} switch on a field whose default is {default!r}")
-        return f"{text} (default: off)"
+        return f"{text} (default: {'on' if default else 'off'})"    # the field's state, not the switch's
     if action == "append" and not default:
         return f"{text} (default: none)"
     if default is None:

@@ -59,9 +59,9 @@ def test_the_default_serve_shows_for_each_flag_is_the_fields_default():
         assert action.default is argparse.SUPPRESS, name          # argparse keeps no copy of the default
         if "default" in help_of(ServeSettings, name).lower():    # said in words: "(default: all)"
             assert re.search(r"default: \w", text, re.IGNORECASE), (name, text)
-        elif isinstance(action, argparse._StoreConstAction):   # a switch: off means the field's default
+        elif isinstance(action, argparse._StoreConstAction):   # a switch: it turns the field's default around
             assert action.const != default, name
-            assert text.endswith("(default: off)"), (name, text)
+            assert text.endswith(f"(default: {'on' if default else 'off'})"), (name, text)
         else:
             assert text.endswith(f"(default: {default})"), (name, text, default)
 
