@@ -93,10 +93,11 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
                 return
 
     def _prefill_here(self, prefill: LocalPrefill, dreq: DecodeRequest, reservation: wpb.Reservation) -> None:
-        """(Colocated) fill this reservation with the local prefill role: the order is built as
-        a prefill worker builds it from the gateway's Prefill call."""
+        """(Colocated) fill this reservation with the local prefill role: the reservation's order
+        as a caller would send it in a Prefill call (`GenerateOrder.prefill_order`), its params
+        taken as they are (checked once, when the Generate call was read)."""
         try:
-            prefill.submit(PrefillOrder.from_proto(dreq.order.prefill_request(reservation)))
+            prefill.submit(dreq.order.prefill_order(reservation))
         except WorkerError as e:
             self.engine.abort(dreq.order.request_id, e.code, e.message)
 

@@ -23,26 +23,30 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from gateway.errors import public
+
 RECHECK_S = 1.0          # a waiting request re-reads the limits this often (workers come and go)
 
 
 class Rejected(Exception):
-    """A request refused by the gateway: HTTP status, reason code (one of gateway/errors.py
-    ERRORS, whose status it has), message; `param` names the field at fault, `headers` go
-    with the answer (a retryable code's Retry-After when None)."""
+    """A request refused by the gateway: its reason code (one of gateway/errors.py ERRORS) and
+    message; `status` is the HTTP status the table gives that reason.  `param` names the field
+    at fault, `headers` go with the answer (a retryable code's Retry-After when None)."""
 
-    def __init__(self, status: int, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
-        self.status, self.reason, self.message = status, reason, message
+        self.reason, self.message = reason, message
+        self.status = public(reason).status
         self.param: str | None = None
         self.headers: dict[str, str] | None = None
 
 
 class InvalidField(Rejected):
-    """A 400 that names the request field at fault (`param` of the error body)."""
+    """A refusal that names the request field at fault (`param` of the error body); its reasons
+    are 400s."""
 
     def __init__(self, param: str, message: str, reason: str = "out_of_range") -> None:
-        super().__init__(400, reason, message)
+        super().__init__(reason, message)
         self.param = param
 
 
@@ -134,19 +138,19 @@ class AdmissionQueue:
         fix (429: the queue or the tenant's share of it is full)."""
         budget, cluster = self.limits.tenant_tokens(), self.limits.cluster_tokens()
         if budget and kv_tokens > budget:
-            raise self._reject(tenant, 400, "kv_budget", f"this request reserves {kv_tokens} KV tokens (prompt + "
+            raise self._reject(tenant, "kv_budget", f"this request reserves {kv_tokens} KV tokens (prompt + "
                                f"max_tokens, for each choice), more than the tenant's whole KV budget of {budget} "
                                f"tokens (tenant_max_kv_tokens): it can never be admitted; lower max_tokens or n")
         if cluster and kv_tokens > cluster:
-            raise self._reject(tenant, 400, "kv_capacity", f"this request reserves {kv_tokens} KV tokens (prompt + "
+            raise self._reject(tenant, "kv_capacity", f"this request reserves {kv_tokens} KV tokens (prompt + "
                                f"max_tokens, for each choice), more than the decode workers hold together "
                                f"({cluster} tokens): it can never be admitted; lower max_tokens or n")
         if self.total >= self.max_queue:
-            raise self._reject(tenant, 429, "queue_full", f"the server's queue is full ({self.max_queue} "
+            raise self._reject(tenant, "queue_full", f"the server's queue is full ({self.max_queue} "
                                f"requests); retry later")
         load = self.tenants.get(tenant)
         if load is not None and load.in_flight >= self.tenant_limit:
-            raise self._reject(tenant, 429, "tenant_limit", f"tenant has {load.in_flight} requests in flight, "
+            raise self._reject(tenant, "tenant_limit", f"tenant has {load.in_flight} requests in flight, "
                                f"the limit is {self.tenant_limit} (tenant_max_concurrency); retry when one ends")
 
     async def _wait(self, waiter: Waiter) -> None:
@@ -164,17 +168,17 @@ class AdmissionQueue:
         hold the KV budget it needs, else 503 (no slot or KV room freed in time)."""
         held, budget = self.tenants[waiter.tenant].kv_reserved, self.limits.tenant_tokens()
         if budget and held + waiter.kv_tokens > budget:
-            return self._reject(waiter.tenant, 429, "kv_budget_in_use", f"waited {self.timeout_s}s in the queue: "
+            return self._reject(waiter.tenant, "kv_budget_in_use", f"waited {self.timeout_s}s in the queue: "
                                 f"this request reserves {waiter.kv_tokens} KV tokens and the tenant's other requests "
                                 f"hold {held} of its KV budget of {budget} tokens (tenant_max_kv_tokens); retry when "
                                 f"they end")
-        return self._reject(waiter.tenant, 503, "queue_timeout", f"waited {self.timeout_s}s in the queue without a "
+        return self._reject(waiter.tenant, "queue_timeout", f"waited {self.timeout_s}s in the queue without a "
                             f"free slot or KV room; retry later")
 
-    def _reject(self, tenant: str, status: int, reason: str, message: str) -> Rejected:
+    def _reject(self, tenant: str, reason: str, message: str) -> Rejected:
         if self.on_reject is not None:
             self.on_reject(tenant, reason)
-        return Rejected(status, reason, message)
+        return Rejected(reason, message)
 
     # ---- the round robin --------------------------------------------------------------------
     def _dispatch(self) -> None:

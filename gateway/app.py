@@ -82,7 +82,7 @@ class Gateway:
     def admin(self, request: Request) -> None:
         """Raises Rejected 401 unless admin keys are configured and the request bears one."""
         if self.admin_keys.tenant(_bearer(request)) is None:
-            raise Rejected(401, "invalid_admin_key", "this endpoint needs an admin key "
+            raise Rejected("invalid_admin_key", "this endpoint needs an admin key "
                            "(send Authorization: Bearer ADMIN_KEY)")
 
     def context_len(self) -> int:
@@ -98,7 +98,7 @@ class Gateway:
         key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
         tenant = self.keys.tenant(key)
         if tenant is None:
-            raise Rejected(401, "invalid_api_key", "missing or unknown API key (send Authorization: Bearer KEY)")
+            raise Rejected("invalid_api_key", "missing or unknown API key (send Authorization: Bearer KEY)")
         return tenant
 
     async def refresh_forever(self) -> None:
@@ -155,7 +155,7 @@ def create_app(config: GatewayConfig, discover: Discover | None = None) -> FastA
         model = BODY_MODELS.get(request.url.path)
         code, message, param = refusal(e.errors(), e.body, request.headers.get("content-type"),
                                        union_fields(model) if model is not None else frozenset())
-        refused = Rejected(400, code, message)
+        refused = Rejected(code, message)
         refused.param = param
         return _rejected(gw, refused)
 
@@ -196,7 +196,7 @@ def create_app(config: GatewayConfig, discover: Discover | None = None) -> FastA
     async def model(model_id: str, tenant: str = Depends(tenant)) -> dict[str, Any]:
         """OpenAI's retrieve model (the openai client's `models.retrieve`)."""
         if model_id != config.served_model_name:
-            raise Rejected(404, "model_not_found", f"the model {shown(model_id)} does not exist; this server "
+            raise Rejected("model_not_found", f"the model {shown(model_id)} does not exist; this server "
                            f"serves {config.served_model_name!r}")
         return model_card()
 

@@ -26,7 +26,7 @@ from gateway.outcome import Broken, Failed, Finished, Outcome, Retry
 from gateway.route import Route
 from gateway.routing import Worker
 from proto import worker_pb2 as wpb
-from worker.convert import params_to_proto, prefill_request
+from worker.handoff import GenerateOrder
 
 
 class Attempt:
@@ -38,9 +38,13 @@ class Attempt:
         choice.attempts += 1
         self.choice, self.route, self.decode, self.prefill = choice, route, decode, prefill
         self.timeout_s = timeout_s
-        self.request_id = f"{route.choice_id(choice)}.{choice.attempts}"
-        # a migrated choice continues the sampler of the reservation that gave its first token
-        self.params = choice.params if choice.seed is None else replace(choice.params, seed=choice.seed)
+        # each attempt its own request id; a migrated choice continues the sampler of the
+        # reservation that gave its first token
+        params = choice.params if choice.seed is None else replace(choice.params, seed=choice.seed)
+        self.order = GenerateOrder(
+            request_id=f"{route.choice_id(choice)}.{choice.attempts}", tenant=route.tenant,
+            prompt_token_ids=tuple(choice.prompt_ids), generated_token_ids=tuple(choice.token_ids),
+            params=params, cache_salt=choice.prompt.cache_salt, timeout_s=timeout_s)
         self.streamed = False                    # a token arrived: the transfer committed, prefill is done
         self.prefill_error: ForwardError | None = None
         self.exclude: set[str] = set()           # workers not to ask again for this stream
@@ -52,11 +56,7 @@ class Attempt:
         """Yields each Tokens message and the final Finish of the decode stream, recording them in
         the choice first; sets `outcome` before it returns."""
         assert self.decode.decode_stub is not None
-        c = self.choice
-        call = self.decode.decode_stub.Generate(wpb.GenerateRequest(
-            request_id=self.request_id, tenant=self.route.tenant, prompt_token_ids=c.prompt_ids,
-            params=params_to_proto(self.params), timeout_s=self.timeout_s, cache_salt=c.prompt.cache_salt,
-            generated_token_ids=c.token_ids), timeout=self.timeout_s)
+        call = self.decode.decode_stub.Generate(self.order.to_proto(), timeout=self.timeout_s)
         self.decode.outstanding += 1
         try:
             async for msg in self._stream(call):
@@ -121,9 +121,8 @@ class Attempt:
             return Failed(ForwardError(ErrorCode.INTERNAL, f"{self.decode.address} resumed with seed {res.seed}, "
                                        f"not {c.seed}"))
         if self.prefill is not None:
-            # with the request's salt and the reservation's cache boundary (frames start after it)
-            req = prefill_request(self.request_id, self.route.tenant, c.prompt_ids, self.params, res,
-                                  c.prompt.cache_salt, c.token_ids)
+            # the order's request, with the reservation's seed and cache boundary (frames start after it)
+            req = self.order.prefill_order(res).to_proto()
             self._prefill_task = asyncio.create_task(self._prefill(call, req))
         elif c.token_ids:             # colocated: it prefills what its cache does not hold
             self.route.observer.recomputed(max(0, len(c.prompt_ids) + len(c.token_ids) - res.cached_tokens))
@@ -212,14 +211,14 @@ class Attempt:
         decode worker), so the stream's own break decides.  Else the decode call broke because of
         it, and that failure is the request's, unless another pair may succeed: the prefill
         worker could not be reached or is going away (it is excluded: try another), or its push
-        to this decode worker was refused or broke (TRANSFER_FAILED: try another decode worker,
-        e.g. when this one's receiver is at its stream cap)."""
+        to this decode worker was refused or broke (the table's `excludes_decode`: try another
+        decode worker, e.g. when this one's receiver is at its stream cap)."""
         err = self.prefill_error
         if err is None or self.streamed:
             return None
         if err.policy.before_token not in (Next.RETRY, Next.LEAVE):
             return Failed(err)
-        if err.code == ErrorCode.TRANSFER_FAILED:
+        if err.policy.excludes_decode:
             self.exclude.add(self.decode.address)
         return self._retry(err)
 

@@ -37,7 +37,7 @@ class Busy(Rejected):
     for this tenant."""
 
     def __init__(self, reason: str, message: str) -> None:
-        super().__init__(429, reason, message)
+        super().__init__(reason, message)
         self.headers = {"Retry-After": str(RETRY_AFTER_S)}
 
 
@@ -141,7 +141,7 @@ class CompileQueue:
                 outcome = self.executor.submit(job.fn)
             except RuntimeError:            # the executor was shut down: the gateway is stopping
                 outcome = Future()
-                outcome.set_exception(Rejected(503, "draining", "the server is shutting down"))
+                outcome.set_exception(Rejected("draining", "the server is shutting down"))
             outcome.add_done_callback(partial(_call_soon, loop, self._finished, job))
 
     def _finished(self, job: _Job[Any], outcome: Future[Any]) -> None:

@@ -75,11 +75,11 @@ class CompletionHandler(RequestPlanner):
         workers' KV capacity, and whom it counts against in the limits; raises Rejected."""
         gw = self.gw
         if gw.draining:
-            raise Rejected(503, "draining", "the server is shutting down; retry on another replica")
+            raise Rejected("draining", "the server is shutting down; retry on another replica")
         self.check(body)
         context, capacity = gw.context_len(), gw.pool.capacity_tokens()
         if capacity == 0:
-            raise Rejected(503, "no_worker", "no decode worker is ready; retry later")
+            raise Rejected("no_worker", "no decode worker is ready; retry later")
         share = share_key(request, tenant, bool(gw.keys))
         constraint = await gw.structured.constraint(body, gw.output_settings, share)
         choices = await gw.prepare(self.choices, body, context, capacity, tenant,

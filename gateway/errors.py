@@ -69,6 +69,15 @@ class Cause(enum.StrEnum):
     ERROR = "error"                  # its step failed
 
 
+class MigrationFailure(enum.StrEnum):
+    """Why a broken stream could not be continued, so the choice ended with MIGRATION_FAILED
+    (tandem_migrations_failed_total{reason}; gateway/migration.py)."""
+    BOUND = "bound"                  # the choice was past max_migrations
+    CAPACITY = "capacity"            # no other decode worker can hold prompt + max_tokens
+    NO_WORKER = "no_worker"          # the resumed stream found no worker or no room (a no_room code): 503
+    REFUSED = "refused"              # the resumed stream was refused or failed otherwise: 502
+
+
 @dataclass(frozen=True)
 class CodePolicy:
     """One `ErrorCode`: what the client is told (`public`: spelling, HTTP status, Retry-After;
@@ -84,6 +93,9 @@ class CodePolicy:
     # try, the choice waits for one (up to the queue timeout); a migration failing so is "no_worker"
     no_room: bool = False
     migrates: Cause | None = None    # after a token, the choice moves to another pair, with this cause
+    # a Prefill call that fails with it before a token: the decode worker's receiver refused or
+    # broke the push (at its stream cap, say): the retry asks another decode worker
+    excludes_decode: bool = False
     # the request's own end (its timeout, its caller's cancel or abort): never moved, and a resumed
     # stream that ends so keeps its code (not MIGRATION_FAILED)
     own: bool = False
@@ -131,7 +143,7 @@ CODES: dict[ErrorCode, CodePolicy] = {p.code: p for p in (
     CodePolicy(_E.DECODE_UNAVAILABLE, 502, True, "no decode worker could be reached",
                "no decode worker could be reached; retry later", Next.RETRY, no_room=True, migrates=Cause.LOST),
     CodePolicy(_E.TRANSFER_FAILED, 502, True, "the prompt's KV could not be moved between the workers", _KV_MOVE,
-               Next.RETRY),
+               Next.RETRY, excludes_decode=True),
     CodePolicy(_E.DECODE_FAILED, 502, True, "the decode worker failed while generating",
                "the decode worker failed while generating"),
     CodePolicy(_E.MIGRATION_FAILED, 502, True, "a broken stream could not be continued on another worker",
@@ -193,7 +205,7 @@ HTTP_CODES = {400: "invalid_body", 404: "not_found", 405: "method_not_allowed", 
 
 
 def policy(code: ErrorCode) -> CodePolicy:
-    """The table's entry of `code`: every ErrorCode has one (tests/test_gateway_errors.py)."""
+    """The table's entry of `code`: every ErrorCode has one (tests/test_gateway_error_table.py)."""
     return CODES[code]
 
 
@@ -224,6 +236,8 @@ class ForwardError(Exception):
 
     @property
     def policy(self) -> CodePolicy:
+        """The error table's entry of its code (`CODES`): what the attempts, the picker and the
+        migration do with it.  A worker's code this gateway does not know is INTERNAL's."""
         return CODES[self.code]
 
 

@@ -11,9 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 
 from gateway.admission import AdmissionQueue
-from gateway.errors import Cause
+from gateway.errors import Cause, MigrationFailure
 from gateway.fairness import tenant_label
-from gateway.migration import REASONS
 from gateway.routing import WorkerPool
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -117,9 +116,9 @@ class MigrationMetrics:
 
     def __init__(self, r: CollectorRegistry) -> None:
         self.total = Counter("tandem_migrations", "Streams continued on another worker after their decode "
-                             "worker failed after a token, by cause (lost, drain, error)", ["cause"], registry=r)
+                             f"worker failed after a token, by cause ({', '.join(Cause)})", ["cause"], registry=r)
         self.failed_total = Counter("tandem_migrations_failed", "Broken streams that could not be continued, by "
-                                    "reason (bound, capacity, no_worker, refused)", ["reason"], registry=r)
+                                    f"reason ({', '.join(MigrationFailure)})", ["reason"], registry=r)
         self.prefill_tokens = Counter("tandem_migration_prefill_tokens", "Prompt and generated tokens the "
                                       "migrations' re-prefills computed (not found in a prefix cache)", registry=r)
         self.gaps = Histogram("tandem_migration_gap_seconds", "From the last token before a stream broke to "
@@ -127,13 +126,13 @@ class MigrationMetrics:
                               registry=r)
         for cause in Cause:
             self.total.labels(cause)
-        for reason in REASONS:
+        for reason in MigrationFailure:
             self.failed_total.labels(reason)
 
-    def migrated(self, cause: str) -> None:
+    def migrated(self, cause: Cause) -> None:
         self.total.labels(cause).inc()
 
-    def failed(self, reason: str) -> None:
+    def failed(self, reason: MigrationFailure) -> None:
         self.failed_total.labels(reason).inc()
 
     def recomputed(self, tokens: int) -> None:

@@ -23,14 +23,13 @@ import logging
 
 from engine.errors import ErrorCode
 from gateway.choice import Choice
-from gateway.errors import ForwardError, policy
+from gateway.errors import ForwardError, MigrationFailure, policy
 from gateway.outcome import Broken
 from gateway.route import Route
 from gateway.routing import WorkerPool
 from worker.types import Role
 
 log = logging.getLogger("tandem.gateway")
-REASONS = ("bound", "capacity", "no_worker", "refused")  # tandem_migrations_failed_total{reason}
 
 
 def migrate(choice: Choice, route: Route, broken: Broken) -> None:
@@ -50,10 +49,10 @@ def migrate(choice: Choice, route: Route, broken: Broken) -> None:
 def resume_failed(choice: Choice, route: Route, error: ForwardError) -> ForwardError:
     """What a resumed stream that failed before its first message ends with: the request's own
     end (timeout, cancel, abort) keeps its code; anything else is MIGRATION_FAILED, counted by
-    reason: "no_worker" (no worker or no room now: 503) or "refused" (502)."""
+    reason: NO_WORKER (no worker or no room now: 503) or REFUSED (502)."""
     if error.policy.own:
         return error
-    reason = "no_worker" if error.policy.no_room else "refused"
+    reason = MigrationFailure.NO_WORKER if error.policy.no_room else MigrationFailure.REFUSED
     route.observer.failed(reason)
     return _migration_failed(f"the stream broke after {len(choice.token_ids)} tokens and could not be continued "
                              f"({reason}): {error.code.value}: {error.message}", no_room=error.policy.no_room)
@@ -62,7 +61,7 @@ def resume_failed(choice: Choice, route: Route, error: ForwardError) -> ForwardE
 def _check_bound(choice: Choice, route: Route, broken: Broken) -> None:
     if choice.migrations <= route.max_migrations:
         return
-    route.observer.failed("bound")
+    route.observer.failed(MigrationFailure.BOUND)
     bound = (f"at most {route.max_migrations} migrations per choice (--max-migrations)" if route.max_migrations
              else "migration is off (--max-migrations 0)")
     raise _migration_failed(f"the stream broke after {len(choice.token_ids)} tokens ({broken.cause}: "
@@ -74,7 +73,7 @@ def _check_capacity(choice: Choice, route: Route, broken: Broken) -> None:
     fit = largest_decode_capacity(route.pool, exclude)
     if not 0 < fit < choice.need_tokens:
         return
-    route.observer.failed("capacity")
+    route.observer.failed(MigrationFailure.CAPACITY)
     raise _migration_failed(f"the stream broke after {len(choice.token_ids)} tokens ({broken.cause}); "
                             f"prompt_tokens ({choice.prompt_tokens}) + max_tokens ({choice.params.max_tokens}) = "
                             f"{choice.need_tokens} exceeds the KV capacity of every other decode worker "

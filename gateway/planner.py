@@ -44,13 +44,13 @@ class RequestPlanner:
         Rejected (404, 400 naming the field)."""
         gw = self.gw
         if body.model != gw.config.served_model_name:
-            raise Rejected(404, "model_not_found", f"the model {shown(body.model)} does not exist; this server "
+            raise Rejected("model_not_found", f"the model {shown(body.model)} does not exist; this server "
                            f"serves {gw.config.served_model_name!r}")
         if (bad := body.out_of_range(gw.vocab_size)) is not None:
             raise InvalidField(bad[0], bad[1])
         self._check_counts(body)
         if (why := body.unsupported()) is not None:
-            raise Rejected(400, "unsupported", why)
+            raise Rejected("unsupported", why)
         if isinstance(body, ChatCompletionRequest):
             check_tools(body, gw.output_settings)
 
@@ -82,7 +82,7 @@ class RequestPlanner:
         p = body.prompt
         count = 1 if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)) else len(p)
         if count * body.n > cfg.max_n:
-            raise Rejected(400, "too_many_choices", f"{count} prompt(s) x n={body.n} choices exceeds "
+            raise Rejected("too_many_choices", f"{count} prompt(s) x n={body.n} choices exceeds "
                            f"the limit of {cfg.max_n} per request")
 
     def prompts(self, body: Body, context: int) -> list[list[int]]:
@@ -92,13 +92,13 @@ class RequestPlanner:
         try:
             return self._prompts(body, context)
         except PromptTooLong as e:
-            raise Rejected(400, "context_length", str(e)) from None
+            raise Rejected("context_length", str(e)) from None
         except (TypeError, ValueError, UnicodeError) as e:
-            raise Rejected(400, "invalid_request", f"the prompt cannot be tokenized: {e}") from None
+            raise Rejected("invalid_request", f"the prompt cannot be tokenized: {e}") from None
         except jinja2.TemplateSyntaxError:
             raise                   # the template itself is broken: the server's fault (500, logged)
         except jinja2.TemplateError as e:   # its raise_exception (roles must alternate, ...) or a missing key
-            raise Rejected(400, "invalid_request", f"the chat template refused the conversation: "
+            raise Rejected("invalid_request", f"the chat template refused the conversation: "
                            f"{str(e)[:MAX_TEMPLATE_MESSAGE]}") from None
 
     def _prompts(self, body: Body, context: int) -> list[list[int]]:
@@ -134,7 +134,7 @@ class RequestPlanner:
         gw = self.gw
         prompts = self.prompts(body, context)
         if not prompts or len(prompts) * body.n > gw.config.max_n:
-            raise Rejected(400, "too_many_choices", f"{len(prompts)} prompt(s) x n={body.n} choices exceeds "
+            raise Rejected("too_many_choices", f"{len(prompts)} prompt(s) x n={body.n} choices exceeds "
                            f"the limit of {gw.config.max_n} per request")
         choices: list[Choice] = []
         for group, ids in enumerate(prompts):
@@ -146,7 +146,7 @@ class RequestPlanner:
                 try:
                     params = sampling_params(body, max_tokens, seed, constraint)
                 except ValueError as e:
-                    raise Rejected(400, "invalid_request", str(e)) from None
+                    raise Rejected("invalid_request", str(e)) from None
                 # one fresh reader per choice: its reasoning, content and tool calls (gateway/reader.py)
                 reader = choice_reader(gw.output_settings, body) if isinstance(body, ChatCompletionRequest) \
                     else None
@@ -167,10 +167,10 @@ class RequestPlanner:
     def _check_ids(self, ids: list[int]) -> None:
         vocab = self.gw.vocab_size
         if not ids:
-            raise Rejected(400, "invalid_request", "the prompt is empty")
+            raise Rejected("invalid_request", "the prompt is empty")
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise Rejected(400, "invalid_request", f"prompt token {bad} is not in the vocabulary (0..{vocab - 1})")
+            raise Rejected("invalid_request", f"prompt token {bad} is not in the vocabulary (0..{vocab - 1})")
 
     def _max_tokens(self, body: Body, prompt: int, context: int, capacity: int) -> int:
         limit = min(context, capacity)
@@ -181,9 +181,9 @@ class RequestPlanner:
             wanted = max(1, min(wanted, limit - prompt))
         total = prompt + wanted
         if total > context:
-            raise Rejected(400, "context_length", f"prompt_tokens ({prompt}) + max_tokens ({wanted}) = {total} "
+            raise Rejected("context_length", f"prompt_tokens ({prompt}) + max_tokens ({wanted}) = {total} "
                            f"exceeds this model's context length of {context} tokens")
         if total > capacity:
-            raise Rejected(400, "kv_capacity", f"prompt_tokens ({prompt}) + max_tokens ({wanted}) = {total} "
+            raise Rejected("kv_capacity", f"prompt_tokens ({prompt}) + max_tokens ({wanted}) = {total} "
                            f"exceeds the KV capacity of every decode worker (largest: {capacity} tokens)")
         return wanted

@@ -10,16 +10,24 @@ from typing import Protocol
 
 from engine.errors import ErrorCode
 from gateway.choice import Choice
-from gateway.errors import ForwardError
+from gateway.errors import Cause, ForwardError, MigrationFailure
 from gateway.routing import WorkerPool
 
 
 class MigrationObserver(Protocol):
-    """What a choice's migrations report."""
+    """What a choice's migrations report (gateway/metrics.py MigrationMetrics counts them).
+    Called on the gateway's event loop; returns nothing and changes no choice."""
 
-    def migrated(self, cause: str) -> None: ...
+    def migrated(self, cause: Cause) -> None:
+        """A stream broke after a token and moves to another pair (gateway/migration.py
+        `migrate`): `cause` is the error table's `migrates` of the failure: LOST (the stream was
+        cut or ended without a final message), DRAIN (the worker drains or shuts down) or ERROR
+        (its step failed)."""
 
-    def failed(self, reason: str) -> None: ...
+    def failed(self, reason: MigrationFailure) -> None:
+        """A broken stream could not be continued and the choice ends with MIGRATION_FAILED:
+        BOUND or CAPACITY (`migrate`, before another attempt), NO_WORKER or REFUSED (the
+        resumed stream failed before its first message, `resume_failed`)."""
 
     def recomputed(self, tokens: int) -> None:
         """Prompt and generated tokens a migration's re-prefill computed (not found cached)."""
@@ -29,9 +37,12 @@ class MigrationObserver(Protocol):
 
 
 class NoObserver:
-    def migrated(self, cause: str) -> None: ...
+    """The observer of a Route built without one (as the tests build theirs; the gateway
+    passes its MigrationMetrics): every call is ignored."""
 
-    def failed(self, reason: str) -> None: ...
+    def migrated(self, cause: Cause) -> None: ...
+
+    def failed(self, reason: MigrationFailure) -> None: ...
 
     def recomputed(self, tokens: int) -> None: ...
 
@@ -51,6 +62,9 @@ class Route:
     observer: MigrationObserver = field(default_factory=NoObserver)
 
     def choice_id(self, choice: Choice) -> str:
+        """The id of `choice` in the gateway's log and in its attempts' request ids (each
+        attempt appends its number): the response's id and the choice's index,
+        "<request_id>-<index>"."""
         return f"{self.request_id}-{choice.index}"
 
     def remaining_s(self) -> float:

@@ -200,7 +200,7 @@ class StructuredOutputs:
         try:
             c, seconds = await self.queue.run(tenant, lambda: self._prepare(body, settings), self.timeout_s)
         except TimeoutError:
-            raise Rejected(400, "grammar_timeout", self._too_slow) from None
+            raise Rejected("grammar_timeout", self._too_slow) from None
         if c is not None:
             self.observe(seconds)
         return c
@@ -211,11 +211,11 @@ class StructuredOutputs:
             return None
         field, c = found
         if self.compiler is None:
-            raise Rejected(400, "unsupported", self.unavailable)
+            raise Rejected("unsupported", self.unavailable)
         try:
             self.compiler.check(c)
         except CheckTimeout:
-            raise Rejected(400, "grammar_timeout", self._too_slow) from None
+            raise Rejected("grammar_timeout", self._too_slow) from None
         except CheckBusy as e:      # not expected: the queue runs at most `threads` checks, one per child
             raise Busy("grammar_queue_full", str(e)) from None
         except ValueError as e:

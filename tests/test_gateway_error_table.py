@@ -71,6 +71,8 @@ def test_every_error_code_has_one_entry_whose_columns_agree():
         if p.no_room or p.before_token is not Next.GIVE_UP:
             assert p.retryable and p.status >= 500, code
         assert p.counts == (p.before_token not in (Next.WAIT, Next.LEAVE))
+        if p.excludes_decode:                      # read only where a prefill failure is retried
+            assert p.before_token is Next.RETRY, code
     assert {p.migrates for p in CODES.values()} - {None} == set(Cause)
 
 
@@ -88,6 +90,7 @@ def test_the_tables_sets_are_the_gateways_behaviour():
     assert {c: p.migrates for c, p in CODES.items() if p.migrates} == {
         E.DRAINING: Cause.DRAIN, E.UNAVAILABLE: Cause.DRAIN, E.INTERNAL: Cause.ERROR, E.DECODE_UNAVAILABLE: Cause.LOST}
     assert codes(lambda p: p.own) == {E.TIMEOUT, E.CANCELLED, E.ABORTED}
+    assert codes(lambda p: p.excludes_decode) == {E.TRANSFER_FAILED}
     assert codes(lambda p: p.message is None) == {E.INVALID_REQUEST, E.PROMPT_TOO_LONG}
 
 
@@ -240,6 +243,23 @@ def test_a_prefill_failure_after_a_token_does_not_stop_the_migration():
         assert isinstance(a.outcome, Broken), a.outcome
     before = attempt([RESERVED, 0.05, rpc_error(grpc.StatusCode.UNAVAILABLE)], late)
     assert isinstance(before.outcome, Retry) and before.outcome.error.code == ErrorCode.TRANSFER_FAILED
+
+
+@pytest.mark.parametrize("code", list(ErrorCode))
+def test_a_prefill_failure_before_a_token_does_what_the_table_says(code):
+    """The Prefill call answers `code` and the decode call is cut for it: another pair when the
+    table says RETRY or LEAVE (never this decode worker again when it says excludes_decode: its
+    receiver refused the push), else the request fails with the prefill's error."""
+    failed = wpb.PrefillReply(ok=False, error=wpb.Error(code=code.value, message="scripted"))
+    a = attempt([RESERVED, 0.05, rpc_error(grpc.StatusCode.CANCELLED)], failed)
+    p, out = policy(code), a.outcome
+    assert a.prefill is not None and a.prefill_error is not None and a.prefill_error.code == code
+    if p.before_token in (Next.RETRY, Next.LEAVE):
+        assert isinstance(out, Retry) and out.error.code == code
+        assert (a.decode.address in out.exclude) == p.excludes_decode
+        assert (a.prefill.address in out.exclude) == (p.before_token is Next.LEAVE)
+    else:
+        assert isinstance(out, Failed) and out.error.code == code
 
 
 def test_an_unknown_code_fails_as_internal_and_never_migrates():

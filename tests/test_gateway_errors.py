@@ -20,7 +20,8 @@ import openai
 import pytest
 
 from engine.errors import ErrorCode
-from gateway.admission import AdmissionQueue, Rejected
+from gateway.admission import AdmissionQueue, InvalidField, Rejected
+from gateway.compile_queue import Busy
 from gateway.errors import ERRORS, RETRY_AFTER_S, error_body, public
 from proto import worker_pb2 as wpb
 from tests.gateway_helpers import API_KEY, FakeWorker, fake_cluster, post, start_gateway, wait_ready
@@ -54,44 +55,60 @@ def test_retryable_codes_carry_retry_after_and_the_others_do_not():
         assert ERRORS[never].status == 400 and not ERRORS[never].retryable
 
 
-def raised_reasons() -> list[tuple[str, int, str, int]]:
-    """(file, line, reason, status) of every refusal the gateway's code raises with a literal
-    reason: Rejected(status, reason, ...), InvalidField(param, message[, reason]), Busy(reason,
-    ...), the queue's _reject(tenant, status, reason, ...) and the connection layer's
-    Refusal(message, reason)."""
+# Each way the gateway's code refuses, and where its reason is: (the reason's argument index,
+# the status the refusal's class promises, None: any).  The status itself is always the table's.
+REFUSALS = {
+    "Rejected": (0, None),                  # Rejected(reason, message)
+    "_reject": (1, None),                   # the queue's _reject(tenant, reason, message)
+    "InvalidField": (2, 400),               # InvalidField(param, message[, reason]): a 400 naming a field
+    "Busy": (0, 429),                       # the compile queue's Busy(reason, message)
+    "Refusal": (1, None),                   # the connection layer's Refusal(message, reason)
+}
+
+
+def raised_reasons() -> list[tuple[str, int, str, int | None, list[object]]]:
+    """(file, line, reason, the status its class promises, the call's literal arguments) of
+    every refusal the gateway's code raises with a literal reason (REFUSALS)."""
     found = []
     for path in sorted(GATEWAY.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call):
                 continue
             name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-            args = [a.value if isinstance(a, ast.Constant) else None for a in node.args]
-            if name == "Rejected" and len(args) >= 2:
-                status, reason = args[0], args[1]
-            elif name == "_reject" and len(args) >= 3:
-                status, reason = args[1], args[2]
-            elif name == "InvalidField" and len(args) >= 2:
-                status, reason = 400, args[2] if len(args) > 2 else "out_of_range"
-            elif name == "Busy" and args:
-                status, reason = 429, args[0]
-            elif name == "Refusal" and len(args) >= 2:     # the connection layer's (its status is the table's)
-                status, reason = None, args[1]
-            else:
+            if name not in REFUSALS:
                 continue
+            args = [a.value if isinstance(a, ast.Constant) else None for a in node.args]
+            at, promised = REFUSALS[name]
+            reason = args[at] if len(args) > at else "out_of_range" if name == "InvalidField" else None
             if isinstance(reason, str):
-                found.append((path.name, node.lineno, reason, status))
+                found.append((path.name, node.lineno, reason, promised, args))
     return found
 
 
-def test_every_refusal_the_gateway_raises_is_in_the_table_with_its_status():
+def test_every_refusal_the_gateway_raises_is_in_the_table_and_answered_with_its_status():
+    """A refusal names its reason and nothing else decides its status: no call restates an
+    HTTP status, every reason is in the table, and a Rejected answers the table's status (what
+    each site restated before is what the table says: 400, 401, 404, 429, 503)."""
     found = raised_reasons()
     assert len(found) > 30 and {"kv_budget", "queue_full", "model_not_found", "out_of_range", "ambiguous_framing",
-                                "too_many_connections"} <= {r for _, _, r, _ in found}
-    for file, line, reason, status in found:
+                                "too_many_connections", "draining", "grammar_queue_full"} <= {f[2] for f in found}
+    for file, line, reason, promised, args in found:
         assert reason in ERRORS, f"{file}:{line}: {reason!r} is not in gateway/errors.py ERRORS"
-        if isinstance(status, int):
-            assert ERRORS[reason].status == status, f"{file}:{line}: {reason} is {status}, the table says " \
-                                                    f"{ERRORS[reason].status}"
+        assert not any(isinstance(a, int) for a in args), f"{file}:{line}: a status restated: {args}"
+        assert Rejected(reason, "m").status == ERRORS[reason].status
+        if promised is not None:
+            assert ERRORS[reason].status == promised, f"{file}:{line}: {reason} is {ERRORS[reason].status}, " \
+                                                      f"not the {promised} its class promises"
+    assert {ERRORS[f[2]].status for f in found} >= {400, 401, 404, 429, 503}
+
+
+def test_a_refusal_takes_its_status_from_the_table():
+    for reason, entry in ERRORS.items():
+        refused = Rejected(reason, "m")
+        assert (refused.reason, refused.status, refused.message) == (reason, entry.status, "m")
+    assert InvalidField("n", "m").status == 400 and Busy("grammar_queue_full", "m").status == 429
+    # a reason the table lacks (the test above keeps every raised one in it): public()'s fallback
+    assert Rejected("not_in_the_table", "m").status == 500
 
 
 # ---- the admission queue: never vs not now ---------------------------------------------------------

@@ -22,8 +22,17 @@ from engine.sampling import request_generator
 from kv_transfer.frame import prompt_digest
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
-from tests.workers import Result, channel, config, module_worker, run, start_decode, start_prefill, wait_idle
-from worker.convert import params_to_proto, prefill_request
+from tests.workers import (
+    Result,
+    channel,
+    config,
+    generate_order,
+    module_worker,
+    run,
+    start_decode,
+    start_prefill,
+    wait_idle,
+)
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, logprobs=2, seed=5)
 SEEDED = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, logprobs=2, seed=1234)
@@ -137,9 +146,8 @@ def test_min_tokens_and_a_stop_token_count_the_generated_tokens(decode, prefill,
 
 
 def _one_reply(decode, ids: list[int], params: SamplingParams, generated: list[int]) -> list[wpb.GenerateResponse]:
-    call = wpb_grpc.DecodeServiceStub(channel(decode.address)).Generate(wpb.GenerateRequest(
-        request_id="ended", tenant="acme", prompt_token_ids=ids, params=params_to_proto(params),
-        timeout_s=60, generated_token_ids=generated), timeout=60)
+    call = wpb_grpc.DecodeServiceStub(channel(decode.address)).Generate(
+        generate_order("ended", ids, params, generated).to_proto(), timeout=60)
     return list(call)
 
 
@@ -173,10 +181,9 @@ def test_refused_resumes_leave_nothing_behind(decode, prefill, chs, prompt):
         assert [m.WhichOneof("kind") for m in replies] == ["error"], replies
         assert replies[0].error.code == "INVALID_REQUEST" and words in replies[0].error.message
     # prefill refuses tokens that leave nothing to sample
-    reply = wpb_grpc.PrefillServiceStub(chs[1]).Prefill(prefill_request(
-        "p-ended", "acme", prompt, replace(GREEDY, max_tokens=3), wpb.Reservation(
-            transfer_id=b"t" * 16, transfer_endpoint=decode.transfer_endpoint, seed=5), generated=plain[:3]),
-        timeout=60)
+    reply = wpb_grpc.PrefillServiceStub(chs[1]).Prefill(generate_order(
+        "p-ended", prompt, replace(GREEDY, max_tokens=3), plain[:3]).prefill_order(wpb.Reservation(
+            transfer_id=b"t" * 16, transfer_endpoint=decode.transfer_endpoint, seed=5)).to_proto(), timeout=60)
     assert not reply.ok and reply.error.code == "INVALID_REQUEST"
     wait_idle(decode, prefill)
 
@@ -188,15 +195,15 @@ def test_moving_the_prompt_generated_boundary_is_refused(decode, prefill, prompt
     generated = _stream((channel(decode.address), channel(prefill.address)), "mv-plain", prompt, GREEDY).token_ids[:3]
     receiver = decode.receiver
     refused = receiver.refused["PROMPT_MISMATCH"]
-    call = wpb_grpc.DecodeServiceStub(channel(decode.address)).Generate(wpb.GenerateRequest(
-        request_id="moved", tenant="acme", prompt_token_ids=prompt, params=params_to_proto(GREEDY),
-        timeout_s=60, generated_token_ids=generated), timeout=60)
+    order = generate_order("moved", prompt, GREEDY, generated)
+    call = wpb_grpc.DecodeServiceStub(channel(decode.address)).Generate(order.to_proto(), timeout=60)
     first = next(call)
     assert first.WhichOneof("kind") == "reservation"
     kv = [*prompt, *generated]
     cut = len(prompt) - moved
     reply = wpb_grpc.PrefillServiceStub(channel(prefill.address)).Prefill(
-        prefill_request("moved", "acme", kv[:cut], GREEDY, first.reservation, generated=kv[cut:]), timeout=60)
+        replace(order, prompt_token_ids=tuple(kv[:cut]), generated_token_ids=tuple(kv[cut:]))
+        .prefill_order(first.reservation).to_proto(), timeout=60)
     rest = list(call)
     assert not reply.ok and "PROMPT_MISMATCH" in reply.error.message, reply
     assert [m.WhichOneof("kind") for m in rest] == ["error"], rest

@@ -23,6 +23,7 @@ from tests.workers import (
     SECRET,
     channel,
     config,
+    generate_order,
     prefix_prompts,
     run,
     start_decode,
@@ -30,7 +31,7 @@ from tests.workers import (
     wait_idle,
     worker_stats,
 )
-from worker.convert import params_to_proto, prefill_request
+from worker.convert import params_to_proto
 from worker.server import WorkerHandle
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0)
@@ -106,13 +107,11 @@ def test_prefill_replies_with_its_own_hit_and_sends_from_the_decode_boundary(pai
     fresh = start_decode(config(kv_audit=True))
     try:
         fch = channel(fresh.address)
-        call = wpb_grpc.DecodeServiceStub(fch).Generate(wpb.GenerateRequest(
-            request_id="uneven-b", tenant="acme", prompt_token_ids=b, params=params_to_proto(PARAMS),
-            timeout_s=60), timeout=60)
+        order = generate_order("uneven-b", b, PARAMS)
+        call = wpb_grpc.DecodeServiceStub(fch).Generate(order.to_proto(), timeout=60)
         res = next(call).reservation
         assert res.cached_tokens == 0
-        reply = wpb_grpc.PrefillServiceStub(pch).Prefill(prefill_request("uneven-b", "acme", b, PARAMS, res),
-                                                         timeout=60)
+        reply = wpb_grpc.PrefillServiceStub(pch).Prefill(order.prefill_order(res).to_proto(), timeout=60)
         assert reply.ok and reply.cached_tokens == expected_hit(common(a, b), len(b)) > 0
         assert reply.frames == -(-len(b) // S) * FRAMES_PER_PAGE
         assert fresh.receiver.accepted_bytes == len(b) * KV_BYTES_PER_TOKEN

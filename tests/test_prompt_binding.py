@@ -6,11 +6,11 @@ prompt."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from engine.params import SamplingParams
-from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
-from tests.workers import channel, module_worker, run, start_decode, start_prefill, wait_idle
-from worker.convert import params_to_proto, prefill_request
+from tests.workers import channel, generate_order, module_worker, run, start_decode, start_prefill, wait_idle
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -27,14 +27,13 @@ def test_a_prefill_of_another_prompt_into_a_victims_reservation_fails_the_victim
     receiver = decode.roles[0].receiver
     refused = receiver.refused["PROMPT_MISMATCH"]
 
-    call = wpb_grpc.DecodeServiceStub(channel(decode.address)).Generate(wpb.GenerateRequest(
-        request_id="victim", tenant="acme", prompt_token_ids=victim_ids, params=params_to_proto(PARAMS),
-        timeout_s=60), timeout=60)
+    victim = generate_order("victim", victim_ids, PARAMS)
+    call = wpb_grpc.DecodeServiceStub(channel(decode.address)).Generate(victim.to_proto(), timeout=60)
     first = next(call)
     assert first.WhichOneof("kind") == "reservation"
     # the attacker's Prefill: the victim's tenant, request id and reservation, its own prompt
     reply = wpb_grpc.PrefillServiceStub(channel(prefill.address)).Prefill(
-        prefill_request("victim", "acme", attacker_ids, PARAMS, first.reservation), timeout=60)
+        replace(victim, prompt_token_ids=tuple(attacker_ids)).prefill_order(first.reservation).to_proto(), timeout=60)
     rest = list(call)
 
     assert not reply.ok and reply.error.code == "TRANSFER_FAILED", reply

@@ -20,11 +20,9 @@ from engine.grammar_check import CheckerPool, checker_for
 from engine.grammar_steps import MAX_REF_WALKS, grammar_fault, limits_setup, ref_roots, ref_walks
 from engine.params import SamplingParams
 from engine.tokenizer import Tokenizer
-from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from tests.gateway_helpers import API_KEY, connection, fake_cluster
-from tests.workers import channel, config, start_decode, start_prefill, wait_idle
-from worker.convert import params_to_proto, prefill_request
+from tests.workers import channel, config, generate_order, start_decode, start_prefill, wait_idle
 
 TOK = Tokenizer(SHIPPED_MODEL)
 CFG = ModelConfig.from_path(SHIPPED_MODEL)
@@ -154,13 +152,12 @@ def test_a_limit_met_in_a_decode_worker_is_the_constraints_fault() -> None:
         c = Constraint("grammar", f'start: "!" | {json.dumps(TOK.decode([first]))} r\nr: "(" r ")"')
         compiler().check(c)                                      # the check passes it
         constrained = replace(free, constraint=c)
-        call = wpb_grpc.DecodeServiceStub(channel(decode.address)).Generate(wpb.GenerateRequest(
-            request_id="deep", tenant="acme", prompt_token_ids=ids, params=params_to_proto(constrained),
-            timeout_s=60), timeout=60)
+        order = generate_order("deep", ids, constrained)
+        call = wpb_grpc.DecodeServiceStub(channel(decode.address)).Generate(order.to_proto(), timeout=60)
         reservation = next(call)
         assert reservation.WhichOneof("kind") == "reservation", reservation
         wpb_grpc.PrefillServiceStub(channel(prefill.address)).Prefill(
-            prefill_request("deep", "acme", ids, free, reservation.reservation), timeout=60)
+            replace(order, params=free).prefill_order(reservation.reservation).to_proto(), timeout=60)
         rest = list(call)
         assert rest[-1].WhichOneof("kind") == "error", rest
         assert rest[-1].error.code == "INVALID_REQUEST", rest[-1]

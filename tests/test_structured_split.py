@@ -23,8 +23,8 @@ from engine.params import SamplingParams
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from tests.test_grammar_compiler import SLOW
-from tests.workers import Result, channel, module_worker, run, start_decode, start_prefill, wait_idle
-from worker.convert import params_to_proto, prefill_request
+from tests.workers import Result, channel, generate_order, module_worker, run, start_decode, start_prefill, wait_idle
+from worker.convert import params_to_proto
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -182,13 +182,13 @@ def test_a_decode_worker_refuses_a_first_token_its_grammar_rejects(shipped_llm, 
     constrained = replace(GREEDY, constraint=Constraint.choice(["yes", "no"]))
     x = shipped_llm.generate([ids], replace(GREEDY, constraint=None, max_tokens=1))[0].token_ids[0]
     assert not first_allowed(compiler, constrained.constraint, x)
-    call = wpb_grpc.DecodeServiceStub(channel(decode.address)).Generate(wpb.GenerateRequest(
-        request_id="liar", tenant="acme", prompt_token_ids=ids, params=params_to_proto(constrained),
-        timeout_s=60), timeout=60)
+    order = generate_order("liar", ids, constrained)
+    call = wpb_grpc.DecodeServiceStub(channel(decode.address)).Generate(order.to_proto(), timeout=60)
     first = next(call)
     assert first.WhichOneof("kind") == "reservation", first
     wpb_grpc.PrefillServiceStub(channel(prefill.address)).Prefill(
-        prefill_request("liar", "acme", ids, replace(constrained, constraint=None), first.reservation), timeout=60)
+        replace(order, params=replace(constrained, constraint=None)).prefill_order(first.reservation).to_proto(),
+        timeout=60)
     rest = list(call)
     assert [m.WhichOneof("kind") for m in rest] == ["error"], rest
     assert rest[0].error.code != "INVALID_REQUEST", rest      # the client asked nothing wrong
@@ -239,8 +239,8 @@ def refused_everywhere(decode, prefill, colocated, prompts, kind: str, spec: str
         assert replies[0].error.code == "INVALID_REQUEST" and words in replies[0].error.message, replies[0]
         assert handle.core.pool.num_free == free and not handle.core.scheduler.has_work()
     assert decode.roles[0].receiver.open_transfers == 0
-    request = prefill_request("bad-prefill", "acme", prompts[0], GREEDY, wpb.Reservation(
-        transfer_id=b"t" * 16, transfer_endpoint=decode.transfer_endpoint, seed=7))
+    request = generate_order("bad-prefill", prompts[0], GREEDY).prefill_order(wpb.Reservation(
+        transfer_id=b"t" * 16, transfer_endpoint=decode.transfer_endpoint, seed=7)).to_proto()
     request.params.constraint.CopyFrom(params.constraint)
     reply = wpb_grpc.PrefillServiceStub(channel(prefill.address)).Prefill(request, timeout=60)
     assert not reply.ok and reply.error.code == "INVALID_REQUEST" and words in reply.error.message, reply

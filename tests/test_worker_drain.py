@@ -16,8 +16,7 @@ from engine.errors import ErrorCode
 from engine.params import SamplingParams
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
-from tests.workers import channel, config, module_worker, run, start_decode, start_prefill, wait_idle
-from worker.convert import params_to_proto, prefill_request
+from tests.workers import channel, config, generate_order, module_worker, run, start_decode, start_prefill, wait_idle
 from worker.drain import DrainResult, drain
 
 LONG = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
@@ -28,13 +27,12 @@ prefill = module_worker(start_prefill)
 
 
 def _open(ch: grpc.Channel, rid: str, ids: list[int], params: SamplingParams):
-    """A Generate stream and its first message (the reservation)."""
-    call = wpb_grpc.DecodeServiceStub(ch).Generate(wpb.GenerateRequest(
-        request_id=rid, tenant="acme", prompt_token_ids=ids, params=params_to_proto(params), timeout_s=120),
-        timeout=120)
+    """A Generate stream and the Prefill call that fills its reservation (its first message)."""
+    order = generate_order(rid, ids, params, timeout_s=120)
+    call = wpb_grpc.DecodeServiceStub(ch).Generate(order.to_proto(), timeout=120)
     first = next(call)
     assert first.WhichOneof("kind") == "reservation", first
-    return call, first.reservation
+    return call, order.prefill_order(first.reservation).to_proto()
 
 
 def _read_after_first_token(call, started: threading.Event, out: list) -> None:
@@ -50,22 +48,21 @@ def test_a_drain_lets_short_requests_finish_and_ends_the_rest(decode, prefill, s
     ids = shipped_llm.tokenizer.encode("def add(a, b):\n    return")
     # L decodes (long), W holds a reservation whose prefill never comes, S is reserved and prefilled
     # once the drain began: S finishes within the grace period, L and W are ended after it
-    long_call, long_res = _open(dch, "L", ids, LONG)
-    long_prefill = pstub.Prefill.future(prefill_request("L", "acme", ids, LONG, long_res), timeout=120)
+    long_call, long_fill = _open(dch, "L", ids, LONG)
+    long_prefill = pstub.Prefill.future(long_fill, timeout=120)
     started, long_msgs = threading.Event(), []
     reader = threading.Thread(target=_read_after_first_token, args=(long_call, started, long_msgs), daemon=True)
     reader.start()
     assert started.wait(60), long_prefill.result()
     wait_call, _ = _open(dch, "W", ids, SHORT)
-    short_call, short_res = _open(dch, "S", ids, SHORT)
+    short_call, short_fill = _open(dch, "S", ids, SHORT)
     reply: list[wpb.DrainReply] = []
     drainer = threading.Thread(target=lambda: reply.append(dstub.Drain(wpb.DrainRequest(grace_s=2), timeout=60)))
     drainer.start()
     assert _wait(lambda: dstub.Health(wpb.HealthRequest()).draining)
-    refused = list(dstub.Generate(wpb.GenerateRequest(request_id="new", tenant="acme", prompt_token_ids=ids,
-                                                      params=params_to_proto(SHORT)), timeout=60))
+    refused = list(dstub.Generate(generate_order("new", ids, SHORT, timeout_s=None).to_proto(), timeout=60))
     assert [m.error.code for m in refused] == ["DRAINING"]
-    assert pstub.Prefill(prefill_request("S", "acme", ids, SHORT, short_res), timeout=60).ok
+    assert pstub.Prefill(short_fill, timeout=60).ok
     short = list(short_call)
     assert [m.WhichOneof("kind") for m in short] == ["tokens", "tokens", "finish"]
     drainer.join(60)

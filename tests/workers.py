@@ -15,6 +15,7 @@ from engine.params import SamplingParams
 from kv_transfer import auth
 from worker.client import generate
 from worker.config import WorkerConfig
+from worker.handoff import GenerateOrder
 from worker.peers import KnownPeers
 from worker.server import WorkerHandle
 
@@ -71,6 +72,15 @@ class Result:
     error: object | None      # wpb.Error
     reservation: object | None
     logprobs: list[dict[int, float]] = field(default_factory=list)   # per token: id -> logprob (chosen + top)
+
+
+def generate_order(request_id: str, ids: Sequence[int], params: SamplingParams, generated: Sequence[int] = (),
+                   timeout_s: float | None = 60.0) -> GenerateOrder:
+    """A request of tenant "acme" as a caller orders it (worker.handoff): `.to_proto()` is its
+    Generate call, `.prefill_order(reservation).to_proto()` the Prefill call that fills the
+    reservation (`dataclasses.replace` it first for a Prefill that lies)."""
+    return GenerateOrder(request_id=request_id, tenant="acme", prompt_token_ids=tuple(ids),
+                         generated_token_ids=tuple(generated), params=params, cache_salt="", timeout_s=timeout_s)
 
 
 def run(decode: grpc.Channel, prefill: grpc.Channel | None, rid: str, ids: list[int],

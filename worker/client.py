@@ -29,24 +29,23 @@ from engine.params import SamplingParams
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from worker.config import MAX_REQUEST_TIMEOUT_S
-from worker.convert import params_to_proto, prefill_request
+from worker.handoff import GenerateOrder
 
 
 def generate(decode: grpc.Channel, prefill: grpc.Channel | None, request_id: str, tenant: str,
              ids: list[int], params: SamplingParams, timeout_s: float = MAX_REQUEST_TIMEOUT_S,
              cache_salt: str = "", generated: Sequence[int] = ()) -> Iterator[wpb.GenerateResponse]:
-    call = wpb_grpc.DecodeServiceStub(decode).Generate(wpb.GenerateRequest(
-        request_id=request_id, tenant=tenant, prompt_token_ids=ids, params=params_to_proto(params),
-        timeout_s=timeout_s, cache_salt=cache_salt, generated_token_ids=list(generated)),
-        timeout=timeout_s)
+    order = GenerateOrder(request_id=request_id, tenant=tenant, prompt_token_ids=tuple(ids),
+                          generated_token_ids=tuple(generated), params=params, cache_salt=cache_salt,
+                          timeout_s=timeout_s)
+    call = wpb_grpc.DecodeServiceStub(decode).Generate(order.to_proto(), timeout=timeout_s)
     failure: list[wpb.Error] = []
     pending = None
     try:
         first = next(call)
         if first.WhichOneof("kind") == "reservation" and prefill is not None:
             # before yielding: the caller may not pull
-            request = prefill_request(request_id, tenant, ids, params, first.reservation, cache_salt, generated)
-            pending = _prefill(prefill, request, timeout_s, call, failure)
+            pending = _prefill(prefill, order.prefill_order(first.reservation).to_proto(), timeout_s, call, failure)
         yield first
         if first.WhichOneof("kind") != "reservation":
             return

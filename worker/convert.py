@@ -3,7 +3,6 @@ included: this module imports no torch)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
@@ -82,18 +81,3 @@ def finish_to_proto(reason: str, matched: str | int | None, prompt_tokens: int,
     elif matched is not None:
         f.matched_stop = matched
     return f
-
-
-def prefill_request(request_id: str, tenant: str, ids: list[int], params: SamplingParams,
-                    res: wpb.Reservation, cache_salt: str = "", generated: Sequence[int] = ()) -> wpb.PrefillRequest:
-    """The Prefill call that fills the decode worker's reservation `res`, with the seed the
-    reservation chose (prefill's first token and the decode stream continue one sampler) and
-    its cache boundary `cached_tokens` (prefill sends pages from there on); `cache_salt` and
-    `generated` (a migrated request's tokens generated before): the request's, as given to
-    Generate.  The prefill worker reads it as one `worker.handoff.PrefillOrder`."""
-    p = params_to_proto(params)
-    p.has_seed, p.seed = True, res.seed
-    return wpb.PrefillRequest(request_id=request_id, tenant=tenant, prompt_token_ids=ids, params=p,
-                              decode_endpoint=res.transfer_endpoint, transfer_id=res.transfer_id,
-                              cache_salt=cache_salt, cached_tokens=res.cached_tokens,
-                              generated_token_ids=list(generated))
