@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import SHIPPED_MODEL
+from engine.constraint import GRAMMAR_COMPILE_TIMEOUT_S
 from engine.options import option
+from engine.params import REQUEST_TIMEOUT_S
 from gateway.compile_queue import DEFAULT_MAX_PENDING, DEFAULT_TENANT_MAX_PENDING
 from gateway.reasoning import REASONING_PARSERS
 from gateway.tools import TOOL_PARSERS
@@ -50,10 +52,8 @@ class GatewaySettings:
     max_running: int = option(128, help="requests forwarded to workers at once")
     tenant_max_concurrency: int = option(64, help="requests of one tenant, running and waiting")
     queue_timeout_s: float = option(30.0, help="seconds a request may wait for admission")
-    # = worker/config.py MAX_REQUEST_TIMEOUT_S, the longest a worker lets a Generate wait (that
-    # module loads torch: the gateway cannot import it)
-    request_timeout_s: float = option(600.0, flag="--request-timeout", help="seconds a request may take once "
-                                      "admitted (its one timeout)")
+    request_timeout_s: float = option(REQUEST_TIMEOUT_S, flag="--request-timeout", help="seconds a request may "
+                                      "take once admitted (its one timeout)")
     max_n: int = option(8, help="choices one request may ask for (n)")
     max_body_bytes: int = option(4 << 20, help="the largest request body, in bytes")
     refresh_s: float = option(1.0, help="how often the workers' Health and Stats are read, seconds")
@@ -89,9 +89,8 @@ class GatewaySettings:
     routing: str = option("prefix", choices=ROUTING_MODES, help="how the gateway picks a request's workers "
                           "(gateway/routing.py): prefix weighs the prompt's prefix each worker caches against its "
                           "load; load takes the least loaded")
-    # half a worker's check budget (worker/config.py GRAMMAR_CHECK_TIMEOUT_S)
-    grammar_compile_timeout_s: float = option(5.0, help="seconds a structured-output constraint may take to "
-                                              "compile before the request is refused (400)")
+    grammar_compile_timeout_s: float = option(GRAMMAR_COMPILE_TIMEOUT_S, help="seconds a structured-output "
+                                              "constraint may take to compile before the request is refused (400)")
     # structured-output compilations waiting or running (gateway/compile_queue.py): in all, and per
     # tenant (the tenants' share key, as admission); past either a request is refused with 429
     grammar_max_pending: int = option(DEFAULT_MAX_PENDING, help="structured-output compilations waiting or "

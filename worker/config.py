@@ -17,7 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
+from engine.constraint import GRAMMAR_COMPILE_TIMEOUT_S
 from engine.options import branch, option
+from engine.params import REQUEST_TIMEOUT_S
 from engine.stop import STOP_BUDGET_S, STOP_WINDOW_CHARS, StopLimits
 from kv_transfer.frame import check_secret
 from kv_transfer.reservation import TRANSFER_TIMEOUT_S
@@ -25,15 +27,12 @@ from kv_transfer.tls import TlsIdentity
 from kv_transfer.transport.base import TransportConfig
 
 # the longest a Generate may ask its reservation to wait: the gateway's default request timeout
-# (GatewaySettings.request_timeout_s restates it: the gateway stays torch-free, and this module
-# loads torch through TransportConfig)
-MAX_REQUEST_TIMEOUT_S = 600.0
+MAX_REQUEST_TIMEOUT_S = REQUEST_TIMEOUT_S
 STEP_DEADLINE_S = 30.0          # a loop iteration longer than this: Health says not ready
 # a worker's engine checks a constraint it has not seen in a child process killed past this
-# budget (engine/grammar_check.py) when its EngineConfig sets none: twice the gateway's compile
-# timeout (GatewaySettings.grammar_compile_timeout_s, which this module may not import), so what
-# the gateway passed passes here
-GRAMMAR_CHECK_TIMEOUT_S = 10.0
+# budget (engine/grammar_check.py) when its EngineConfig sets none: twice the gateway's default
+# compile timeout, so what the gateway passed passes here
+GRAMMAR_CHECK_TIMEOUT_S = 2 * GRAMMAR_COMPILE_TIMEOUT_S
 TRANSFERS = ("grpc", "shm")
 
 
