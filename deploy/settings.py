@@ -109,8 +109,9 @@ class ServeSettings:
 
     @property
     def name(self) -> str:
-        """The model's name to clients: --served-model-name, or the model directory's name."""
-        return self.gateway.served_model_name or Path(self.model).name
+        """The model's name to clients: --served-model-name, or the model directory's name
+        (GatewaySettings.model_name, as each gateway names it)."""
+        return self.gateway.model_name(self.model)
 
     def roles(self) -> list[Role]:
         """One entry per worker to start."""

@@ -149,6 +149,12 @@ class GatewaySettings:
             if getattr(self, name) not in known:
                 raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(known)}")
 
+    def model_name(self, model: str | None) -> str:
+        """The name clients use for `model` (a checkpoint directory; None: the shipped model):
+        served_model_name, or when it is empty the directory's name.  A gateway and `tandem
+        serve` both name their model with it."""
+        return self.served_model_name or Path(model or SHIPPED_MODEL).name
+
 
 @dataclass(frozen=True)
 class GatewayConfig(GatewaySettings):
@@ -175,8 +181,7 @@ class GatewayConfig(GatewaySettings):
         if self.decode_workers and not self.prefill_workers:
             raise ValueError("decode workers need at least one prefill worker (or use colocated workers)")
         check_secret(self.cluster_secret)
-        if not self.served_model_name:
-            object.__setattr__(self, "served_model_name", Path(self.model or SHIPPED_MODEL).name)
+        object.__setattr__(self, "served_model_name", self.model_name(self.model))
 
 
 def load_api_keys(path: str | Path) -> dict[str, str]:
