@@ -26,18 +26,22 @@ from typing import Any, TypeVar
 __all__ = ["add_flag", "add_flags", "branch", "build", "default_of", "field_of", "fields_of", "flag_of", "given",
            "help_of", "option", "paths"]
 
-HELP, CLI, BRANCH = "help", "cli", "branch"
+HELP, CLI, BRANCH, INSTEAD_OF = "help", "cli", "branch", "instead_of"
 SWITCHES = ("store_true", "store_false")
 T = TypeVar("T")
 
 
 def option(default: Any = MISSING, *, help: str, factory: Callable[[], Any] | None = None, repr: bool = True,
-           **cli: Any) -> Any:
+           instead_of: str | None = None, **cli: Any) -> Any:
     """A dataclass field: its default (or `factory`, called for each instance), its help, and in
     `cli` how a command line reads it, as argparse takes it (`type`, `choices`, `action`,
     `metavar`) plus `flag`, the option's name when it is not `--` and the field's name with
-    dashes.  A switch (`action="store_false"`: `--no-compile`) turns the field's default off."""
-    metadata = {HELP: help, CLI: cli}
+    dashes.  A switch (`action="store_false"`: `--no-compile`) turns the field's default off.
+    `instead_of`: the field of the same tree this one replaces when set (`build` refuses the
+    two given together)."""
+    metadata: dict[str, Any] = {HELP: help, CLI: cli}
+    if instead_of is not None:
+        metadata[INSTEAD_OF] = instead_of
     if factory is not None:
         return field(default_factory=factory, repr=repr, metadata=metadata)
     return field(default=default, repr=repr, metadata=metadata)
@@ -101,10 +105,17 @@ def build(cls: type[T], /, **values: Any) -> T:
     field at its default: build(WorkerConfig, kv_cache_tokens=4096, secret=s) sets
     engine.kv_cache_tokens.  A branch given whole (engine=EngineConfig(...)) is taken, then
     fields below it given by name replace its values.  Raises TypeError for a name that no
-    field of the tree has; the configs' own checks raise ValueError."""
+    field of the tree has, ValueError for a field given with the one it replaces
+    (`option(instead_of=...)`: mem_fraction and kv_cache_tokens); the configs' own checks
+    raise ValueError."""
     where = paths(cls)
     if unknown := sorted(set(values) - set(where)):
         raise TypeError(f"{cls.__name__} has no field {unknown[0]!r} (nor has any config it holds)")
+    for name in values:
+        replaced = field_of(cls, name).metadata.get(INSTEAD_OF)
+        if replaced in values:
+            raise ValueError(f"{flag_of(cls, replaced)} and {flag_of(cls, name)} are both given, and {name} is used "
+                             f"instead of {replaced}: give one")
     return _build(cls, (), values, where, None)
 
 

@@ -1,9 +1,12 @@
 """The `tandem` command line: the single-process `generate` demo, and `serve`'s flags failing
 fast with a readable message before anything starts."""
 
+import json
+
 import pytest
 
 from deploy.cli import main
+from engine.config import SHIPPED_MODEL, EngineConfig
 from engine.options import default_of
 from gateway.config import GatewaySettings
 from worker.config import WorkerSettings
@@ -44,6 +47,19 @@ def test_serve_fails_fast_on_bad_settings(capsys, argv, message):
     (["serve", "--port", "eighty"], "invalid int value"),
     (["serve", "--worker-resources", "[1]"], "JSON object of role"),
     (["serve", "--worker-resources", "{"], "argument --worker-resources")])
+def test_a_default_pool_too_small_is_named_as_the_default(capsys, tmp_path):
+    """--kv-cache-tokens was never given: the message says the default is too small, with the
+    field's number, rather than quote a flag the user did not pass."""
+    config = json.loads((SHIPPED_MODEL / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32768}))
+    assert main(["serve", "--model", str(tmp_path)]) == 2
+    default = default_of(EngineConfig, "kv_cache_tokens")
+    assert f"the default --kv-cache-tokens {default} cannot hold one request of the maximum context (32768 " \
+        "tokens)" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tmp_path), "--kv-cache-tokens", str(default)]) == 2
+    assert f"tandem: error: --kv-cache-tokens {default} cannot hold" in capsys.readouterr().err
+
+
 def test_serve_refuses_unknown_or_malformed_flags(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         main(argv)

@@ -128,6 +128,15 @@ def test_build_puts_each_name_on_its_field_and_refuses_unknown_ones():
         build(WorkerConfig, prefix_cache=False, secret=SECRET)      # the old name: enable_prefix_cache
 
 
+def test_build_refuses_a_field_given_with_the_one_it_replaces():
+    """mem_fraction sizes the pool instead of kv_cache_tokens: a library caller that names both
+    is refused as `tandem serve` is, not silently given mem_fraction's pool."""
+    for cls, extra in ((ServeSettings, {}), (WorkerSettings, {}), (WorkerConfig, {"secret": SECRET})):
+        with pytest.raises(ValueError, match="--kv-cache-tokens and --mem-fraction are both given.*give one"):
+            build(cls, kv_cache_tokens=4096, mem_fraction=0.5, **extra)
+    assert build(WorkerSettings, mem_fraction=0.5).mem_fraction == 0.5
+
+
 def test_a_worker_holds_its_engine_config_and_always_bounds_grammar_checks():
     cfg = build(WorkerConfig, kv_cache_tokens=4096, secret=SECRET)
     assert cfg.engine_config() is cfg.engine

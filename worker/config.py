@@ -42,8 +42,12 @@ class WorkerSettings:
     GRAMMAR_CHECK_TIMEOUT_S when the EngineConfig leaves it unset: a worker never compiles a
     client's constraint without one."""
     engine: EngineConfig = branch(EngineConfig, help="the engine the worker runs")
-    mem_fraction: float | None = option(None, type=float, help="size the KV pool as this share of free memory, "
-                                        "instead of --kv-cache-tokens (default: not used)")
+    # set, it replaces engine.kv_cache_tokens (the worker sizes its pool at start-up): options.build
+    # refuses the two given together, as `tandem serve` does; a WorkerSettings made whole with an
+    # engine that sets kv_cache_tokens takes mem_fraction
+    mem_fraction: float | None = option(None, type=float, instead_of="kv_cache_tokens",
+                                        help="size the KV pool as this share of free memory, instead of "
+                                        "--kv-cache-tokens (default: not used)")
     transfer: str = option("grpc", choices=TRANSFERS, help="how prefill reaches decode (shm: same node only)")
     transfer_timeout_s: float = option(TRANSFER_TIMEOUT_S, help="a reservation that receives nothing for this long "
                                        "ends, seconds")
