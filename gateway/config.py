@@ -39,13 +39,14 @@ FRONT_DOOR = ("max_header_bytes", "header_timeout_s", "body_timeout_s", "max_con
 class GatewaySettings:
     """What an operator chooses for a gateway (`tandem serve` holds one for every replica).
     Each field's help is what the command lines show for its flag."""
-    served_model_name: str = option("", help="the model name clients use (default: the model directory's name)")
+    served_model_name: str = option("", says_default=True,
+                                    help="the model name clients use (default: the model directory's name)")
     host: str = option("127.0.0.1", help="the address the gateway listens on (0.0.0.0: every interface)")
     port: int = option(8000, help="the gateway's port (0: a free one)")
-    api_keys: dict[str, str] = option(factory=dict, repr=False, help="API key -> tenant (default: none, every "
-                                      "request is let in)")
+    api_keys: dict[str, str] = option(factory=dict, repr=False, says_default=True,
+                                      help="API key -> tenant (default: none, every request is let in)")
     # empty: /metrics is open, /v1/server_info takes any API key (or none when no keys are configured)
-    admin_keys: tuple[str, ...] = option((), repr=False, flag="--admin-key", action="append",
+    admin_keys: tuple[str, ...] = option((), repr=False, flag="--admin-key", action="append", says_default=True,
                                          help="a Bearer key for /metrics and /v1/server_info (repeatable; "
                                          "default: none, /metrics is open)")
     max_queue: int = option(256, help="requests admitted or waiting, in all")
@@ -61,13 +62,15 @@ class GatewaySettings:
     max_migrations: int = option(3, help="how many times one response may move to another decode worker (its worker "
                                  "died or drained after a token) before it ends with an error (0: never, "
                                  "MIGRATION_FAILED)")
-    ssl_certfile: str | None = option(None, help="serve HTTPS with this certificate, PEM (default: plain HTTP)")
-    ssl_keyfile: str | None = option(None, help="... and this private key, PEM (default: none)")
+    ssl_certfile: str | None = option(None, says_default=True,
+                                      help="serve HTTPS with this certificate, PEM (default: plain HTTP)")
+    ssl_keyfile: str | None = option(None, says_default=True, help="... and this private key, PEM (default: none)")
     # fair share (gateway/fairness.py): since pages are reserved up front, not the whole context
     default_max_tokens: int = option(1024, help="a chat request's max_tokens when it sets none (clipped to the "
                                      "context left)")
     tenant_max_kv_tokens: int | None = option(
-        None, type=int, help="KV tokens (prompt + max_tokens of each running choice) one tenant may hold reserved at "
+        None, type=int, says_default=True,
+        help="KV tokens (prompt + max_tokens of each running choice) one tenant may hold reserved at "
         "once (default: half the decode workers' KV; all of it when the API keys name one tenant; at least one "
         "request of the longest allowed length)")
     # what the front door reads and holds (gateway/limits.py, gateway/prompts.py)
@@ -161,8 +164,8 @@ class GatewayConfig(GatewaySettings):
     """One gateway: its settings, and what its launcher wires in (the model, the workers, the
     cluster secret, its certificate).  `served_model_name` left empty becomes the model
     directory's name."""
-    model: str | None = option(None, help="checkpoint directory: tokenizer, chat template, context (default: the "
-                               "shipped tiny-moe)")
+    model: str | None = option(None, says_default=True, help="checkpoint directory: tokenizer, chat template, "
+                               "context (default: the shipped tiny-moe)")
     decode_workers: tuple[str, ...] = option((), flag="--decode", action="append", metavar="HOST:PORT",
                                              help="a decode worker's HOST:PORT (repeatable)")
     prefill_workers: tuple[str, ...] = option((), flag="--prefill", action="append", metavar="HOST:PORT",
@@ -172,7 +175,8 @@ class GatewayConfig(GatewaySettings):
     # the workers refuse every call without credentials made with it (kv_transfer/auth.py)
     cluster_secret: bytes = option(b"", repr=False, help="the cluster secret (never printed)")
     # worker channels run mutual TLS with it (the workers' is on across nodes)
-    tls: TlsIdentity | None = option(None, repr=False, help="its cluster certificate (default: none, plaintext)")
+    tls: TlsIdentity | None = option(None, repr=False, says_default=True,
+                                     help="its cluster certificate (default: none, plaintext)")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -45,7 +45,7 @@ class WorkerSettings:
     # set, it replaces engine.kv_cache_tokens (the worker sizes its pool at start-up): options.build
     # refuses the two given together, as `tandem serve` does; a WorkerSettings made whole with an
     # engine that sets kv_cache_tokens takes mem_fraction
-    mem_fraction: float | None = option(None, type=float, instead_of="kv_cache_tokens",
+    mem_fraction: float | None = option(None, type=float, instead_of="kv_cache_tokens", says_default=True,
                                         help="size the KV pool as this share of free memory, instead of "
                                         "--kv-cache-tokens (default: not used)")
     transfer: str = option("grpc", choices=TRANSFERS, help="how prefill reaches decode (shm: same node only)")
@@ -92,7 +92,8 @@ class WorkerSettings:
 class WorkerConfig(WorkerSettings):
     """One worker process: its settings and its wiring."""
     host: str = option("127.0.0.1", help="the address its RPC and transfer servers listen on")
-    advertise_host: str | None = option(None, help="the address others reach this worker at (default: --host)")
+    advertise_host: str | None = option(None, says_default=True,
+                                        help="the address others reach this worker at (default: --host)")
     port: int = option(0, help="its RPC port (0: a free one)")
     transfer_port: int = option(0, help="the decode worker's KV transfer port (0: a free one)")
     decode_peers: tuple[str, ...] = option(
@@ -103,7 +104,8 @@ class WorkerConfig(WorkerSettings):
                            "the same one at start-up)")
     # its cluster certificate: its RPC and transfer servers, and the channels it opens, run
     # mutual TLS (kv_transfer/tls.py); None: plaintext (every worker on one node)
-    tls: TlsIdentity | None = option(None, repr=False, help="its cluster certificate (default: none, plaintext)")
+    tls: TlsIdentity | None = option(None, repr=False, says_default=True,
+                                     help="its cluster certificate (default: none, plaintext)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
