@@ -42,11 +42,6 @@ def test_serve_fails_fast_on_bad_settings(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["serve", "--no-such-flag"], "unrecognized arguments"), (["serve", "--placement-strategy", "RANDOM"], "invalid"),
-    (["serve", "--port", "eighty"], "invalid int value"),
-    (["serve", "--worker-resources", "[1]"], "JSON object of role"),
-    (["serve", "--worker-resources", "{"], "argument --worker-resources")])
 def test_a_default_pool_too_small_is_named_as_the_default(capsys, tmp_path):
     """--kv-cache-tokens was never given: the message says the default is too small, with the
     field's number, rather than quote a flag the user did not pass."""
@@ -60,6 +55,11 @@ def test_a_default_pool_too_small_is_named_as_the_default(capsys, tmp_path):
     assert f"tandem: error: --kv-cache-tokens {default} cannot hold" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--no-such-flag"], "unrecognized arguments"), (["serve", "--placement-strategy", "RANDOM"], "invalid"),
+    (["serve", "--port", "eighty"], "invalid int value"),
+    (["serve", "--worker-resources", "[1]"], "JSON object of role"),
+    (["serve", "--worker-resources", "{"], "argument --worker-resources")])
 def test_serve_refuses_unknown_or_malformed_flags(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -89,11 +89,11 @@ def test_prefill_workers_get_their_own_kv_pool():
         ["serve", "--kv-cache-tokens", "4096", "--prefill-kv-cache-tokens", "16384", "--max-model-len", "1024"]))
     assert s.worker_settings(Role.PREFILL).engine.kv_cache_tokens == 16384
     assert s.worker_settings(Role.DECODE).engine.kv_cache_tokens == 4096
-    _check_kv(s)
+    _check_kv(s, {"kv_cache_tokens", "prefill_kv_cache_tokens", "max_model_len"})
     small = serve_settings(build_parser().parse_args(["serve", "--prefill-kv-cache-tokens", "512",
                                                       "--max-model-len", "1024"]))
     with pytest.raises(ValueError, match="--prefill-kv-cache-tokens 512 cannot hold"):
-        _check_kv(small)
+        _check_kv(small, {"prefill_kv_cache_tokens", "max_model_len"})
     with pytest.raises(ValueError, match="--colocated has none"):
         serve_settings(build_parser().parse_args(["serve", "--colocated", "--prefill-kv-cache-tokens", "4096"]))
 
