@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     gateway = GatewaySettings()      # tandem serve's defaults: where it listens, what it serves
     ap.add_argument("--url", default=f"http://{gateway.host}:{gateway.port}")
-    ap.add_argument("--model", default=SHIPPED_MODEL.name)
+    ap.add_argument("--model", default=gateway.model_name(None))
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--chat", action="store_true", help="use /v1/chat/completions (default: /v1/completions)")
     ap.add_argument("--concurrency", default=None, help="levels, comma-separated (default 1,2,4,8,16,32; "

@@ -73,12 +73,12 @@ class RogueClient:
         (request counters, receiver refusals and bytes, pool pages)."""
         out = {}
         for wid, actor in self.cluster.workers().items():
-            ledger, pool = self.cluster.call(wid, "ledger"), self.cluster.call(wid, "idle_check")
+            ledger, pool = self.cluster.ledger(wid), self.cluster.call(wid, "idle_check")
             stats = wpb.StatsReply.FromString(ray.get(actor.stats.remote(), timeout=60))
-            counts = dict(ledger["counts"])
+            counts = dict(ledger.counts)
             out[wid] = {"refused": (counts.pop("unauthenticated", 0), stats.rpc_unauthenticated),
-                        "counts": counts, "refusals": len(ledger.get("refusals", [])),
-                        "accepted_bytes": ledger.get("accepted_bytes", 0), "pool": (pool["used"], pool["free"]),
+                        "counts": counts, "refusals": len(ledger.refusals),
+                        "accepted_bytes": ledger.accepted_bytes, "pool": (pool["used"], pool["free"]),
                         "stats": (stats.kv_pages_free, stats.kv_pages_used, stats.requests_finished,
                                   stats.requests_failed, stats.transfers_accepted, dict(stats.transfers_refused))}
         return out

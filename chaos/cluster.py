@@ -93,9 +93,13 @@ class ChaosCluster:
         for wid in self.workers():
             self.call(wid, "disarm")
 
+    def ledger(self, wid: str) -> Ledger:
+        """The worker's chaos ledger now."""
+        return Ledger.read(self.call(wid, "ledger"))
+
     def ledgers(self) -> dict[str, Ledger]:
         """Every worker's chaos ledger now."""
-        return {wid: Ledger.read(self.call(wid, "ledger")) for wid in self.workers()}
+        return {wid: self.ledger(wid) for wid in self.workers()}
 
     def kill(self, wid: str) -> None:
         """SIGKILL-like end of the worker's process; Ray restarts the actor."""

@@ -67,8 +67,10 @@ class Waves:
 
 @dataclass(frozen=True)
 class KillPrefill:
-    """Wait until a prefill worker holds a transfer mid-push (its `delay` fault fired after some
-    frames went out), then kill that worker.  The victim is that transfer."""
+    """Wait until a prefill worker holds a transfer mid-push (the scenario's armed point
+    `holding` fired after some frames went out), then kill that worker.  The victim is that
+    transfer."""
+    holding: str                 # the fault point that holds a push mid-way (the scenario's Armed.point)
     wait_s: float = 60.0
 
     async def drive(self, cluster: ChaosCluster, live: list[Outcome], done: asyncio.Event, rng: random.Random,
@@ -78,7 +80,7 @@ class KillPrefill:
         end = loop.time() + self.wait_s
         while loop.time() < end and not done.is_set():
             for wid in cluster.workers(Role.PREFILL):
-                held = await in_thread(cluster.call, wid, "injected", point="delay")
+                held = await in_thread(cluster.call, wid, "injected", point=self.holding)
                 if held:
                     await in_thread(cluster.kill, wid)
                     await in_thread(cluster.wait_recovered)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from chaos.drivers import Strike
-from chaos.moving import Move
+from chaos.moving import Move, MoveKind
 from chaos.report import ScenarioResult
 from chaos.scenario import Evidence, Scenario
 
@@ -144,7 +144,7 @@ class Moves:
             res.violations.append(f"the driver made {len(moves)} of its {want} kills or drains: the requests "
                                   f"ended (or no worker held a stream mid-way) first")
         for m in moves:
-            if m.point == "kill_migrated" and not m.held_resumed:
+            if m.kind is MoveKind.KILL_MIGRATED and not m.held_resumed:
                 res.violations.append(f"the second kill hit {m.worker} holding no migrated stream")
 
 
@@ -152,7 +152,7 @@ def _judge_move(res: ScenarioResult, m: Move, victims: list[Outcome]) -> None:
     """One kill or drain: its note, whether it was detected or tolerated, a drain that cut streams."""
     ends = Counter(o.outcome for o in victims)
     moved = {c: int(n) for c, n in m.migrated.items() if n}
-    drain = m.point == "drain_decode"
+    drain = m.kind.drains
     reply = m.reply or {}
     res.notes.append(
         f"{'drained' if drain else 'killed'} {m.worker} holding {m.held} streams mid-way "

@@ -18,7 +18,8 @@ def _entries(raw: Iterable[Any]) -> tuple[Entry, ...]:
 @dataclass(frozen=True)
 class Ledger:
     """One worker's ledger at one moment."""
-    pid: int
+    pid: int                             # its process: another one after Ray restarted it
+    page_size: int = 0                   # tokens per KV page of its pool
     injected: tuple[Entry, ...] = ()     # (point, victim): a transfer id, or where an expert slot was flipped
     refusals: tuple[Entry, ...] = ()     # (transfer id, refusal code): a receiver's, in order
     failures: tuple[Entry, ...] = ()     # (transfer id, why it failed): a receiver's, in order
@@ -30,9 +31,9 @@ class Ledger:
     def read(cls, raw: Mapping[str, Any]) -> Ledger:
         """From `ChaosControl.ledger`'s dict (a prefill worker has no receiver: no refusals,
         failures or accepted bytes)."""
-        return cls(int(raw["pid"]), _entries(raw.get("injected", ())), _entries(raw.get("refusals", ())),
-                   _entries(raw.get("failures", ())), int(raw["corrupt_slots"]), int(raw.get("accepted_bytes", 0)),
-                   {str(k): int(v) for k, v in raw["counts"].items()})
+        return cls(int(raw["pid"]), int(raw["page_size"]), _entries(raw.get("injected", ())),
+                   _entries(raw.get("refusals", ())), _entries(raw.get("failures", ())), int(raw["corrupt_slots"]),
+                   int(raw.get("accepted_bytes", 0)), {str(k): int(v) for k, v in raw["counts"].items()})
 
 
 NOTHING = Ledger(pid=-1)

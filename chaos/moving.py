@@ -21,6 +21,7 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from chaos import migrations
@@ -39,10 +40,21 @@ SETTLE_S = 0.5         # from the last request's end to the next wave: the gatew
 Held = tuple[str, list[dict[str, int]], list[int]]     # worker, its streams mid-way, the client's then
 
 
+class MoveKind(StrEnum):
+    """What a moving driver did to a decode worker."""
+    KILL = "kill_decode"                 # killed it (Ray restarts it)
+    KILL_MIGRATED = "kill_migrated"      # killed the worker a first kill's streams migrated to
+    DRAIN = "drain_decode"               # drained it, then restarted it
+
+    @property
+    def drains(self) -> bool:
+        return self is MoveKind.DRAIN
+
+
 @dataclass
 class Move:
     """One kill or drain of a decode worker while streams were mid-way."""
-    point: str                  # kill_decode | kill_migrated (the second kill) | drain_decode
+    kind: MoveKind
     worker: str
     victims: list[int]          # the requests (job index) mid-stream at that moment, on any worker
     held: int                   # streams mid-way on the worker
@@ -91,7 +103,7 @@ class KillDecodeTwice:
         again = await _held(cluster, live, done, waves, self.wait_s, among=others, migrated=True, feed=False)
         moves, pids, mid = [first], [pid], before
         if again is not None:
-            second, pid2, mid = await _strike(cluster, live, *again, point="kill_migrated")
+            second, pid2, mid = await _strike(cluster, live, *again, kind=MoveKind.KILL_MIGRATED)
             moves, pids = [first, second], [pid, pid2]
         for m, p in zip(moves, pids):
             await _back(cluster, m, p)
@@ -116,7 +128,7 @@ class DrainDecode:
         await _pace(cluster, waves)
         moves: list[Move] = []
         left = sorted(cluster.workers(Role.DECODE))
-        pids = {w: (await in_thread(cluster.call, w, "ledger"))["pid"] for w in left}   # read before: less delay
+        pids = {w: (await in_thread(cluster.ledger, w)).pid for w in left}   # read before: less delay
         while left:
             held = await _held(cluster, live, done, waves, self.wait_s, among=left, streams=0 if moves else 2)
             if held is None:
@@ -134,7 +146,7 @@ async def _first_kill(cluster: ChaosCluster, live: list[Outcome], done: asyncio.
     held = await _held(cluster, live, done, waves, wait_s, streams=2)
     if held is None:
         return None
-    return await _strike(cluster, live, *held, point="kill_decode")
+    return await _strike(cluster, live, *held, kind=MoveKind.KILL)
 
 
 async def _drain(cluster: ChaosCluster, held: Held, pid: int) -> Move:
@@ -143,7 +155,7 @@ async def _drain(cluster: ChaosCluster, held: Held, pid: int) -> Move:
     before = await in_thread(migrations.now, cluster.url)
     t0 = time.monotonic()
     reply = await in_thread(cluster.drain, wid, DRAIN_GRACE_S, restart=True)
-    move = Move("drain_decode", wid, streaming, len(streams), sum(r["resumed"] > 0 for r in streams), t0,
+    move = Move(MoveKind.DRAIN, wid, streaming, len(streams), sum(r["resumed"] > 0 for r in streams), t0,
                 reply=_reply(reply), drain_s=round(time.monotonic() - t0, 2))
     await _back(cluster, move, pid)
     move.migrated = (await _moved(cluster, before)).by_cause
@@ -208,15 +220,15 @@ def _work(streams: list[dict[str, int]]) -> int:
 
 
 async def _strike(cluster: ChaosCluster, live: list[Outcome], wid: str, held: list[dict[str, int]],
-                  streaming: list[int], point: str) -> tuple[Move, int, migrations.MigrationCounts]:
+                  streaming: list[int], kind: MoveKind) -> tuple[Move, int, migrations.MigrationCounts]:
     """Kill `wid` now.  Returns its move, the pid it had, and the migration counters just
     before."""
     before = await in_thread(migrations.now, cluster.url)
-    pid = (await in_thread(cluster.call, wid, "ledger"))["pid"]
+    pid = (await in_thread(cluster.ledger, wid)).pid
     t0 = time.monotonic()
     await in_thread(cluster.kill, wid)
     ended = {o.job.index for o in live if o.ended}
-    return (Move(point, wid, [i for i in streaming if i not in ended], len(held),
+    return (Move(kind, wid, [i for i in streaming if i not in ended], len(held),
                  sum(r["resumed"] > 0 for r in held), t0), pid, before)
 
 
@@ -224,7 +236,7 @@ async def _back(cluster: ChaosCluster, move: Move, pid: int, wait_s: float = 120
     """Wait until the move's worker runs in a new process (not `pid`: Ray restarted it) and
     the gateway sees every worker healthy; notes the seconds since the kill or drain began
     (raises TimeoutError)."""
-    while (await in_thread(cluster.call, move.worker, "ledger"))["pid"] == pid:
+    while (await in_thread(cluster.ledger, move.worker)).pid == pid:
         if time.monotonic() - move.t0 > wait_s:
             raise TimeoutError(f"{move.worker} still runs in process {pid} after {wait_s:.0f}s: it was not restarted")
         await asyncio.sleep(0.1)

@@ -103,7 +103,7 @@ class CrossTenant(PrefixWorkload):
                 for tenant, salt, which, probe in self.PHASES]
 
     def judge(self, res: ScenarioResult, logged: Logged) -> None:
-        size = int(self.cluster.call(self.decode_workers()[0], "ledger")["page_size"])
+        size = self.cluster.ledger(self.decode_workers()[0]).page_size
         outs = [(i, o) for i, p in enumerate(self.phases) for o in p.outs]
         usage = [(i, o) for i, o in outs if o.cached_tokens is not None]
         done = [o for _, o in outs if o.outcome == "ok"]

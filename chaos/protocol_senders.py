@@ -67,7 +67,8 @@ class Bounds:
 def model_pool(bounds: Bounds, pages: int, cache: bool = True) -> PagePool:
     """A float32 pool of one head of width one (a page's layer is 2 * page_size * 4 bytes); with
     `cache`, its prefix cache on and every published page hashed (`audit`)."""
-    return PagePool(pages, bounds.page_size, bounds.layers, 1, 1, torch.float32, prefix_cache=cache, audit=cache)
+    return PagePool(pages, bounds.page_size, bounds.layers, 1, 1, torch.float32, enable_prefix_cache=cache,
+                    audit=cache)
 
 
 class Frame(NamedTuple):

@@ -33,6 +33,9 @@ from chaos.workloads import AtLimit, Disconnects, FarOver, Mixed, OverByOne, Sto
 from worker.types import Role
 
 SENDER, RECEIVER = Role.PREFILL, Role.DECODE
+# kill_prefill's fault: one push (share 0: armed once) waits 30 s after its first two frames, so its
+# driver finds it mid-push and kills the worker holding it
+HELD_PUSH = Armed("delay", SENDER, share=0.0, per_frame=1.0, seconds=30.0, after=2)
 
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("flipped_bit", Group.TRANSFER, "one payload bit flipped after the checksum",
@@ -61,7 +64,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("corrupt_expert", Group.POOL, "a bit of a resident expert slot flipped after start-up",
              Mixed(), driver=CorruptExpert(), judged=(SlotsRepaired(),)),
     Scenario("kill_prefill", Group.PROCESS, "the prefill worker killed mid-push (SIGKILL, Ray restarts it)",
-             Mixed(), Armed("delay", SENDER, share=0.0, per_frame=1.0, seconds=30.0, after=2), KillPrefill(),
+             Mixed(), HELD_PUSH, KillPrefill(HELD_PUSH.point),
              judged=(KilledTransfers(),), weight=0.6),
     Scenario("kill_decode", Group.PROCESS, "a decode worker killed mid-stream (Ray restarts it; its streams migrate "
              "to the other)",

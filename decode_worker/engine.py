@@ -256,7 +256,7 @@ class DecodeEngine(RoleEngine[InboxItem]):
         with self.lock:
             dreq.done = True
             del self.requests[req.request_id]
-        self._count_end(None, "finished")
+        self.counts["finished"] += 1
         dreq.events.put(wpb.GenerateResponse(finish=finish_to_proto(
             event.finish_reason, req.stopper.matched_stop, req.num_prompt_tokens,
             req.num_completion_tokens, dreq.cached_prompt_tokens)))
@@ -277,5 +277,5 @@ class DecodeEngine(RoleEngine[InboxItem]):
         with self.lock:
             dreq.done = True
             del self.requests[dreq.req.request_id]
-        self._count_end(error, "finished")
+        self._count_failed(error)
         dreq.events.put(wpb.GenerateResponse(error=error.to_proto()))

@@ -20,7 +20,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING
 
@@ -28,7 +28,7 @@ from deploy.flags import ENGINE_FLAGS, DefaultsShown, add_serve_flags, serve_fie
 from deploy.settings import ServeSettings
 from engine import env
 from engine.config import DTYPE_NAMES, EngineConfig
-from engine.options import add_flags, build, default_of, given
+from engine.options import add_flags, build, default_of, flag_of, given
 from kv_transfer.tls import SERVER_NAME, VALIDITY_S
 
 if TYPE_CHECKING:
@@ -194,8 +194,6 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
     if values.get("colocated") and {"prefill_workers", "decode_workers"} & values.keys():
         raise ValueError("--colocated workers do both prefill and decode: drop --prefill-workers/--decode-workers "
                          "(use --colocated-workers N)")
-    if {"kv_cache_tokens", "mem_fraction"} <= values.keys():
-        raise ValueError("--kv-cache-tokens and --mem-fraction both size the KV cache: give one")
     keys = api_keys(args.api_keys_file, args.api_key, env.api_keys())
     if warning := check_ray_auth(values.get("address"), env.ray_auth_mode(), args.allow_insecure_ray):
         print(warning, file=sys.stderr)
@@ -214,24 +212,27 @@ def admin_keys(value: str | None) -> tuple[str, ...]:
 
 def _serve(args: argparse.Namespace) -> int:
     settings = serve_settings(args)
-    _check_kv(settings)
+    _check_kv(settings, given(args, serve_fields()).keys())
     from deploy.serve import serve
     return serve(settings)
 
 
-def _check_kv(settings: ServeSettings) -> None:
+def _check_kv(settings: ServeSettings, flags_given: Collection[str]) -> None:
     """Fail before starting anything when a worker's KV pool cannot hold one full-context
-    request (a pool sized by --mem-fraction is known only on the worker, which checks it)."""
+    request (a pool sized by --mem-fraction is known only on the worker, which checks it).
+    `flags_given`: the fields the command line set; a pool it left alone is named as the default."""
     from engine.config import ModelConfig
     mc = ModelConfig.from_path(settings.model)
     context = min(settings.engine.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-    pools: list[tuple[str, int | None]] = [("--prefill-kv-cache-tokens", settings.prefill_kv_cache_tokens)]
+    pools: list[tuple[str, int | None]] = [("prefill_kv_cache_tokens", settings.prefill_kv_cache_tokens)]
     if settings.worker.mem_fraction is None:
-        pools.insert(0, ("--kv-cache-tokens", settings.engine.kv_cache_tokens))
-    for flag, tokens in pools:
+        pools.insert(0, ("kv_cache_tokens", settings.engine.kv_cache_tokens))
+    for name, tokens in pools:
         if tokens is not None and tokens < context:
-            raise ValueError(f"{flag} {tokens} cannot hold one request of the maximum context ({context} "
-                             f"tokens): raise it to at least {context} or lower --max-model-len")
+            pool = f"{flag_of(ServeSettings, name)} {tokens}"
+            raise ValueError(f"{pool if name in flags_given else 'the default ' + pool} cannot hold one request of the "
+                             f"maximum context ({context} tokens): raise it to at least {context} or lower "
+                             f"--max-model-len")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,7 +44,8 @@ def parse_resources(text: str | None) -> dict[str, dict[str, float]]:
 @dataclass(frozen=True)
 class ServeSettings:
     """A deployment: its own fields, every worker's settings and every gateway's."""
-    address: str | None = option(None, help="join this Ray cluster (auto, or HOST:PORT) instead of starting one; "
+    address: str | None = option(None, says_default=True,
+                                 help="join this Ray cluster (auto, or HOST:PORT) instead of starting one; "
                                  "default: start one on 127.0.0.1, listening on loopback only. Joining needs "
                                  "RAY_AUTH_MODE=token here (Ray token authentication)")
     prefill_workers: int = option(1, help="prefill workers to start")
@@ -52,20 +53,20 @@ class ServeSettings:
     colocated: bool = option(False, action="store_true", help="workers that do both prefill and decode (no KV "
                              "transfer)")
     colocated_workers: int = option(1, help="how many with --colocated")
-    worker_host: str | None = option(None, help="where the workers listen (default: 127.0.0.1 on a local Ray, the "
-                                     "node's own IP when joining a cluster)")
-    prefill_kv_cache_tokens: int | None = option(None, type=int, help="the prefill workers' KV pool (their prefix "
-                                                 "cache), in tokens (default: as the others')")
+    worker_host: str | None = option(None, says_default=True, help="where the workers listen (default: 127.0.0.1 "
+                                     "on a local Ray, the node's own IP when joining a cluster)")
+    prefill_kv_cache_tokens: int | None = option(None, type=int, says_default=True, help="the prefill workers' KV "
+                                                 "pool (their prefix cache), in tokens (default: as the others')")
     gpus_per_worker: float = option(0.0, help="each worker's share of a GPU (Ray's num_gpus)")
     placement_strategy: str = option("PACK", choices=PLACEMENT_STRATEGIES, help="Ray's placement of the workers "
                                      "(STRICT_PACK: one node, as --transfer shm needs; STRICT_SPREAD: one worker "
                                      "per node)")
     log_level: str = option("info", choices=LOG_LEVELS, help="the driver's and workers' log level")
     worker_resources: dict[str, dict[str, float]] = option(
-        factory=dict, type=parse_resources, metavar="JSON",
+        factory=dict, type=parse_resources, metavar="JSON", says_default=True,
         help='extra Ray resources per role, JSON: {"decode": {"gpu_node": 1}} (default: none)')
-    worker_cores: int | None = option(None, type=int, help="pin each worker to this many CPU cores of its own, "
-                                      "round robin (default: not pinned)")
+    worker_cores: int | None = option(None, type=int, says_default=True, help="pin each worker to this many CPU "
+                                      "cores of its own, round robin (default: not pinned)")
     gateway_replicas: int = option(1, help="gateways on --port, --port+1, ...")
     max_restarts: int = option(3, help="how often Ray restarts a worker that died")
     tls: str = option("auto", choices=TLS_MODES, help="mutual TLS between workers and gateway with a new cluster "
@@ -109,8 +110,9 @@ class ServeSettings:
 
     @property
     def name(self) -> str:
-        """The model's name to clients: --served-model-name, or the model directory's name."""
-        return self.gateway.served_model_name or Path(self.model).name
+        """The model's name to clients: --served-model-name, or the model directory's name
+        (GatewaySettings.model_name, as each gateway names it)."""
+        return self.gateway.model_name(self.model)
 
     def roles(self) -> list[Role]:
         """One entry per worker to start."""

@@ -200,38 +200,41 @@ def parse_compile_buckets(text: str, max_num_seqs: int = MAX_NUM_SEQS) -> tuple[
 class EngineConfig:
     """How the engine runs a model: device, dtype, KV pool and batch limits.  Each field's help
     is what `tandem` shows for its flag; `LLM(model, **fields)` takes them by name."""
-    model: str = option(str(SHIPPED_MODEL), help="HF checkpoint directory (default: the shipped tiny-moe)")
+    model: str = option(str(SHIPPED_MODEL), says_default=True,
+                        help="HF checkpoint directory (default: the shipped tiny-moe)")
     # a name of DTYPES (a torch.dtype is taken too), kept as its canonical name: `torch_dtype` is the dtype
     dtype: str = option("float32", choices=DTYPE_NAMES, help="the weights' and KV cache's floating point type")
     device: str = option("cpu", help="where the engine computes: cpu, cuda or cuda:N")
     page_size: int = option(16, help="tokens per KV page (a power of two)")
     kv_cache_tokens: int = option(16384, help="the KV pool, in tokens")
-    max_model_len: int | None = option(None, type=int, help="the longest prompt + output, in tokens (default: "
-                                       "the model's max_position_embeddings)")
+    max_model_len: int | None = option(None, type=int, says_default=True, help="the longest prompt + output, in "
+                                       "tokens (default: the model's max_position_embeddings)")
     max_num_seqs: int = option(MAX_NUM_SEQS, help="requests one batch holds")
     max_prefill_tokens: int = option(2048, help="prompt tokens one prefill step computes")
     seed: int = option(0, help="the engine's random seed (a request without a seed of its own draws from it)")
     paged_experts_num_resident: int | None = option(
-        None, type=int, help="keep K experts of each MoE layer on the device, the rest in host memory (default: all "
-        "resident)")
+        None, type=int, says_default=True, help="keep K experts of each MoE layer on the device, the rest in host "
+        "memory (default: all resident)")
     paged_experts_prefetch: bool | None = option(
-        None, help="predict the next layer's experts and page them in early (default: on with CUDA, off elsewhere)")
+        None, says_default=True, help="predict the next layer's experts and page them in early (default: on with "
+        "CUDA, off elsewhere)")
     enable_prefix_cache: bool = option(
         True, flag="--no-prefix-cache", action="store_false",
         help="the prefix cache: requests share the KV pages of a common prompt prefix, per tenant salt, with the "
         "same outputs; --no-prefix-cache turns it off: every prompt is computed and its KV moved in full")
     kv_audit: bool = option(False, help="hash cached pages when published, so pool.check_integrity(contents=True) "
                             "proves none was written afterwards (tests)")
-    compile: bool = option(factory=compile_default, flag="--no-compile", action="store_false",
+    compile: bool = option(factory=compile_default, flag="--no-compile", action="store_false", says_default=True,
                            help="compiled decode steps, one graph per batch bucket (engine/compiled); --no-compile "
                            "runs them eager, with no start-up compilation (debugging). Default: compiled, unless "
                            f"{COMPILE}=0 is set")
     compile_buckets: tuple[int, ...] | None = option(
-        None, type=parse_compile_buckets, metavar="SIZES",
+        None, type=parse_compile_buckets, metavar="SIZES", says_default=True,
         help=f"the decode batch sizes compiled at start-up, e.g. 1,2,4,8 (each 1..max_num_seqs; default: "
         f"1,2,4,...,{MAX_NUM_SEQS}); a batch is padded to the next size, a batch above the largest runs eager")
     grammar_check_timeout_s: float | None = option(
-        None, help="a structured-output constraint not seen before is checked in a child process within this many "
+        None, says_default=True,
+        help="a structured-output constraint not seen before is checked in a child process within this many "
         "seconds (engine/grammar_check.py; default: none, compiled in-process without a budget, as engine.LLM "
         "does; a worker always sets one)")
 

@@ -65,6 +65,11 @@ DEFAULT_CACHE_SIZE = 256           # checked grammar texts kept per compiler (ea
 # and no memory that outlives the request).  The per-step fuel stays llguidance's (200k, ~14 ms).
 INITIAL_LEXER_FUEL = 200_000
 REFUSED_TIMEOUT_TTL_S = 60.0       # a constraint refused for its check's time is refused again this long
+# the time a constraint not seen before may take to compile (llguidance's check, in a child process:
+# engine/grammar_check.py): the gateway's default budget (GatewaySettings.grammar_compile_timeout_s,
+# past it 400 grammar_timeout); a worker allows twice this (worker/config.py GRAMMAR_CHECK_TIMEOUT_S),
+# so what the gateway passed passes there
+GRAMMAR_COMPILE_TIMEOUT_S = 5.0
 # JSON is generated compact (no whitespace between tokens, as OpenAI's structured outputs):
 # with llguidance's default (whitespace allowed anywhere) a model may emit whitespace forever
 # and never finish; a schema's own "x-guidance" options still win over these.

@@ -86,7 +86,7 @@ class EngineCore:
         components, kv_heads, kv_dim = mc.kv_geometry
         self.pool = PagePool(config.num_pages, config.page_size, mc.num_hidden_layers,
                              kv_heads, kv_dim, config.torch_dtype, device, kv_components=components,
-                             prefix_cache=config.enable_prefix_cache, audit=config.kv_audit)
+                             enable_prefix_cache=config.enable_prefix_cache, audit=config.kv_audit)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_prefill_tokens, interleave)
         limit = mc.max_position_embeddings
         self.max_model_len = min(config.max_model_len, limit) if config.max_model_len else limit

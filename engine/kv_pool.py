@@ -52,10 +52,10 @@ class PageRef:
 class PagePool:
     def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu",
-                 prefix_cache: bool = True, audit: bool = False, kv_components: int = 2) -> None:
-        """`prefix_cache`: publish and reuse full pages; `audit`: hash each page when it is
-        published so `check_integrity(contents=True)` can prove no cached page was written;
-        `kv_components`: 2 (K and V) or 1 (an MLA latent row)."""
+                 enable_prefix_cache: bool = True, audit: bool = False, kv_components: int = 2) -> None:
+        """`enable_prefix_cache`: publish and reuse full pages (EngineConfig's field of that name);
+        `audit`: hash each page when it is published so `check_integrity(contents=True)` can prove
+        no cached page was written; `kv_components`: 2 (K and V) or 1 (an MLA latent row)."""
         if num_pages < 1:
             raise ValueError(f"num_pages={num_pages}: the KV pool needs at least one page")
         if kv_components not in (1, 2):
@@ -63,7 +63,7 @@ class PagePool:
                              f"latent row (1)")
         self.num_pages = num_pages
         self.page_size = page_size
-        self.prefix_cache = prefix_cache
+        self.enable_prefix_cache = enable_prefix_cache
         self.audit = audit
         # one page more than the pool manages: the scratch page, never allocated, transferred or
         # cached, where the padding rows of a compiled decode step write and read (engine/compiled)
@@ -146,7 +146,7 @@ class PagePool:
 
     def match(self, keys: Sequence[bytes], salt: bytes) -> int:
         """How many leading `keys` are cached with `salt` now (0 with the cache off).  Changes nothing."""
-        return len(self.cache.match(keys, salt)) if self.prefix_cache else 0
+        return len(self.cache.match(keys, salt)) if self.enable_prefix_cache else 0
 
     # ---- ownership changes -----------------------------------------------------
     def allocate(self, request_id: str, num_pages: int) -> list[int]:
@@ -189,7 +189,7 @@ class PagePool:
             raise ValueError(f"request {request_id} already holds KV pages")
         if total_pages < 0:
             raise ValueError(f"total_pages={total_pages} must be >= 0")
-        hits = self.cache.match(keys[:total_pages], salt) if self.prefix_cache else []
+        hits = self.cache.match(keys[:total_pages], salt) if self.enable_prefix_cache else []
         evictable_hits = sum(self.cache.refcount(p) == 0 for p in hits)
         private = total_pages - len(hits)
         if private > self.num_free - evictable_hits:
@@ -207,7 +207,7 @@ class PagePool:
         cached under keys[i] (still referenced by the request) unless that key is already
         cached (the page stays private).  Stops at the first unwritten page.  Returns how many
         pages were published.  Raises ValueError when `salt` differs from the request's."""
-        if not self.prefix_cache or request_id not in self._tables:
+        if not self.enable_prefix_cache or request_id not in self._tables:
             return 0
         if self._salts.setdefault(request_id, salt) != salt:
             raise ValueError(f"request {request_id} publishes with a salt other than its own")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import MISSING, Field, field
 from typing import Any, TypeVar
@@ -26,18 +27,24 @@ from typing import Any, TypeVar
 __all__ = ["add_flag", "add_flags", "branch", "build", "default_of", "field_of", "fields_of", "flag_of", "given",
            "help_of", "option", "paths"]
 
-HELP, CLI, BRANCH = "help", "cli", "branch"
+HELP, CLI, BRANCH, INSTEAD_OF, SAYS_DEFAULT = "help", "cli", "branch", "instead_of", "says_default"
 SWITCHES = ("store_true", "store_false")
+STATED_DEFAULT = re.compile(r"\bdefault:", re.IGNORECASE)    # how a help states its default in words
 T = TypeVar("T")
 
 
 def option(default: Any = MISSING, *, help: str, factory: Callable[[], Any] | None = None, repr: bool = True,
-           **cli: Any) -> Any:
+           says_default: bool = False, instead_of: str | None = None, **cli: Any) -> Any:
     """A dataclass field: its default (or `factory`, called for each instance), its help, and in
     `cli` how a command line reads it, as argparse takes it (`type`, `choices`, `action`,
     `metavar`) plus `flag`, the option's name when it is not `--` and the field's name with
-    dashes.  A switch (`action="store_false"`: `--no-compile`) turns the field's default off."""
-    metadata = {HELP: help, CLI: cli}
+    dashes.  A switch (`action="store_false"`: `--no-compile`) turns the field's default off.
+    `says_default`: the help states the default in words ("default: the model's"), so a command
+    line shows it as it is, with no "(default: X)" added.  `instead_of`: the field of the same
+    tree this one replaces when set (`build` refuses the two given together)."""
+    metadata: dict[str, Any] = {HELP: help, CLI: cli, SAYS_DEFAULT: says_default}
+    if instead_of is not None:
+        metadata[INSTEAD_OF] = instead_of
     if factory is not None:
         return field(default_factory=factory, repr=repr, metadata=metadata)
     return field(default=default, repr=repr, metadata=metadata)
@@ -101,10 +108,17 @@ def build(cls: type[T], /, **values: Any) -> T:
     field at its default: build(WorkerConfig, kv_cache_tokens=4096, secret=s) sets
     engine.kv_cache_tokens.  A branch given whole (engine=EngineConfig(...)) is taken, then
     fields below it given by name replace its values.  Raises TypeError for a name that no
-    field of the tree has; the configs' own checks raise ValueError."""
+    field of the tree has, ValueError for a field given with the one it replaces
+    (`option(instead_of=...)`: mem_fraction and kv_cache_tokens); the configs' own checks
+    raise ValueError."""
     where = paths(cls)
     if unknown := sorted(set(values) - set(where)):
         raise TypeError(f"{cls.__name__} has no field {unknown[0]!r} (nor has any config it holds)")
+    for name in values:
+        replaced = field_of(cls, name).metadata.get(INSTEAD_OF)
+        if replaced in values:
+            raise ValueError(f"{flag_of(cls, replaced)} and {flag_of(cls, name)} are both given, and {name} is used "
+                             f"instead of {replaced}: give one")
     return _build(cls, (), values, where, None)
 
 
@@ -133,8 +147,9 @@ def flag_of(cls: type, name: str) -> str:
 def add_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, name: str,
              **overrides: Any) -> argparse.Action:
     """The field `name` of `cls`'s tree as an option of `parser` (dest: the field's name).
-    Its help is the field's, followed by "(default: X)" unless it says its default in words (a
-    switch: the field's own state, "(default: off)", or "(default: on)" for a `--no-...` one);
+    Its help is the field's, followed by "(default: X)" unless the field `says_default` in
+    words (a switch: the field's own state, "(default: off)", or "(default: on)" for a
+    `--no-...` one);
     its type, choices and action are the field's (`overrides` win).  Not given, it parses to
     nothing (argparse.SUPPRESS): the field keeps its default.
     Raises TypeError when the field's help cannot state its default truly."""
@@ -150,7 +165,7 @@ def add_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: typ
             opts["type"] = type(default)
     elif callable(opts.get("type")) and opts["type"] not in (int, float, str):
         opts["type"] = _argument_type(opts["type"])
-    text = _with_default(cls, name, str(f.metadata[HELP]), action)
+    text = _with_default(cls, name, str(f.metadata[HELP]), action, bool(f.metadata.get(SAYS_DEFAULT)))
     return parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=text.replace("%", "%%"), **opts)
 
 
@@ -171,8 +186,12 @@ def given(args: argparse.Namespace, names: Iterable[str]) -> dict[str, Any]:
     return out
 
 
-def _with_default(cls: type, name: str, text: str, action: str | None) -> str:
-    if "default" in text.lower():
+def _with_default(cls: type, name: str, text: str, action: str | None, says_default: bool) -> str:
+    stated = STATED_DEFAULT.search(text) is not None
+    if says_default != stated:
+        raise TypeError(f"{cls.__name__}.{name}: its help " + ("says no 'default: ...'" if says_default else
+                        "says 'default: ...' in words: mark it says_default=True") + f" ({text!r})")
+    if says_default:
         return text
     default = default_of(cls, name)
     if action in SWITCHES:

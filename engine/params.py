@@ -37,6 +37,9 @@ MAX_STOP_TOKEN_IDS = 256
 # takes 0.6 s and 270 MB, one more level exhausts memory.  A pattern whose repetition counts
 # (nested ones multiplied) exceed this is refused before it is compiled.
 MAX_STOP_REGEX_EXPANSION = 16_384
+# the one timeout of an admitted request, seconds: the gateway's default (GatewaySettings.request_timeout_s)
+# and the longest a worker lets a Generate's reservation wait (worker/config.py MAX_REQUEST_TIMEOUT_S)
+REQUEST_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)

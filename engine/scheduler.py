@@ -64,7 +64,7 @@ class Scheduler:
         size = self.pool.page_size
         prompt = req.prompt_token_ids
         keys = page_keys(req.cache_salt, prompt[:max_cached_pages(len(prompt), size) * size], size) \
-            if self.pool.prefix_cache else []
+            if self.pool.enable_prefix_cache else []
         cached = self.pool.allocate_prefixed(req.request_id, self.pool.pages_for(reserved_tokens),
                                              keys, req.cache_salt) * size
         req.num_computed = req.num_cached_tokens = cached
@@ -75,7 +75,7 @@ class Scheduler:
     def publish(self, req: Request) -> int:
         """Publish every full page of `req`'s computed tokens into the prefix cache (pages
         already cached, or whose content another page holds, are skipped).  Returns how many."""
-        if not self.pool.prefix_cache or not self.pool.has(req.request_id):
+        if not self.pool.enable_prefix_cache or not self.pool.has(req.request_id):
             return 0
         size = self.pool.page_size
         full = req.num_computed // size * size

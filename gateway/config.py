@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import SHIPPED_MODEL
+from engine.constraint import GRAMMAR_COMPILE_TIMEOUT_S
 from engine.options import option
+from engine.params import REQUEST_TIMEOUT_S
 from gateway.compile_queue import DEFAULT_MAX_PENDING, DEFAULT_TENANT_MAX_PENDING
 from gateway.reasoning import REASONING_PARSERS
 from gateway.tools import TOOL_PARSERS
@@ -37,23 +39,22 @@ FRONT_DOOR = ("max_header_bytes", "header_timeout_s", "body_timeout_s", "max_con
 class GatewaySettings:
     """What an operator chooses for a gateway (`tandem serve` holds one for every replica).
     Each field's help is what the command lines show for its flag."""
-    served_model_name: str = option("", help="the model name clients use (default: the model directory's name)")
+    served_model_name: str = option("", says_default=True,
+                                    help="the model name clients use (default: the model directory's name)")
     host: str = option("127.0.0.1", help="the address the gateway listens on (0.0.0.0: every interface)")
     port: int = option(8000, help="the gateway's port (0: a free one)")
-    api_keys: dict[str, str] = option(factory=dict, repr=False, help="API key -> tenant (default: none, every "
-                                      "request is let in)")
+    api_keys: dict[str, str] = option(factory=dict, repr=False, says_default=True,
+                                      help="API key -> tenant (default: none, every request is let in)")
     # empty: /metrics is open, /v1/server_info takes any API key (or none when no keys are configured)
-    admin_keys: tuple[str, ...] = option((), repr=False, flag="--admin-key", action="append",
+    admin_keys: tuple[str, ...] = option((), repr=False, flag="--admin-key", action="append", says_default=True,
                                          help="a Bearer key for /metrics and /v1/server_info (repeatable; "
                                          "default: none, /metrics is open)")
     max_queue: int = option(256, help="requests admitted or waiting, in all")
     max_running: int = option(128, help="requests forwarded to workers at once")
     tenant_max_concurrency: int = option(64, help="requests of one tenant, running and waiting")
     queue_timeout_s: float = option(30.0, help="seconds a request may wait for admission")
-    # = worker/config.py MAX_REQUEST_TIMEOUT_S, the longest a worker lets a Generate wait (that
-    # module loads torch: the gateway cannot import it)
-    request_timeout_s: float = option(600.0, flag="--request-timeout", help="seconds a request may take once "
-                                      "admitted (its one timeout)")
+    request_timeout_s: float = option(REQUEST_TIMEOUT_S, flag="--request-timeout", help="seconds a request may "
+                                      "take once admitted (its one timeout)")
     max_n: int = option(8, help="choices one request may ask for (n)")
     max_body_bytes: int = option(4 << 20, help="the largest request body, in bytes")
     refresh_s: float = option(1.0, help="how often the workers' Health and Stats are read, seconds")
@@ -61,13 +62,15 @@ class GatewaySettings:
     max_migrations: int = option(3, help="how many times one response may move to another decode worker (its worker "
                                  "died or drained after a token) before it ends with an error (0: never, "
                                  "MIGRATION_FAILED)")
-    ssl_certfile: str | None = option(None, help="serve HTTPS with this certificate, PEM (default: plain HTTP)")
-    ssl_keyfile: str | None = option(None, help="... and this private key, PEM (default: none)")
+    ssl_certfile: str | None = option(None, says_default=True,
+                                      help="serve HTTPS with this certificate, PEM (default: plain HTTP)")
+    ssl_keyfile: str | None = option(None, says_default=True, help="... and this private key, PEM (default: none)")
     # fair share (gateway/fairness.py): since pages are reserved up front, not the whole context
     default_max_tokens: int = option(1024, help="a chat request's max_tokens when it sets none (clipped to the "
                                      "context left)")
     tenant_max_kv_tokens: int | None = option(
-        None, type=int, help="KV tokens (prompt + max_tokens of each running choice) one tenant may hold reserved at "
+        None, type=int, says_default=True,
+        help="KV tokens (prompt + max_tokens of each running choice) one tenant may hold reserved at "
         "once (default: half the decode workers' KV; all of it when the API keys name one tenant; at least one "
         "request of the longest allowed length)")
     # what the front door reads and holds (gateway/limits.py, gateway/prompts.py)
@@ -89,9 +92,8 @@ class GatewaySettings:
     routing: str = option("prefix", choices=ROUTING_MODES, help="how the gateway picks a request's workers "
                           "(gateway/routing.py): prefix weighs the prompt's prefix each worker caches against its "
                           "load; load takes the least loaded")
-    # half a worker's check budget (worker/config.py GRAMMAR_CHECK_TIMEOUT_S)
-    grammar_compile_timeout_s: float = option(5.0, help="seconds a structured-output constraint may take to "
-                                              "compile before the request is refused (400)")
+    grammar_compile_timeout_s: float = option(GRAMMAR_COMPILE_TIMEOUT_S, help="seconds a structured-output "
+                                              "constraint may take to compile before the request is refused (400)")
     # structured-output compilations waiting or running (gateway/compile_queue.py): in all, and per
     # tenant (the tenants' share key, as admission); past either a request is refused with 429
     grammar_max_pending: int = option(DEFAULT_MAX_PENDING, help="structured-output compilations waiting or "
@@ -150,14 +152,20 @@ class GatewaySettings:
             if getattr(self, name) not in known:
                 raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(known)}")
 
+    def model_name(self, model: str | None) -> str:
+        """The name clients use for `model` (a checkpoint directory; None: the shipped model):
+        served_model_name, or when it is empty the directory's name.  A gateway and `tandem
+        serve` both name their model with it."""
+        return self.served_model_name or Path(model or SHIPPED_MODEL).name
+
 
 @dataclass(frozen=True)
 class GatewayConfig(GatewaySettings):
     """One gateway: its settings, and what its launcher wires in (the model, the workers, the
     cluster secret, its certificate).  `served_model_name` left empty becomes the model
     directory's name."""
-    model: str | None = option(None, help="checkpoint directory: tokenizer, chat template, context (default: the "
-                               "shipped tiny-moe)")
+    model: str | None = option(None, says_default=True, help="checkpoint directory: tokenizer, chat template, "
+                               "context (default: the shipped tiny-moe)")
     decode_workers: tuple[str, ...] = option((), flag="--decode", action="append", metavar="HOST:PORT",
                                              help="a decode worker's HOST:PORT (repeatable)")
     prefill_workers: tuple[str, ...] = option((), flag="--prefill", action="append", metavar="HOST:PORT",
@@ -167,7 +175,8 @@ class GatewayConfig(GatewaySettings):
     # the workers refuse every call without credentials made with it (kv_transfer/auth.py)
     cluster_secret: bytes = option(b"", repr=False, help="the cluster secret (never printed)")
     # worker channels run mutual TLS with it (the workers' is on across nodes)
-    tls: TlsIdentity | None = option(None, repr=False, help="its cluster certificate (default: none, plaintext)")
+    tls: TlsIdentity | None = option(None, repr=False, says_default=True,
+                                     help="its cluster certificate (default: none, plaintext)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -176,8 +185,7 @@ class GatewayConfig(GatewaySettings):
         if self.decode_workers and not self.prefill_workers:
             raise ValueError("decode workers need at least one prefill worker (or use colocated workers)")
         check_secret(self.cluster_secret)
-        if not self.served_model_name:
-            object.__setattr__(self, "served_model_name", Path(self.model or SHIPPED_MODEL).name)
+        object.__setattr__(self, "served_model_name", self.model_name(self.model))
 
 
 def load_api_keys(path: str | Path) -> dict[str, str]:

@@ -253,7 +253,10 @@ class PrefillEngine(RoleEngine[Pushed | CancelJob]):
             self.core.release(job.req)          # queued, running or detached after its push
             self.jobs.pop(job.req.request_id, None)
         job.error = error
-        self._count_end(error, "pushed")
+        if error is None:
+            self.counts["pushed"] += 1
+        else:
+            self._count_failed(error)
         job.done.set()
 
 

@@ -162,8 +162,8 @@ class FakeWorker(wpb_grpc.DecodeServiceServicer, wpb_grpc.PrefillServiceServicer
     the prefill (of `peer`, when set), streams two tokens and a Finish, then caches the prompt's pages; Prefill
     records the request.  `cache_events=False`: CacheEvents answers UNIMPLEMENTED."""
 
-    def __init__(self, role: str = "decode", prefix_cache: bool = True, cache_events: bool = True) -> None:
-        self.role, self.prefix_cache, self.cache_events = role, prefix_cache, cache_events
+    def __init__(self, role: str = "decode", enable_prefix_cache: bool = True, cache_events: bool = True) -> None:
+        self.role, self.enable_prefix_cache, self.cache_events = role, enable_prefix_cache, cache_events
         self.cache = FakeCache()
         self.stats = wpb.StatsReply(role=role, kv_tokens_free=1 << 20, kv_tokens_capacity=1 << 20)
         self.generated: list[wpb.GenerateRequest] = []
@@ -182,7 +182,7 @@ class FakeWorker(wpb_grpc.DecodeServiceServicer, wpb_grpc.PrefillServiceServicer
     def Health(self, request, context):
         return wpb.HealthReply(ready=True, role=self.role, model="tiny-moe", max_model_len=2048,
                                kv_capacity_tokens=1 << 20, kv_page_size=self.cache.page_size,
-                               prefix_cache=self.prefix_cache)
+                               prefix_cache=self.enable_prefix_cache)
 
     def Stats(self, request, context):
         return self.stats
@@ -196,7 +196,7 @@ class FakeWorker(wpb_grpc.DecodeServiceServicer, wpb_grpc.PrefillServiceServicer
         self.generated.append(request)
         ids = list(request.prompt_token_ids)
         keys = self.keys(request.tenant, request.cache_salt, ids)
-        cached = self.cache.hit_tokens(keys) if self.prefix_cache else 0
+        cached = self.cache.hit_tokens(keys) if self.enable_prefix_cache else 0
         yield wpb.GenerateResponse(reservation=wpb.Reservation(
             transfer_id=request.request_id.encode(), transfer_endpoint="grpc://fake", prompt_tokens=len(ids),
             cached_tokens=cached))
@@ -206,7 +206,7 @@ class FakeWorker(wpb_grpc.DecodeServiceServicer, wpb_grpc.PrefillServiceServicer
             assert time.monotonic() < end, "the gateway never sent the prefill"
             time.sleep(0.01)
         yield wpb.GenerateResponse(tokens=wpb.Tokens(token_ids=[65, 66], text="AB"))
-        if self.prefix_cache:
+        if self.enable_prefix_cache:
             self.cache.store(keys)
         yield wpb.GenerateResponse(finish=wpb.Finish(finish_reason="length", prompt_tokens=len(ids),
                                                      completion_tokens=2, cached_tokens=cached))

@@ -16,7 +16,7 @@ from chaos.gauges import parse_metrics
 from chaos.judges import Moves
 from chaos.ledger import Logged
 from chaos.migrations import MigrationCounts, bucket_quantile, read
-from chaos.moving import Move
+from chaos.moving import Move, MoveKind
 from chaos.oracle import NEAR_TIE, compare, judge
 from chaos.prompts import Job
 from chaos.report import ScenarioResult, table, totals
@@ -129,8 +129,8 @@ def moved_streams(res: ScenarioResult, moves: list[Move], want: int) -> None:
 
 
 def test_kills_and_drains_are_detected_by_the_gateways_migrations():
-    kill = Move("kill_decode", "decode-0", [0, 1], held=2, held_resumed=0, migrated={"lost": 2}, recovered_s=3.0)
-    again = replace(kill, point="kill_migrated", worker="decode-1", held_resumed=1, migrated={"lost": 1})
+    kill = Move(MoveKind.KILL, "decode-0", [0, 1], held=2, held_resumed=0, migrated={"lost": 2}, recovered_s=3.0)
+    again = replace(kill, kind=MoveKind.KILL_MIGRATED, worker="decode-1", held_resumed=1, migrated={"lost": 1})
     r = ScenarioResult("kill_decode_twice", "process", "", outcomes=_outs(3))
     moved_streams(r, [kill, again], 2)
     r.account()
@@ -144,7 +144,7 @@ def test_kills_and_drains_are_detected_by_the_gateways_migrations():
     moved_streams(short, [kill], 2)
     assert any("1 of its 2 kills or drains" in v for v in short.violations)
 
-    drain = Move("drain_decode", "decode-0", [0], held=1, held_resumed=0, reply={"finished": 1, "drained": 2},
+    drain = Move(MoveKind.DRAIN, "decode-0", [0], held=1, held_resumed=0, reply={"finished": 1, "drained": 2},
                  migrated={"drain": 2}, recovered_s=2.0)
     quiet = replace(drain, worker="decode-1", reply={"finished": 3, "drained": 0}, migrated={})
     d = ScenarioResult("drain_decode", "process", "", outcomes=_outs(2))

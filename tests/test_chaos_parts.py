@@ -154,8 +154,8 @@ def test_matching_counts_each_refusal_once_and_names_the_misses():
 
 
 def test_what_was_logged_starts_from_zero_for_a_restarted_worker():
-    raw = {"pid": 1, "injected": [("x", "a")], "refusals": [("a", "R")], "failures": [], "corrupt_slots": 2,
-           "accepted_bytes": 10, "counts": {"reserved": 3}}
+    raw = {"pid": 1, "page_size": 16, "injected": [("x", "a")], "refusals": [("a", "R")], "failures": [],
+           "corrupt_slots": 2, "accepted_bytes": 10, "counts": {"reserved": 3}}
     before = {"d": Ledger.read(raw)}
     same = {"d": Ledger.read({**raw, "injected": [("x", "a"), ("y", "b")], "accepted_bytes": 15, "corrupt_slots": 3})}
     restarted = {"d": replace(same["d"], pid=2)}
@@ -163,8 +163,9 @@ def test_what_was_logged_starts_from_zero_for_a_restarted_worker():
     assert Logged.between(before, same).accepted_bytes == 5 and Logged.between(before, same).corrupt_slots == 1
     assert Logged.between(before, restarted).injected == [("x", "a"), ("y", "b")]
     assert Logged.between(before, restarted).reserved == 3
-    prefill = Ledger.read({"pid": 4, "injected": [], "corrupt_slots": 0, "counts": {"submitted": 2}})
+    prefill = Ledger.read({"pid": 4, "page_size": 16, "injected": [], "corrupt_slots": 0, "counts": {"submitted": 2}})
     assert (prefill.refusals, prefill.accepted_bytes) == ((), 0)       # no receiver: nothing refused
+    assert (before["d"].pid, before["d"].page_size) == (1, 16)
     assert Logged.between({}, {"p": prefill}).submitted == 2
 
 

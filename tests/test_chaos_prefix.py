@@ -16,7 +16,7 @@ import pytest
 from chaos.client import Outcome
 from chaos.control import SQUEEZE_ID, ChaosControl, cached_page_digests
 from chaos.judges import Refusals
-from chaos.ledger import Logged
+from chaos.ledger import Ledger, Logged
 from chaos.prefix import CachePoison, CrossTenant, EvictUnderLoad, Phased
 from chaos.prefix_checks import digests_changed, own_bound
 from chaos.prompts import Job
@@ -196,9 +196,8 @@ def test_page_digests_compare_only_pages_of_the_same_generation():
 
 
 class FakeCluster:
-    def call(self, wid: str, op: str, **kw):
-        assert op == "ledger"
-        return {"page_size": 16}
+    def ledger(self, wid: str) -> Ledger:
+        return Ledger(pid=1, page_size=16)
 
     def workers(self, role=None):
         return {"decode-0": None}

@@ -1,9 +1,12 @@
 """The `tandem` command line: the single-process `generate` demo, and `serve`'s flags failing
 fast with a readable message before anything starts."""
 
+import json
+
 import pytest
 
 from deploy.cli import main
+from engine.config import SHIPPED_MODEL, EngineConfig
 from engine.options import default_of
 from gateway.config import GatewaySettings
 from worker.config import WorkerSettings
@@ -37,6 +40,19 @@ def test_generate_refuses_a_prompt_over_the_context(capsys):
 def test_serve_fails_fast_on_bad_settings(capsys, argv, message):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_default_pool_too_small_is_named_as_the_default(capsys, tmp_path):
+    """--kv-cache-tokens was never given: the message says the default is too small, with the
+    field's number, rather than quote a flag the user did not pass."""
+    config = json.loads((SHIPPED_MODEL / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32768}))
+    assert main(["serve", "--model", str(tmp_path)]) == 2
+    default = default_of(EngineConfig, "kv_cache_tokens")
+    assert f"the default --kv-cache-tokens {default} cannot hold one request of the maximum context (32768 " \
+        "tokens)" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tmp_path), "--kv-cache-tokens", str(default)]) == 2
+    assert f"tandem: error: --kv-cache-tokens {default} cannot hold" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -73,11 +89,11 @@ def test_prefill_workers_get_their_own_kv_pool():
         ["serve", "--kv-cache-tokens", "4096", "--prefill-kv-cache-tokens", "16384", "--max-model-len", "1024"]))
     assert s.worker_settings(Role.PREFILL).engine.kv_cache_tokens == 16384
     assert s.worker_settings(Role.DECODE).engine.kv_cache_tokens == 4096
-    _check_kv(s)
+    _check_kv(s, {"kv_cache_tokens", "prefill_kv_cache_tokens", "max_model_len"})
     small = serve_settings(build_parser().parse_args(["serve", "--prefill-kv-cache-tokens", "512",
                                                       "--max-model-len", "1024"]))
     with pytest.raises(ValueError, match="--prefill-kv-cache-tokens 512 cannot hold"):
-        _check_kv(small)
+        _check_kv(small, {"prefill_kv_cache_tokens", "max_model_len"})
     with pytest.raises(ValueError, match="--colocated has none"):
         serve_settings(build_parser().parse_args(["serve", "--colocated", "--prefill-kv-cache-tokens", "4096"]))
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 from typing import Any
 
 import pytest
@@ -16,7 +15,7 @@ from deploy import worker
 from deploy.cli import build_parser, serve_settings
 from deploy.flags import NOT_FLAGS, serve_fields
 from deploy.settings import ServeSettings
-from engine.options import default_of, help_of, paths
+from engine.options import SAYS_DEFAULT, STATED_DEFAULT, add_flag, default_of, field_of, help_of, option, paths
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:
@@ -57,13 +56,35 @@ def test_the_default_serve_shows_for_each_flag_is_the_fields_default():
         default = default_of(ServeSettings, name)
         text = shown_help(parser, action)
         assert action.default is argparse.SUPPRESS, name          # argparse keeps no copy of the default
-        if "default" in help_of(ServeSettings, name).lower():    # said in words: "(default: all)"
-            assert re.search(r"default: \w", text, re.IGNORECASE), (name, text)
+        assert len(STATED_DEFAULT.findall(text)) == 1, (name, text)          # its default, stated once
+        if field_of(ServeSettings, name).metadata[SAYS_DEFAULT]:  # said in words: "(default: all)"
+            assert text == " ".join(help_of(ServeSettings, name).split()), (name, text)
         elif isinstance(action, argparse._StoreConstAction):   # a switch: it turns the field's default around
             assert action.const != default, name
             assert text.endswith(f"(default: {'on' if default else 'off'})"), (name, text)
         else:
             assert text.endswith(f"(default: {default})"), (name, text, default)
+
+
+def test_a_default_is_shown_unless_the_field_says_its_help_states_it():
+    """Whether a help states its default in words is the field's `says_default`, not a guess
+    from the word: a help that uses "default" for something else still shows its default, and a
+    help whose marking disagrees with its text is refused when the flag is made."""
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        budget: int = option(3, help="tokens past the default_max_tokens budget")
+        name: str | None = option(None, says_default=True, help="a name (default: the model's)")
+        unmarked: int = option(1, help="a count (default: one)")
+        unsaid: int = option(1, says_default=True, help="a count")
+
+    parser = argparse.ArgumentParser()
+    shown = {n: shown_help(parser, add_flag(parser, Config, n)) for n in ("budget", "name")}
+    assert shown == {"budget": "tokens past the default_max_tokens budget (default: 3)",
+                     "name": "a name (default: the model's)"}
+    with pytest.raises(TypeError, match="mark it says_default=True"):
+        add_flag(parser, Config, "unmarked")
+    with pytest.raises(TypeError, match="says no 'default: ...'"):
+        add_flag(parser, Config, "unsaid")
 
 
 def test_serve_without_flags_parses_to_the_settings_defaults(monkeypatch):

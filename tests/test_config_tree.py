@@ -17,11 +17,13 @@ from deploy.cli import build_parser, serve_settings
 from deploy.flags import ENGINE_FLAGS, SERVE_FLAGS, Flag, serve_fields
 from deploy.settings import ServeSettings
 from engine.config import EngineConfig
+from engine.constraint import GRAMMAR_COMPILE_TIMEOUT_S
 from engine.llm import LLM
 from engine.options import HELP, build, default_of, fields_of, flag_of, paths
+from engine.params import REQUEST_TIMEOUT_S
 from gateway import server as gateway_process
 from gateway.config import GatewayConfig, GatewaySettings
-from worker.config import GRAMMAR_CHECK_TIMEOUT_S, WorkerConfig, WorkerSettings
+from worker.config import GRAMMAR_CHECK_TIMEOUT_S, MAX_REQUEST_TIMEOUT_S, WorkerConfig, WorkerSettings
 from worker.types import Role
 
 SECRET = b"s" * 32
@@ -126,6 +128,15 @@ def test_build_puts_each_name_on_its_field_and_refuses_unknown_ones():
         build(WorkerConfig, prefix_cache=False, secret=SECRET)      # the old name: enable_prefix_cache
 
 
+def test_build_refuses_a_field_given_with_the_one_it_replaces():
+    """mem_fraction sizes the pool instead of kv_cache_tokens: a library caller that names both
+    is refused as `tandem serve` is, not silently given mem_fraction's pool."""
+    for cls, extra in ((ServeSettings, {}), (WorkerSettings, {}), (WorkerConfig, {"secret": SECRET})):
+        with pytest.raises(ValueError, match="--kv-cache-tokens and --mem-fraction are both given.*give one"):
+            build(cls, kv_cache_tokens=4096, mem_fraction=0.5, **extra)
+    assert build(WorkerSettings, mem_fraction=0.5).mem_fraction == 0.5
+
+
 def test_a_worker_holds_its_engine_config_and_always_bounds_grammar_checks():
     cfg = build(WorkerConfig, kv_cache_tokens=4096, secret=SECRET)
     assert cfg.engine_config() is cfg.engine
@@ -133,6 +144,15 @@ def test_a_worker_holds_its_engine_config_and_always_bounds_grammar_checks():
     assert default_of(EngineConfig, "grammar_check_timeout_s") is None          # engine.LLM: no budget
     assert cfg.engine.grammar_check_timeout_s == GRAMMAR_CHECK_TIMEOUT_S       # a worker: always one
     assert build(WorkerConfig, grammar_check_timeout_s=2.0, secret=SECRET).engine.grammar_check_timeout_s == 2.0
+
+
+def test_the_gateway_and_the_workers_read_their_paired_timeouts_from_one_engine_constant():
+    """The gateway cannot import worker/config.py (it loads torch): both read torch-free engine
+    modules, the worker's values derived from the gateway's defaults."""
+    assert default_of(GatewaySettings, "request_timeout_s") == REQUEST_TIMEOUT_S
+    assert default_of(WorkerSettings, "max_request_timeout_s") == MAX_REQUEST_TIMEOUT_S == REQUEST_TIMEOUT_S
+    assert default_of(GatewaySettings, "grammar_compile_timeout_s") == GRAMMAR_COMPILE_TIMEOUT_S
+    assert GRAMMAR_CHECK_TIMEOUT_S == 2 * GRAMMAR_COMPILE_TIMEOUT_S       # what the gateway passed passes there
 
 
 def test_serve_flags_reach_the_worker_and_gateway_configs():

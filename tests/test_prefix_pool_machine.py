@@ -136,7 +136,7 @@ def test_publish_keeps_a_duplicate_private_and_stops_at_an_unwritten_page():
 
 
 def test_cache_off_allocates_private_pages_only():
-    pool = make_pool(prefix_cache=False)
+    pool = make_pool(enable_prefix_cache=False)
     assert prefill(pool, "a", [1, 2, 3, 4, 5], SALTS[0], 3) == 0
     assert prefill(pool, "b", [1, 2, 3, 4, 5], SALTS[0], 3) == 0
     assert pool.num_cached == 0 and pool.page_table("b") == [3, 4, 5]

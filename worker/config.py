@@ -17,7 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
+from engine.constraint import GRAMMAR_COMPILE_TIMEOUT_S
 from engine.options import branch, option
+from engine.params import REQUEST_TIMEOUT_S
 from engine.stop import STOP_BUDGET_S, STOP_WINDOW_CHARS, StopLimits
 from kv_transfer.frame import check_secret
 from kv_transfer.reservation import TRANSFER_TIMEOUT_S
@@ -25,15 +27,12 @@ from kv_transfer.tls import TlsIdentity
 from kv_transfer.transport.base import TransportConfig
 
 # the longest a Generate may ask its reservation to wait: the gateway's default request timeout
-# (GatewaySettings.request_timeout_s restates it: the gateway stays torch-free, and this module
-# loads torch through TransportConfig)
-MAX_REQUEST_TIMEOUT_S = 600.0
+MAX_REQUEST_TIMEOUT_S = REQUEST_TIMEOUT_S
 STEP_DEADLINE_S = 30.0          # a loop iteration longer than this: Health says not ready
 # a worker's engine checks a constraint it has not seen in a child process killed past this
-# budget (engine/grammar_check.py) when its EngineConfig sets none: twice the gateway's compile
-# timeout (GatewaySettings.grammar_compile_timeout_s, which this module may not import), so what
-# the gateway passed passes here
-GRAMMAR_CHECK_TIMEOUT_S = 10.0
+# budget (engine/grammar_check.py) when its EngineConfig sets none: twice the gateway's default
+# compile timeout, so what the gateway passed passes here
+GRAMMAR_CHECK_TIMEOUT_S = 2 * GRAMMAR_COMPILE_TIMEOUT_S
 TRANSFERS = ("grpc", "shm")
 
 
@@ -43,8 +42,12 @@ class WorkerSettings:
     GRAMMAR_CHECK_TIMEOUT_S when the EngineConfig leaves it unset: a worker never compiles a
     client's constraint without one."""
     engine: EngineConfig = branch(EngineConfig, help="the engine the worker runs")
-    mem_fraction: float | None = option(None, type=float, help="size the KV pool as this share of free memory, "
-                                        "instead of --kv-cache-tokens (default: not used)")
+    # set, it replaces engine.kv_cache_tokens (the worker sizes its pool at start-up): options.build
+    # refuses the two given together, as `tandem serve` does; a WorkerSettings made whole with an
+    # engine that sets kv_cache_tokens takes mem_fraction
+    mem_fraction: float | None = option(None, type=float, instead_of="kv_cache_tokens", says_default=True,
+                                        help="size the KV pool as this share of free memory, instead of "
+                                        "--kv-cache-tokens (default: not used)")
     transfer: str = option("grpc", choices=TRANSFERS, help="how prefill reaches decode (shm: same node only)")
     transfer_timeout_s: float = option(TRANSFER_TIMEOUT_S, help="a reservation that receives nothing for this long "
                                        "ends, seconds")
@@ -89,7 +92,8 @@ class WorkerSettings:
 class WorkerConfig(WorkerSettings):
     """One worker process: its settings and its wiring."""
     host: str = option("127.0.0.1", help="the address its RPC and transfer servers listen on")
-    advertise_host: str | None = option(None, help="the address others reach this worker at (default: --host)")
+    advertise_host: str | None = option(None, says_default=True,
+                                        help="the address others reach this worker at (default: --host)")
     port: int = option(0, help="its RPC port (0: a free one)")
     transfer_port: int = option(0, help="the decode worker's KV transfer port (0: a free one)")
     decode_peers: tuple[str, ...] = option(
@@ -100,7 +104,8 @@ class WorkerConfig(WorkerSettings):
                            "the same one at start-up)")
     # its cluster certificate: its RPC and transfer servers, and the channels it opens, run
     # mutual TLS (kv_transfer/tls.py); None: plaintext (every worker on one node)
-    tls: TlsIdentity | None = option(None, repr=False, help="its cluster certificate (default: none, plaintext)")
+    tls: TlsIdentity | None = option(None, repr=False, says_default=True,
+                                     help="its cluster certificate (default: none, plaintext)")
 
     def __post_init__(self) -> None:
         super().__post_init__()

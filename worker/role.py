@@ -98,10 +98,12 @@ class RoleEngine(ABC, Generic[Item]):
     def _handle(self, item: Item) -> None:
         """(The loop's thread) one posted item; a request it ends has its pages released here."""
 
-    def _count_end(self, error: WorkerError | None, ok: str) -> None:
-        """Count a request that ended: as `ok` without `error`, else failed (and drained)."""
-        self.counts["failed" if error else ok] += 1
-        if error is not None and error.code == ErrorCode.DRAINING:
+    def _count_failed(self, error: WorkerError) -> None:
+        """Count a request that ended with `error`: failed, and drained too when a drain ended it
+        (DRAINING).  A request that ended well is counted by its role, under its own name
+        (finished, pushed)."""
+        self.counts["failed"] += 1
+        if error.code == ErrorCode.DRAINING:
             self.counts["drained"] += 1
 
     # ---- the loop's step ---------------------------------------------------------------
