@@ -8,7 +8,9 @@
     python -m bench.serve --prefix-compare [workload flags | --quick] [--json]   # Tandem's prefix cache
 
 Every request streams; prompts are held-out standard-library text cut to the shape's input
-length, with a unique prefix; outputs are forced to the shape's length (`max_tokens` =
+length, with a prefix unique to the request and to this invocation (so a second run against
+one server measures no prefix cache the first one filled); outputs are forced to the shape's
+length (`max_tokens` =
 `min_tokens`, `ignore_eos`).  TTFT and inter-token latency come from the arrival times of
 the stream's chunks.  Against Tandem it also reads /metrics before and after each run.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import secrets
 import sys
 
 from tqdm import tqdm
@@ -115,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests-per-level", type=int, default=None, help="default: 2 x concurrency")
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-itl-ms", type=float, default=200.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="draws the prompts' text; each invocation also marks its "
+                    "prompts' first tokens afresh, so a second run against one server hits no prefix cached by the "
+                    "first")
     ap.add_argument("--timeout", type=float, default=gateway.request_timeout_s, help="seconds one request may take")
     ap.add_argument("--tokenizer", default=str(SHIPPED_MODEL), help="checkpoint dir whose tokenizer cuts the prompts")
     ap.add_argument("--compare", action="store_true", help="start Tandem colocated, then disaggregated, and compare")
@@ -134,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     check_modes(ap, args)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.shapes = parse_shapes(args.shapes)
-    maker = PromptMaker(Tokenizer(args.tokenizer), args.seed)
+    maker = PromptMaker(Tokenizer(args.tokenizer), args.seed, run=secrets.token_hex(4))
     slo = (args.slo_ttft_ms, args.slo_itl_ms)
     try:
         if args.prefix_compare:

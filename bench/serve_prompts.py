@@ -11,17 +11,20 @@ from engine.tokenizer import Tokenizer
 
 
 class PromptMaker:
-    def __init__(self, tokenizer: Tokenizer, seed: int):
+    def __init__(self, tokenizer: Tokenizer, seed: int, run: str = ""):
+        """`seed` draws the prompts' text; `run` (bench.serve: a fresh one per invocation) marks
+        every prompt's first tokens, so invocations against one server never share a page."""
         _, held = corpus.read_split()
         self.tok = tokenizer
         self.ids = tokenizer.encode("\n".join(held))       # one long stream of real text
         self.rng = random.Random(seed)
+        self.run = f"{run} " if run else ""
         self.n = 0
 
     def make(self, input_len: int) -> str:
         """A prompt of `input_len` tokens (the unique prefix included)."""
         self.n += 1
-        prefix = self.tok.encode(f"# request {self.n} {self.rng.randrange(10**9)}\n")
+        prefix = self.tok.encode(f"# request {self.run}{self.n} {self.rng.randrange(10**9)}\n")
         body_len = max(0, input_len - len(prefix))
         start = self.rng.randrange(0, len(self.ids) - body_len - 1)
         ids = prefix + self.ids[start:start + body_len]
@@ -41,6 +44,6 @@ class PromptMaker:
             raise ValueError(f"a prompt piece of {length} tokens is longer than the held-out text "
                              f"({len(self.ids)} tokens)")
         self.n += 1
-        head = self.tok.encode(f"# {label} {self.n} {self.rng.randrange(10**9)}\n")[:length]
+        head = self.tok.encode(f"# {label} {self.run}{self.n} {self.rng.randrange(10**9)}\n")[:length]
         start = self.rng.randrange(0, len(self.ids) - length)
         return head + self.ids[start:start + length - len(head)]

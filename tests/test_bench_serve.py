@@ -205,6 +205,28 @@ def test_prompt_pieces_are_token_exact_and_the_shared_prefix_workload_draws_pref
         SharedPrefix(num_prefixes=0)
 
 
+def test_a_run_mark_keeps_one_invocations_prompts_out_of_anothers_prefix_cache():
+    """Two invocations with one seed send the same text, but their prompts' first pages differ
+    (bench.serve gives each its own `run`), so a server's prefix cache from the first serves
+    nothing of the second; without a mark the prompts are the same, page for page."""
+    tok = Tokenizer(str(SHIPPED_MODEL))
+
+    def first_pages(run: str) -> tuple[list[tuple[int, ...]], list[str]]:
+        m = PromptMaker(tok, seed=3, run=run)
+        pieces = [m.make_ids(64, "system prompt") for _ in range(4)]
+        texts = [m.make(200) for _ in range(4)]
+        return [tuple(p[:PAGE]) for p in pieces] + [tuple(tok.encode(t)[:PAGE]) for t in texts], texts
+
+    plain, plain_texts = first_pages("")
+    assert first_pages("")[0] == plain
+    one, one_texts = first_pages("a1b2c3d4")
+    two, _ = first_pages("e5f6a7b8")
+    assert not set(one) & set(two) and not set(one) & set(plain)
+    assert all(len(tok.encode(t)) <= 200 for t in one_texts + plain_texts)
+    # the text after the header is the seed's either way
+    assert [t.split("\n", 1)[1][:40] for t in one_texts] == [t.split("\n", 1)[1][:40] for t in plain_texts]
+
+
 def test_kv_pools_hold_the_stated_prefixes_besides_the_running_requests():
     w = SharedPrefix()       # the issue's workload: 1024 + 64 prompt, 64 out = 72 pages, 8 past the prefix
     assert w.request_tokens == 1152 and pages(w.request_tokens) == 72
