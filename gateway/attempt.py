@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -40,11 +39,11 @@ class Attempt:
         self.timeout_s = timeout_s
         # each attempt its own request id; a migrated choice continues the sampler of the
         # reservation that gave its first token
-        params = choice.params if choice.seed is None else replace(choice.params, seed=choice.seed)
-        self.order = GenerateOrder(
+        order = GenerateOrder(
             request_id=f"{route.choice_id(choice)}.{choice.attempts}", tenant=route.tenant,
             prompt_token_ids=tuple(choice.prompt_ids), generated_token_ids=tuple(choice.token_ids),
-            params=params, cache_salt=choice.prompt.cache_salt, timeout_s=timeout_s)
+            params=choice.params, cache_salt=choice.prompt.cache_salt, timeout_s=timeout_s)
+        self.order = order if choice.seed is None else order.with_seed(choice.seed)
         self.streamed = False                    # a token arrived: the transfer committed, prefill is done
         self.prefill_error: ForwardError | None = None
         self.exclude: set[str] = set()           # workers not to ask again for this stream

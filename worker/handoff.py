@@ -98,8 +98,9 @@ class GenerateOrder:
                                    timeout_s=self.timeout_s or 0.0)
 
     def with_seed(self, seed: int) -> GenerateOrder:
-        """The order with `params.seed` set (the seed its reservation chose)."""
-        return replace(self, params=replace(self.params, seed=seed))
+        """The order with `params.seed` set (the seed its reservation chose); itself when its
+        params already carry that seed (they are not checked again)."""
+        return self if self.params.seed == seed else replace(self, params=replace(self.params, seed=seed))
 
     def prefill_order(self, res: wpb.Reservation) -> PrefillOrder:
         """The prefill that fills the reservation `res` made for this order: the order's request,
@@ -107,7 +108,7 @@ class GenerateOrder:
         sampler), its transfer and its cache boundary `cached_tokens` (prefill sends the pages
         from there on).  Params that already carry that seed (a colocated worker's own
         reservation, a migrated request's) are passed as they are, not checked again."""
-        params = self.params if self.params.seed == res.seed else replace(self.params, seed=res.seed)
+        params = self.with_seed(res.seed).params
         return PrefillOrder(request_id=self.request_id, tenant=self.tenant, prompt_token_ids=self.prompt_token_ids,
                             generated_token_ids=self.generated_token_ids, params=params, cache_salt=self.cache_salt,
                             transfer_id=res.transfer_id, decode_endpoint=res.transfer_endpoint,
