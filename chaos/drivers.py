@@ -8,21 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ParamSpec, TypeVar
 
 from chaos.client import Outcome
 from chaos.cluster import ChaosCluster
 from worker.types import Role
-
-P = ParamSpec("P")
-T = TypeVar("T")
-
-
-async def in_thread(fn: Callable[P, T], *args: P.args, **kw: P.kwargs) -> T:
-    """`fn(*args, **kw)` on the loop's executor (a blocking Ray or HTTP call)."""
-    return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kw))
 
 
 @dataclass(frozen=True)
@@ -80,10 +70,10 @@ class KillPrefill:
         end = loop.time() + self.wait_s
         while loop.time() < end and not done.is_set():
             for wid in cluster.workers(Role.PREFILL):
-                held = await in_thread(cluster.call, wid, "injected", point=self.holding)
+                held = await asyncio.to_thread(cluster.call, wid, "injected", point=self.holding)
                 if held:
-                    await in_thread(cluster.kill, wid)
-                    await in_thread(cluster.wait_recovered)
+                    await asyncio.to_thread(cluster.kill, wid)
+                    await asyncio.to_thread(cluster.wait_recovered)
                     return [Strike("kill_prefill", wid, held[-1])]
             await asyncio.sleep(0.1)
         return []
@@ -100,7 +90,7 @@ class CorruptExpert:
         records: list[Strike] = []
         while not done.is_set():
             wid = rng.choice(sorted(cluster.workers(Role.DECODE)))
-            if await in_thread(cluster.call, wid, "arm", point="corrupt_expert", times=1):
+            if await asyncio.to_thread(cluster.call, wid, "arm", point="corrupt_expert", times=1):
                 records.append(Strike("corrupt_expert", wid, wid))
             await asyncio.sleep(self.every_s)
         return records

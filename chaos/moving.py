@@ -27,7 +27,7 @@ from typing import Any
 from chaos import migrations
 from chaos.client import Outcome
 from chaos.cluster import ChaosCluster
-from chaos.drivers import Waves, in_thread
+from chaos.drivers import Waves
 from worker.types import Role
 
 PACE_S = 0.08          # the moving drivers pace every decode worker at this or slower per decode step
@@ -61,7 +61,6 @@ class Move:
     held_resumed: int           # of them, streams that had migrated there
     t0: float = 0.0             # when the kill or drain began (time.monotonic)
     reply: dict[str, Any] | None = None       # a drain's answer (None: none, the actor restarted first)
-    drain_s: float | None = None
     recovered_s: float | None = None          # from t0 until the cluster was whole again
     migrated: dict[str, float] = field(default_factory=dict)   # the gateway's migrations across it, by cause
 
@@ -79,8 +78,7 @@ class KillDecode:
         if struck is None:
             return []
         move, pid, before = struck
-        await _back(cluster, move, pid)
-        move.migrated = (await _moved(cluster, before)).by_cause
+        await _settle(cluster, move, pid, before)
         return [move]
 
 
@@ -101,16 +99,15 @@ class KillDecodeTwice:
         first, pid, before = struck
         others = [w for w in sorted(cluster.workers(Role.DECODE)) if w != first.worker]
         again = await _held(cluster, live, done, waves, self.wait_s, among=others, migrated=True, feed=False)
-        moves, pids, mid = [first], [pid], before
-        if again is not None:
-            second, pid2, mid = await _strike(cluster, live, *again, kind=MoveKind.KILL_MIGRATED)
-            moves, pids = [first, second], [pid, pid2]
-        for m, p in zip(moves, pids):
-            await _back(cluster, m, p)
-        first.migrated = (await _moved(cluster, before) if len(moves) == 1 else mid - before).by_cause
-        if len(moves) == 2:
-            moves[1].migrated = (await _moved(cluster, mid)).by_cause
-        return moves
+        if again is None:
+            await _settle(cluster, first, pid, before)
+            return [first]
+        second, pid2, mid = await _strike(cluster, live, *again, kind=MoveKind.KILL_MIGRATED)
+        await _back(cluster, first, pid)
+        await _back(cluster, second, pid2)
+        first.migrated = (mid - before).by_cause
+        second.migrated = (await _moved(cluster, mid)).by_cause
+        return [first, second]
 
 
 @dataclass(frozen=True)
@@ -128,7 +125,7 @@ class DrainDecode:
         await _pace(cluster, waves)
         moves: list[Move] = []
         left = sorted(cluster.workers(Role.DECODE))
-        pids = {w: (await in_thread(cluster.ledger, w)).pid for w in left}   # read before: less delay
+        pids = {w: (await asyncio.to_thread(cluster.ledger, w)).pid for w in left}   # read before: less delay
         while left:
             held = await _held(cluster, live, done, waves, self.wait_s, among=left, streams=0 if moves else 2)
             if held is None:
@@ -152,14 +149,20 @@ async def _first_kill(cluster: ChaosCluster, live: list[Outcome], done: asyncio.
 async def _drain(cluster: ChaosCluster, held: Held, pid: int) -> Move:
     """Drain the held worker with DRAIN_GRACE_S and a restart; wait until it is back."""
     wid, streams, streaming = held
-    before = await in_thread(migrations.now, cluster.url)
+    before = await asyncio.to_thread(migrations.now, cluster.url)
     t0 = time.monotonic()
-    reply = await in_thread(cluster.drain, wid, DRAIN_GRACE_S, restart=True)
+    reply = await asyncio.to_thread(cluster.drain, wid, DRAIN_GRACE_S, restart=True)
     move = Move(MoveKind.DRAIN, wid, streaming, len(streams), sum(r["resumed"] > 0 for r in streams), t0,
-                reply=_reply(reply), drain_s=round(time.monotonic() - t0, 2))
+                reply=_reply(reply))
+    await _settle(cluster, move, pid, before)
+    return move
+
+
+async def _settle(cluster: ChaosCluster, move: Move, pid: int, before: migrations.MigrationCounts) -> None:
+    """Wait until the moved worker is back (`_back`), then record the gateway's migrations
+    since `before` in the move, by cause."""
     await _back(cluster, move, pid)
     move.migrated = (await _moved(cluster, before)).by_cause
-    return move
 
 
 async def _pace(cluster: ChaosCluster, waves: Waves) -> None:
@@ -169,7 +172,7 @@ async def _pace(cluster: ChaosCluster, waves: Waves) -> None:
     the workers (Ray calls) is slow on a loaded one: whether it saw a stream mid-way was a
     race.  Paced, a stream stays mid-way for MIN_LEFT * PACE_S or more, however fast the
     machine; a kill or drain still cuts real streams, and what it proves is unchanged."""
-    await in_thread(cluster.arm, Role.DECODE, "pace", seconds=PACE_S)
+    await asyncio.to_thread(cluster.arm, Role.DECODE, "pace", seconds=PACE_S)
     waves.open(0)
 
 
@@ -208,7 +211,7 @@ async def _busiest(cluster: ChaosCluster, among: list[str] | None,
     those that migrated there) have the most tokens left, and those streams; None: none has any."""
     best: tuple[str, list[dict[str, int]]] | None = None
     for wid in sorted(among or cluster.workers(Role.DECODE)):
-        mid = [r for r in await in_thread(cluster.call, wid, "live_requests")
+        mid = [r for r in await asyncio.to_thread(cluster.call, wid, "live_requests")
                if r["generated"] > r["resumed"] and r["left"] >= MIN_LEFT and (r["resumed"] or not migrated)]
         if mid and (best is None or _work(mid) > _work(best[1])):
             best = (wid, mid)
@@ -223,10 +226,10 @@ async def _strike(cluster: ChaosCluster, live: list[Outcome], wid: str, held: li
                   streaming: list[int], kind: MoveKind) -> tuple[Move, int, migrations.MigrationCounts]:
     """Kill `wid` now.  Returns its move, the pid it had, and the migration counters just
     before."""
-    before = await in_thread(migrations.now, cluster.url)
-    pid = (await in_thread(cluster.ledger, wid)).pid
+    before = await asyncio.to_thread(migrations.now, cluster.url)
+    pid = (await asyncio.to_thread(cluster.ledger, wid)).pid
     t0 = time.monotonic()
-    await in_thread(cluster.kill, wid)
+    await asyncio.to_thread(cluster.kill, wid)
     ended = {o.job.index for o in live if o.ended}
     return (Move(kind, wid, [i for i in streaming if i not in ended], len(held),
                  sum(r["resumed"] > 0 for r in held), t0), pid, before)
@@ -236,11 +239,11 @@ async def _back(cluster: ChaosCluster, move: Move, pid: int, wait_s: float = 120
     """Wait until the move's worker runs in a new process (not `pid`: Ray restarted it) and
     the gateway sees every worker healthy; notes the seconds since the kill or drain began
     (raises TimeoutError)."""
-    while (await in_thread(cluster.ledger, move.worker)).pid == pid:
+    while (await asyncio.to_thread(cluster.ledger, move.worker)).pid == pid:
         if time.monotonic() - move.t0 > wait_s:
             raise TimeoutError(f"{move.worker} still runs in process {pid} after {wait_s:.0f}s: it was not restarted")
         await asyncio.sleep(0.1)
-    await in_thread(cluster.wait_recovered)
+    await asyncio.to_thread(cluster.wait_recovered)
     move.recovered_s = round(time.monotonic() - move.t0, 2)
 
 
@@ -250,7 +253,7 @@ async def _moved(cluster: ChaosCluster, before: migrations.MigrationCounts,
     one (a stream that waited for a worker to come back may be counted late)."""
     end = time.monotonic() + wait_s
     while True:
-        moved = await in_thread(migrations.now, cluster.url) - before
+        moved = await asyncio.to_thread(migrations.now, cluster.url) - before
         if moved.total or time.monotonic() > end:
             return moved
         await asyncio.sleep(0.2)

@@ -33,8 +33,7 @@ class ScenarioRunner:
         self.key_of = {tenant: key for key, tenant in keys.items()}
         self.concurrency = concurrency
         self.rng = random.Random(seed)
-        self.limit = cluster.limit()
-        self.stage = Stage(cluster, maker, self.limit, model, self.key_of[ATTACKER])
+        self.stage = Stage(cluster, maker, cluster.limit(), model, self.key_of[ATTACKER])
 
     def run(self, sc: Scenario, n: int) -> ScenarioResult:
         """Run `sc` with `n` requests (its workload may send more) and judge it; the cluster is
@@ -114,7 +113,7 @@ class ScenarioRunner:
 
     def _evidence(self, before: dict[str, Ledger], records: Records) -> Evidence:
         logged = Logged.between(before, self.cluster.ledgers())
-        return Evidence(logged, records, self.limit, len(self.cluster.workers(Role.DECODE)))
+        return Evidence(logged, records, self.stage.limit, len(self.cluster.workers(Role.DECODE)))
 
     @staticmethod
     def _judge(sc: Scenario, plan: Plan, res: ScenarioResult, checks: dict[str, dict], ev: Evidence) -> None:
