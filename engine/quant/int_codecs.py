@@ -58,7 +58,8 @@ def per_group(t: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
 def minmax_params(w: torch.Tensor, bits: int, sym: bool, scale_dtype: torch.dtype
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group (scale, zero) from w [..., G, n, k] (k values per group): unsigned q in [0, 2^b - 1],
-    w ~ (q - zero) * scale; the scale rounded to `scale_dtype` first so the round trip uses it."""
+    w ~ (q - zero) * scale.  The scale is rounded up to `scale_dtype` first (scale * (1 + eps) rounded
+    to nearest is >= scale), so the rounded grid still spans the group and the round trip uses it."""
     maxq = (1 << bits) - 1
     lo, hi = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
     if sym:
@@ -66,7 +67,7 @@ def minmax_params(w: torch.Tensor, bits: int, sym: bool, scale_dtype: torch.dtyp
         scale, zero = 2 * hi / maxq, torch.full_like(hi, (maxq + 1) // 2)
     else:
         scale = (hi - lo) / maxq
-    scale = torch.where(scale > 0, scale, 1.0).to(scale_dtype).float()
+    scale = (torch.where(scale > 0, scale, 1.0) * (1 + torch.finfo(scale_dtype).eps)).to(scale_dtype).float()
     if not sym:
         zero = (-lo / scale).round().clamp(0, maxq)
     return scale, zero
@@ -225,7 +226,8 @@ class CompressedInt:
         grouped, size = _grouped(w, fmt.group_size)                                # [..., G, out, size]
         scale, zero = minmax_params(grouped, fmt.bits, fmt.sym, fmt.scale_dtype)   # [..., G, out]
         q = round_q(w, _expand(scale, size), _expand(zero, size), fmt.bits)        # unsigned, [..., out, in]
-        parts = {".weight_packed": pack(q, fmt.bits), ".weight_scale": scale.transpose(-1, -2).to(fmt.scale_dtype),
+        parts = {".weight_packed": pack(q, fmt.bits),
+                 ".weight_scale": scale.transpose(-1, -2).to(fmt.scale_dtype).contiguous(),
                  ".weight_shape": torch.tensor([out, in_]).expand(*w.shape[:-2], 2).contiguous()}
         if not fmt.sym:
             parts[".weight_zero_point"] = pack(zero.to(torch.int32), fmt.bits).transpose(-1, -2).contiguous()
