@@ -33,17 +33,18 @@ def refuse(key: str, value: object, supported: Sequence[object] | str) -> Checkp
     return CheckpointError(f"{KEY}.{key}={value!r} is not supported (supported: {listed})")
 
 
-def pick(q: dict, key: str, default: Any, supported: Sequence[object]) -> Any:
+def pick(q: dict, key: str, default: Any, supported: Sequence[object], at: str = "") -> Any:
+    """q[key] (or `default`) when it is one of `supported`; `at` is the path to q inside quantization_config."""
     value = q.get(key, default)
     if value not in supported:
-        raise refuse(key, value, supported)
+        raise refuse(at + key, value, supported)
     return value
 
 
-def group_size(q: dict, key: str = "group_size", default: int = 128) -> int:
-    value = q.get(key, default)
+def group_size(q: dict, key: str = "group_size", at: str = "") -> int:
+    value = q.get(key, 128)
     if not isinstance(value, int) or isinstance(value, bool) or not (value == -1 or value > 0):
-        raise refuse(key, value, "-1 (one group per row) or a positive size")
+        raise refuse(at + key, value, "-1 (one group per row) or a positive size")
     return value
 
 
@@ -105,28 +106,30 @@ def _ct_scheme(name: str, scheme: dict, default_format: str | None) -> LinearFor
     wtype = w.get("type", "int")
     if (wtype, fmt) not in CT_WEIGHT_SCHEMES:
         raise refuse(f"{key} (weights.type, format)", (wtype, fmt), sorted(CT_WEIGHT_SCHEMES))
-    pick(w, "dynamic", False, (False,))
+    at = f"{key}.weights."
+    pick(w, "dynamic", False, (False,), at)
     if wtype == "float":
         return _ct_fp8(key, w, scheme.get("input_activations"))
     if scheme.get("input_activations"):
         raise refuse(f"{key}.input_activations", scheme["input_activations"],
                      "null: integer weights with unquantized activations (W4A16, W8A16)")
-    pick(w, "actorder", None, (None, False, "weight", "static"))          # "group" would need weight_g_idx
-    strategy = pick(w, "strategy", "group", ("group", "channel"))
-    size = -1 if strategy == "channel" else group_size(w)
-    return LinearFormat("ct-int", bits=pick(w, "num_bits", 8, (4, 8)), group_size=size,
-                        sym=pick(w, "symmetric", True, (True, False)))
+    pick(w, "actorder", None, (None, False, "weight", "static"), at)      # "group" would need weight_g_idx
+    strategy = pick(w, "strategy", "group", ("group", "channel"), at)
+    size = -1 if strategy == "channel" else group_size(w, at=at)
+    return LinearFormat("ct-int", bits=pick(w, "num_bits", 8, (4, 8), at), group_size=size,
+                        sym=pick(w, "symmetric", True, (True, False), at))
 
 
 def _ct_fp8(key: str, w: dict, acts: dict | None) -> LinearFormat:
-    pick(w, "num_bits", 8, (8,))
-    pick(w, "symmetric", True, (True,))
+    at = f"{key}.weights."
+    pick(w, "num_bits", 8, (8,), at)
+    pick(w, "symmetric", True, (True,), at)
     if acts is not None:
         setting = (acts.get("type"), acts.get("num_bits"), acts.get("dynamic"))
         if setting != ("float", 8, True):
             raise refuse(f"{key}.input_activations (type, num_bits, dynamic)", setting,
                          "null, or ('float', 8, True): FP8 activations quantized at run time")
-    return LinearFormat("ct-fp8", strategy=pick(w, "strategy", "tensor", ("channel", "tensor")))
+    return LinearFormat("ct-fp8", strategy=pick(w, "strategy", "tensor", ("channel", "tensor"), at))
 
 
 PARSERS: dict[str, Callable[[dict], LinearFormat]] = {
