@@ -228,7 +228,7 @@ class CompressedInt:
         q = round_q(w, _expand(scale, size), _expand(zero, size), fmt.bits)        # unsigned, [..., out, in]
         parts = {".weight_packed": pack(q, fmt.bits),
                  ".weight_scale": scale.transpose(-1, -2).to(fmt.scale_dtype).contiguous(),
-                 ".weight_shape": torch.tensor([out, in_]).expand(*w.shape[:-2], 2).contiguous()}
+                 ".weight_shape": torch.tensor([out, in_], device=w.device).expand(*w.shape[:-2], 2).contiguous()}
         if not fmt.sym:
             parts[".weight_zero_point"] = pack(zero.to(torch.int32), fmt.bits).transpose(-1, -2).contiguous()
         return parts
