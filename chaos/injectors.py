@@ -174,12 +174,13 @@ def corrupt_expert(llm: HasPagedExperts, rng: random.Random) -> tuple[int, int, 
         return None
     layer = rng.choice(sorted(layers))
     slots = layers[layer].slots
+    first, held = slots.tensors()[0], slots.store.tensors()[0]  # w13 (or its first quantized part)
     intact = [s for s, e in enumerate(slots.expert_in)        # one flip per slot until repaired:
-              if e >= 0 and torch.equal(slots.w13[s], slots.store.w13[e].to(slots.w13.device))]
+              if e >= 0 and torch.equal(first[s], held[e].to(first.device))]
     if not intact:                                              # each injection is one finding
         return None
     slot = rng.choice(intact)
-    size = slots.w13.element_size()
-    raw = slots.w13[slot].view(-1).view(torch.uint8)
+    size = first.element_size()
+    raw = first[slot].view(-1).view(torch.uint8)
     raw[rng.randrange(raw.numel() // size) * size + size - 1] ^= 0x40   # an exponent bit (little-endian)
     return layer, slot, slots.expert_in[slot]

@@ -5,8 +5,11 @@ view into the memory-mapped file.  Such a view sits at the tensor's offset in th
 alignment (and with it the order in which MKL's SGEMM sums) would depend on how the checkpoint
 happens to be sharded, and rewriting the file would change the live weights.
 
-Real checkpoints carry more than the model runs: block-wise FP8 weights are dequantized to the
-serving dtype here (engine/checkpoint.py `dequantized`), and the multi-token-prediction layers
+Real checkpoints carry more than the model runs.  Quantized linears (config.json's
+`quantization_config`: block FP8, GPTQ, AWQ, compressed-tensors, MXFP4; engine/quant/) are
+gathered part by part: a routed expert's stay quantized as published (its experts compute and
+page from those bytes), every other one is dequantized to the serving dtype here.  The
+multi-token-prediction layers
 of DeepSeek-V3 and GLM-4.5 (`num_nextn_predict_layers` layers numbered from num_hidden_layers
 on) are skipped with one log line.
 
@@ -27,13 +30,15 @@ import torch
 from tqdm import tqdm
 
 from engine.attention import TorchAttention, select_attention
-from engine.checkpoint import SCALE_SUFFIX, CheckpointError, dequantized, fp8_block, iter_tensors, weight_files
+from engine.checkpoint import CheckpointError, iter_tensors, weight_files
 from engine.config import EngineConfig, ModelConfig
 from engine.experts import check_independence, paged_factory
 from engine.models import kernel_variants, spec_for
 from engine.models.decoder import DecoderModel
 from engine.models.weights import ExpertsFactory
 from engine.moe import select_moe_kernel
+from engine.quant.formats import LinearFormat, format_named, quant_config
+from engine.quant.load import LoadedTensors, QuantParts, dims, grouped, items
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PROGRESS_MIN_TENSORS = 2000
@@ -72,7 +77,8 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: s
     With `make_experts` (paged experts) the expert tensors stay in host memory and the
     factory builds each layer's experts from them.
 
-    Float8 weights are dequantized with their block scales; multi-token-prediction layers are
+    Quantized linears: routed experts kept as published (in `loaded.quantized`), the rest
+    dequantized to `dtype`; multi-token-prediction layers are
     skipped (one log line says how many tensors); the tensors the family's `keeps_fp32(name)`
     names (grouped routers) are copied in float32.
 
@@ -82,17 +88,31 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: s
     """
     spec = spec_for(cfg.architecture)
     expected = spec.expected_tensors(cfg)
-    block = fp8_block(cfg.raw)
+    fmt = linear_format(cfg.raw)
     # grouped sigmoid routers (GLM-4.5, DeepSeek-V3) stay in fp32 whatever the serving dtype, as
     # in transformers: their correction bias decides near-ties
     keeps_fp32 = getattr(spec, "keeps_fp32", None) or (lambda name: False)
-    names = weight_files(path)
-    total = sum(not n.endswith(SCALE_SUFFIX) and mtp_layer(cfg, n) is None for n in names)
+    transposed = getattr(spec, "TRANSPOSED_EXPERTS", False)  # gpt-oss: dense experts stored [E, in, out]
+    total = items((n for n in weight_files(path) if mtp_layer(cfg, n) is None), fmt)
     show = progress if progress is not None else total >= PROGRESS_MIN_TENSORS
     skipped: Counter[int] = Counter()
-    loaded: dict[str, torch.Tensor] = {}
-    for name, tensor in tqdm(dequantized(without_mtp(cfg, iter_tensors(path), skipped), block), total=total,
-                             desc="loading weights", unit="tensor", disable=not show):
+    loaded = LoadedTensors()
+    for name, item in tqdm(grouped(without_mtp(cfg, iter_tensors(path), skipped), fmt), total=total,
+                           desc="loading weights", unit="tensor", disable=not show):
+        if isinstance(item, QuantParts):
+            name = item.dense_name(expected)
+            expert = spec.is_routed_expert(name)
+            lead, item.out, item.in_ = dims(expected[name], transposed and expert)
+            fmt.check(item.base, item.parts, item.out, item.in_, lead)
+            if expert:  # kept as published: the experts compute (and page) from these bytes
+                place = "cpu" if make_experts is not None else device
+                item.parts = {s: owned_copy(t, t.dtype, place) for s, t in item.parts.items()}
+                loaded.quantized[name] = item
+                continue
+            dense = fmt.dequantize(item.parts, item.out, item.in_)
+            loaded[name] = owned_copy(dense, torch.float32 if keeps_fp32(name) else dtype, device)
+            continue
+        tensor = item
         if name not in expected:
             if spec.ignorable(cfg, name):
                 continue
@@ -104,7 +124,8 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: s
                                   f"config.json implies {list(want)}")
         if tensor.dtype not in SUPPORTED_DTYPES:
             raise CheckpointError(f"tensor {name} has dtype {tensor.dtype}; supported: "
-                                  "float32, bfloat16, float16")
+                                  "float32, bfloat16, float16 (quantized linears: in the format config.json's "
+                                  "quantization_config names)")
         on_host = make_experts is not None and spec.is_routed_expert(name)  # the store is pinned once stacked
         loaded[name] = owned_copy(tensor, torch.float32 if keeps_fp32(name) else dtype, "cpu" if on_host else device)
     if skipped:
@@ -112,12 +133,20 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: s
         log.info("skipped %d tensors of %d multi-token-prediction layer%s (model.layers.%s): "
                  "the engine does not run them", sum(skipped.values()), len(layers),
                  "s" if len(layers) > 1 else "", ",".join(map(str, layers)))
-    missing = [n for n in expected if n not in loaded]
+    missing = [n for n in expected if n not in loaded and n not in loaded.quantized]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"missing tensor {missing[0]} (expected shape {list(expected[missing[0]])})"
                               f"{more} in {path}")
     return spec.assemble(cfg, loaded, attention, make_experts, moe_triton)
+
+
+def linear_format(raw: dict) -> LinearFormat:
+    """The format of the checkpoint's quantized linears, from config.json's quantization_config
+    (block-wise fp8 when it has none: float8 weights with `_scale_inv` blocks, as DeepSeek
+    writes them).  Raises CheckpointError naming a setting that is not supported."""
+    q = quant_config(raw)
+    return q.format if q is not None else format_named("fp8-block")
 
 
 def mtp_layer(cfg: ModelConfig, name: str) -> int | None:

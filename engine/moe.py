@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.fused_moe import ClampedSwiGLU, fused_moe_ref, gathered_all, moe_gathered, moe_padded
+from engine.quant.stack import ExpertWeight, dense_all, num_rows
 
 # How a step's (token, expert) pairs are computed on the CPU path (`StepPlan.for_step`): the
 # path with the lowest predicted cost, from a cost model fixed in code (never re-timed, so every
@@ -160,7 +161,7 @@ class StepPlan:
         return cls(strategy, cap if strategy == "padded" else 0)
 
 
-def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: torch.Tensor,
+def expert_outputs(x: torch.Tensor, w13: ExpertWeight, w2: ExpertWeight, slot_ids: torch.Tensor,
                    out: torch.Tensor, plan: StepPlan, *, b13: torch.Tensor | None = None,
                    b2: torch.Tensor | None = None, act: ClampedSwiGLU | None = None) -> torch.Tensor:
     """Compute the pairs whose slot id is >= 0 into out [T*k, H] (see engine/kernels/fused_moe.py;
@@ -170,8 +171,10 @@ def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_id
     if plan.strategy == "padded":
         return moe_padded(x, w13, w2, slot_ids, out, plan.cap, b13=b13, b2=b2, act=act)
     if plan.strategy == "triton":
+        # quantized experts: every slot dequantized into a scratch weight the kernel reads (the
+        # fused kernels read dense weights only)
         from engine.kernels.triton.fused_moe import fused_moe
-        return fused_moe(x, w13, w2, slot_ids, out, b13=b13, b2=b2, act=act)
+        return fused_moe(x, dense_all(w13, x.dtype), dense_all(w2, x.dtype), slot_ids, out, b13=b13, b2=b2, act=act)
     return fused_moe_ref(x, w13, w2, slot_ids, out, b13=b13, b2=b2, act=act)
 
 
@@ -212,7 +215,7 @@ class ExpertsFactory(Protocol):
     `make_experts`: paged experts; default all resident).  `fingerprints`: per expert, of the
     checkpoint's own bytes in the order w13, w2, b13, b2 (see engine/experts/check.py)."""
 
-    def __call__(self, layer: int, w13: torch.Tensor, w2: torch.Tensor, fingerprints: list[int], *,
+    def __call__(self, layer: int, w13: ExpertWeight, w2: ExpertWeight, fingerprints: list[int], *,
                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                  act: ClampedSwiGLU | None = None) -> Experts: ...
 
@@ -221,7 +224,7 @@ class ResidentExperts:
     """All E experts of one layer on the device; the expert id is the slot id.
     b13 [E, 2I] / b2 [E, H]: optional biases; act: the gated activation (None: silu)."""
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, triton: bool = False, *,
+    def __init__(self, w13: ExpertWeight, w2: ExpertWeight, triton: bool = False, *,
                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                  act: ClampedSwiGLU | None = None) -> None:
         self.w13, self.w2 = w13, w2  # [E, 2I, H], [E, H, I]
@@ -231,7 +234,7 @@ class ResidentExperts:
     def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; ids: [T, k] expert ids.  Returns y: [T, k, H] (unweighted)."""
         t, k = ids.shape
-        plan = StepPlan.for_step(ids, self.w13.shape[0], self.triton)
+        plan = StepPlan.for_step(ids, num_rows(self.w13), self.triton)
         if plan.strategy == "gathered":  # every pair is selected: no output buffer needed
             return gathered_all(x, self.w13, self.w2, ids, b13=self.b13, b2=self.b2, act=self.act).view(t, k, -1)
         out = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)

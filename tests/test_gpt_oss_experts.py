@@ -1,18 +1,15 @@
 """gpt-oss's experts (biases and the clamped SwiGLU) through the shared expert machinery:
 every CPU path against a direct per-expert reference on the checkpoint's own fused layout and
 against transformers' GptOssExperts; paged experts bit-identical to all-resident; the
-start-up check covering the biases; MXFP4 checkpoints refused by name."""
+start-up check covering the biases.  (MXFP4 checkpoints: tests/test_quant_experts.py.)"""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import engine.moe as moe
-from engine.checkpoint import CheckpointError
 from engine.config import ModelConfig
 from engine.experts import ExpertSlots, ExpertStore, PagedExperts
 from engine.experts.check import ExpertCheckError, check_independence, fingerprint, verify_resident
@@ -201,31 +198,6 @@ def _raw(**over) -> dict:
            "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}
     raw.update(over)
     return raw
-
-
-def test_mxfp4_checkpoints_are_refused_naming_what_is_supported() -> None:
-    cfg = ModelConfig.from_dict(_raw(quantization_config={"quant_method": "mxfp4"}))
-    with pytest.raises(CheckpointError, match=r"MXFP4.*bfloat16, float16 or float32"):
-        gpt_oss.expected_tensors(cfg)
-    plain = ModelConfig.from_dict(_raw())
-    assert "model.layers.1.mlp.experts.gate_up_proj" in gpt_oss.expected_tensors(plain)
-    with pytest.raises(CheckpointError, match="model.layers.0.mlp.experts.down_proj_blocks"):
-        gpt_oss.ignorable(plain, "model.layers.0.mlp.experts.down_proj_blocks")
-    assert not gpt_oss.ignorable(plain, "model.layers.0.mlp.router.weight")
-
-
-def test_the_loader_refuses_an_mxfp4_checkpoint(tmp_path) -> None:
-    from engine.loader import load_model
-    from engine.models import REGISTRY
-    if "GptOssForCausalLM" not in REGISTRY:
-        pytest.skip("gpt-oss is not in the registry yet")
-    raw = _raw(quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]})
-    (tmp_path / "config.json").write_text(json.dumps(raw))
-    from safetensors.torch import save_file
-    save_file({"model.layers.0.mlp.experts.down_proj_blocks": torch.zeros(E, H, 2, 16, dtype=torch.uint8)},
-              str(tmp_path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match="MXFP4"):
-        load_model(tmp_path, ModelConfig.from_path(tmp_path), torch.float32, "cpu", attention=None)  # type: ignore[arg-type]
 
 
 def test_layer_windows_follow_layer_types() -> None:

@@ -148,7 +148,7 @@ def test_independence_check_catches_mixed_experts_and_corrupted_slots():
 @pytest.mark.parametrize("k, dtype, message", [
     (3, torch.float32, "paged_experts_num_resident=3 is below top_k=4"),
     (65, torch.float32, "paged_experts_num_resident=65 is above the 64 experts"),
-    (16, torch.int8, "fp32/bf16/fp16 expert weights for now"),
+    (16, torch.int8, "compute in fp32, bf16 or fp16"),
 ])
 def test_refuses_unservable_settings(k, dtype, message):
     with pytest.raises(ValueError, match=message):

@@ -31,7 +31,8 @@ def gathered_bytes(model: DecoderModel, rows: int) -> int:
             experts = layer.mlp.experts
             w13, w2 = (experts.slots.w13, experts.slots.w2) if isinstance(experts, PagedExperts) else (
                 getattr(experts, "w13"), getattr(experts, "w2"))
-            per_expert = max(per_expert, (w13[0].numel() + w2[0].numel()) * w13.element_size())
+            dense = w13.shape[1] * w13.shape[2] + w2.shape[1] * w2.shape[2]   # gathered: dense, compute dtype
+            per_expert = max(per_expert, dense * model.embed.element_size())
     return rows * model.cfg.num_experts_per_tok * per_expert
 
 

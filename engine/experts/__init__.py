@@ -10,6 +10,7 @@ from engine.experts.paged import PagedExperts
 from engine.experts.slots import ExpertCounters, ExpertSlots, ExpertStore, LRUPolicy
 from engine.kernels.fused_moe import ClampedSwiGLU
 from engine.moe import ExpertsFactory
+from engine.quant.stack import ExpertWeight, pinned
 
 SUPPORTED_EXPERT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -30,8 +31,8 @@ def validate_num_resident(k: int | None, num_experts: int, top_k: int, dtype: to
     if k > num_experts:
         raise ValueError(f"paged_experts_num_resident={k} is above the {num_experts} experts per layer")
     if dtype not in SUPPORTED_EXPERT_DTYPES:
-        raise ValueError(f"paged experts support fp32/bf16/fp16 expert weights for now, not {dtype} "
-                         "(quantised expert formats are not supported yet)")
+        raise ValueError(f"paged experts compute in fp32, bf16 or fp16, not {dtype} (--dtype is the "
+                         "compute dtype; quantized checkpoints page their experts as published)")
 
 
 def paged_factory(num_resident: int, device: torch.device | str, triton: bool = False) -> ExpertsFactory:
@@ -40,12 +41,12 @@ def paged_factory(num_resident: int, device: torch.device | str, triton: bool = 
     a side CUDA stream on a GPU, direct copies elsewhere) and LRU eviction."""
     dev = torch.device(device)
 
-    def make(layer: int, w13: torch.Tensor, w2: torch.Tensor, fingerprints: list[int], *,
+    def make(layer: int, w13: ExpertWeight, w2: ExpertWeight, fingerprints: list[int], *,
              b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
              act: ClampedSwiGLU | None = None) -> PagedExperts:
         copier = CudaStreamCopy(dev) if dev.type == "cuda" else DirectCopy()
         if dev.type == "cuda":  # page-locked, so copies are true async DMA
-            w13, w2 = w13.pin_memory(), w2.pin_memory()
+            w13, w2 = pinned(w13), pinned(w2)
             if b13 is not None and b2 is not None:
                 b13, b2 = b13.pin_memory(), b2.pin_memory()
         store = ExpertStore(w13, w2, fingerprints, b13=b13, b2=b2, act=act)

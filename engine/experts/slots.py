@@ -8,8 +8,11 @@ eviction policy's choice (LRU by default).
     w13:       [K, 2I, H]  w2:       [K, H, I]   (device slots)
     b13:       [K, 2I]     b2:       [K, H]      (only when the store has biases: gpt-oss)
 
-One expert is all its tensors: a page-in, a verify and a fingerprint cover its biases with
-its weights.
+w13 and w2 are plain tensors or quantized weights in their published parts (packed values,
+scales, zero points, group index: engine/quant/stack.py), in the slots as in the store.
+One expert is all its tensors, whatever the format: a page-in, a verify and a fingerprint
+cover every part of it and its biases, taken from the layer's own tensors, never a list of
+names.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 from engine.experts.copy import Copy, CopyEngine, DirectCopy
 from engine.kernels.fused_moe import ClampedSwiGLU
+from engine.quant.stack import ExpertWeight, empty_like, num_rows, tensors_of, weight_format
 
 
 class EvictionPolicy(Protocol):
@@ -74,8 +78,8 @@ class ExpertCounters:
 @dataclass
 class ExpertStore:
     """All E experts of one layer in host memory."""
-    w13: torch.Tensor   # [E, 2I, H]
-    w2: torch.Tensor    # [E, H, I]
+    w13: ExpertWeight   # [E, 2I, H]
+    w2: ExpertWeight    # [E, H, I]
     fingerprints: list[int] = field(default_factory=list)  # per expert, from the checkpoint
     b13: torch.Tensor | None = None     # [E, 2I] gate then up biases (gpt-oss), or None
     b2: torch.Tensor | None = None      # [E, H] down bias, or None
@@ -83,7 +87,12 @@ class ExpertStore:
 
     @property
     def num_experts(self) -> int:
-        return self.w13.shape[0]
+        return num_rows(self.w13)
+
+    @property
+    def format(self) -> str:
+        """How the experts are stored: a dtype ("bfloat16") or a quantized format ("gptq int4 g128")."""
+        return weight_format(self.w13)
 
     def __post_init__(self) -> None:
         if (self.b13 is None) != (self.b2 is None):
@@ -96,10 +105,14 @@ class ExpertStore:
         self.bytes_per_expert = sum(t.numel() * t.element_size() for t in self.expert(0))
 
     def expert(self, e: int) -> list[torch.Tensor]:
-        """Every tensor of expert `e`, in fingerprint order: w13, w2[, b13, b2]."""
-        out = [self.w13[e], self.w2[e]]
+        """Every tensor of expert `e`, in fingerprint order: w13's, w2's[, b13, b2]."""
+        return [t[e] for t in self.tensors()]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the store, [E, ...] each, in fingerprint order."""
+        out = tensors_of(self.w13) + tensors_of(self.w2)
         if self.b13 is not None and self.b2 is not None:
-            out += [self.b13[e], self.b2[e]]
+            out += [self.b13, self.b2]
         return out
 
 
@@ -111,8 +124,8 @@ class ExpertSlots:
             raise ValueError(f"num_slots={num_slots} must be in 1..{e}")
         self.store = store
         self.num_slots = num_slots
-        self.w13 = torch.empty((num_slots, *store.w13.shape[1:]), dtype=store.w13.dtype, device=device)
-        self.w2 = torch.empty((num_slots, *store.w2.shape[1:]), dtype=store.w2.dtype, device=device)
+        self.w13 = empty_like(store.w13, num_slots, device)
+        self.w2 = empty_like(store.w2, num_slots, device)
         self.b13: torch.Tensor | None = None
         self.b2: torch.Tensor | None = None
         if store.b13 is not None and store.b2 is not None:
@@ -164,8 +177,9 @@ class ExpertSlots:
         self.slot_table[pairs[0]] = pairs[1]
 
     def tensors(self) -> list[torch.Tensor]:
-        """The slot tensors, [K, ...] each: w13, w2[, b13, b2]."""
-        return [self.w13, self.w2] + ([self.b13, self.b2] if self.b13 is not None and self.b2 is not None else [])
+        """The slot tensors, [K, ...] each, in the order of `ExpertStore.tensors`."""
+        out = tensors_of(self.w13) + tensors_of(self.w2)
+        return out + ([self.b13, self.b2] if self.b13 is not None and self.b2 is not None else [])
 
     def slot(self, s: int) -> list[torch.Tensor]:
         """Every tensor of slot `s`, in the order of `ExpertStore.expert`."""
@@ -180,7 +194,7 @@ class ExpertSlots:
     def mark_used(self) -> None:
         """Called after a step's compute was queued: later copies into these slots must wait
         for it (CUDA), but need not wait for anything queued after it."""
-        if self.w13.is_cuda:
+        if self.slot_table.is_cuda:
             self._last_use = torch.cuda.Event()
             self._last_use.record()
 

@@ -3,6 +3,8 @@
     x:        [T, H]        token activations
     w13:      [S, 2I, H]    per slot: gate_proj rows, then up_proj rows
     w2:       [S, H, I]     per slot: down_proj
+                            (each a plain tensor, or quantized expert weights that are
+                            dequantized for the slots a call reads: engine/quant/stack.py)
     slot_ids: [T, k] int    the slot serving each (token, rank) pair; -1 = not in this call
     out:      [T*k, H]      row t*k + r receives down(silu(gate(x_t)) * up(x_t)) of slot
                             slot_ids[t, r]; rows of pairs with slot -1 are left untouched
@@ -24,6 +26,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from engine.quant.stack import ExpertWeight, dense_all, dense_at, dense_one, num_rows
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,7 @@ def _selected_by_slot(slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return pairs[order], slots[order]
 
 
-def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: torch.Tensor,
+def fused_moe_ref(x: torch.Tensor, w13: ExpertWeight, w2: ExpertWeight, slot_ids: torch.Tensor,
                   out: torch.Tensor, *, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                   act: ClampedSwiGLU | None = None) -> torch.Tensor:
     """Write each selected pair's expert output into `out` (see the module doc); returns `out`."""
@@ -74,39 +78,39 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids
     pairs, slots = _selected_by_slot(slot_ids)
     if pairs.numel() == 0:
         return out
-    counts = torch.bincount(slots, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(slots, minlength=num_rows(w13)).tolist()
     xs = x.index_select(0, pairs // k)  # [P, H], grouped by slot
     start = 0
     for s, n in enumerate(counts):
         if n == 0:
             continue
         chunk = xs[start:start + n]
-        h13 = F.linear(chunk, w13[s])
+        h13 = F.linear(chunk, dense_one(w13, s, x.dtype))
         if b13 is not None:
             h13 = h13 + b13[s]
         gate, up = h13.chunk(2, dim=-1)
-        y = F.linear(glu(gate, up, act), w2[s])
+        y = F.linear(glu(gate, up, act), dense_one(w2, s, x.dtype))
         out[pairs[start:start + n]] = y if b2 is None else y + b2[s]
         start += n
     return out
 
 
-def gathered_all(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: torch.Tensor, *,
+def gathered_all(x: torch.Tensor, w13: ExpertWeight, w2: ExpertWeight, slot_ids: torch.Tensor, *,
                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                  act: ClampedSwiGLU | None = None) -> torch.Tensor:
     """Every pair selected (no -1): each pair is one item of a batched matmul over its slot's
     gathered weights.  x: [T, H]; slot_ids: [T, k].  Returns [T*k, H]."""
     flat = slot_ids.reshape(-1)
     xs = x.repeat_interleave(slot_ids.shape[1], 0).unsqueeze(-1)  # [T*k, H, 1]
-    h13 = torch.bmm(w13.index_select(0, flat), xs).squeeze(-1)  # [T*k, 2I]
+    h13 = torch.bmm(dense_at(w13, flat, x.dtype), xs).squeeze(-1)  # [T*k, 2I]
     if b13 is not None:
         h13 = h13 + b13.index_select(0, flat)
     gate, up = h13.chunk(2, dim=-1)  # [T*k, I]
-    y = torch.bmm(w2.index_select(0, flat), glu(gate, up, act).unsqueeze(-1)).squeeze(-1)
+    y = torch.bmm(dense_at(w2, flat, x.dtype), glu(gate, up, act).unsqueeze(-1)).squeeze(-1)
     return y if b2 is None else y + b2.index_select(0, flat)
 
 
-def moe_gathered(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: torch.Tensor,
+def moe_gathered(x: torch.Tensor, w13: ExpertWeight, w2: ExpertWeight, slot_ids: torch.Tensor,
                  out: torch.Tensor, *, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                  act: ClampedSwiGLU | None = None, kernel: Callable[..., torch.Tensor] | None = None
                  ) -> torch.Tensor:
@@ -128,7 +132,7 @@ def moe_gathered(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids:
     return out
 
 
-def moe_padded(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: torch.Tensor,
+def moe_padded(x: torch.Tensor, w13: ExpertWeight, w2: ExpertWeight, slot_ids: torch.Tensor,
                out: torch.Tensor, cap: int, *, b13: torch.Tensor | None = None,
                b2: torch.Tensor | None = None, act: ClampedSwiGLU | None = None) -> torch.Tensor:
     """Same contract as `fused_moe_ref`, for a batch of decodes: pairs grouped by slot into
@@ -139,15 +143,16 @@ def moe_padded(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: t
     pairs, slots = _selected_by_slot(slot_ids)
     if pairs.numel() == 0:
         return out
-    counts = torch.bincount(slots, minlength=w13.shape[0])  # [S]
+    s = num_rows(w13)
+    counts = torch.bincount(slots, minlength=s)  # [S]
     rank = torch.arange(pairs.numel(), device=x.device) - (counts.cumsum(0) - counts)[slots]
-    grouped = x.new_zeros(w13.shape[0], cap, x.shape[1])  # [S, cap, H]
+    grouped = x.new_zeros(s, cap, x.shape[1])  # [S, cap, H]
     grouped[slots, rank] = x.index_select(0, pairs // k)
-    h13 = torch.bmm(grouped, w13.transpose(1, 2))  # [S, cap, 2I]
+    h13 = torch.bmm(grouped, dense_all(w13, x.dtype).transpose(1, 2))  # [S, cap, 2I]
     if b13 is not None:
         h13 = h13 + b13.unsqueeze(1)
     gate, up = h13.chunk(2, dim=-1)  # [S, cap, I]
-    y = torch.bmm(glu(gate, up, act), w2.transpose(1, 2))  # [S, cap, H]
+    y = torch.bmm(glu(gate, up, act), dense_all(w2, x.dtype).transpose(1, 2))  # [S, cap, H]
     if b2 is not None:
         y = y + b2.unsqueeze(1)
     out[pairs] = y[slots, rank]

@@ -12,8 +12,12 @@ The checkpoint (transformers' layout, bf16/fp16/fp32) stores each layer's expert
     mlp.experts.down_proj_bias     [E, H]
 
 and they run from the layout every family stacks to: w13 [E, 2I, H] (gate rows, then up
-rows), w2 [E, H, I], b13 [E, 2I] (gate, then up), b2 [E, H].  MXFP4 checkpoints (the
-published gpt-oss weights: `*_blocks` / `*_scales` expert tensors) are refused.
+rows), w2 [E, H, I], b13 [E, 2I] (gate, then up), b2 [E, H].
+
+The published gpt-oss weights are MXFP4 (`quantization_config.quant_method: mxfp4`): the
+experts' `gate_up_proj_blocks` / `_scales` [E, 2I, H/32, 16] / [E, 2I, H/32] (rows out, not
+transposed; gate and up interleaved the same way) and `down_proj_blocks` / `_scales`.  They stay
+MXFP4 (engine/quant/), the biases stay as published.
 """
 
 from __future__ import annotations
@@ -21,34 +25,21 @@ from __future__ import annotations
 import torch
 
 from engine.attention import TorchAttention
-from engine.checkpoint import CheckpointError
 from engine.config import ModelConfig
 from engine.experts.check import fingerprint
 from engine.kernels.fused_moe import ClampedSwiGLU
 from engine.models.decoder import DecoderModel, MoeBlock
 from engine.models.gqa import gqa_shapes, pop_gqa
-from engine.models.weights import Shapes, decoder_layer, decoder_shapes, finish, is_routed_expert, make_rope
-from engine.models.weights import ignorable as _plain_ignorable
+from engine.models.weights import Shapes, decoder_layer, decoder_shapes, finish, ignorable, is_routed_expert, make_rope
 from engine.moe import Experts, ExpertsFactory, LogitTopkRouter, ResidentExperts
+from engine.quant.load import LoadedTensors
+from engine.quant.stack import ExpertWeight, JoinedRows, QuantStack
 
-__all__ = ["assemble", "expected_tensors", "expert_bytes", "ignorable", "is_routed_expert", "stack_fused_experts"]
+__all__ = ["TRANSPOSED_EXPERTS", "assemble", "expected_tensors", "expert_bytes", "ignorable", "is_routed_expert",
+           "stack_fused_experts"]
 
-MXFP4_SUFFIXES = ("_blocks", "_scales")
-
-
-def _mxfp4_error(detail: str) -> CheckpointError:
-    return CheckpointError(
-        f"this gpt-oss checkpoint is MXFP4-quantized ({detail}): Tandem serves gpt-oss from "
-        "bfloat16, float16 or float32 weights only (quantized experts are not supported yet). "
-        "Use a bf16 copy, e.g. loaded with transformers' Mxfp4Config(dequantize=True) and saved "
-        "with save_pretrained")
-
-
-def check_supported(cfg: ModelConfig) -> None:
-    """Raise CheckpointError for an MXFP4 checkpoint (config.json quantization_config)."""
-    method = (cfg.raw.get("quantization_config") or {}).get("quant_method")
-    if method == "mxfp4":
-        raise _mxfp4_error("config.json quantization_config.quant_method='mxfp4'")
+# the dense expert weights are stored [E, in, out] (the loader reads a quantized one's parts as [E, out, in])
+TRANSPOSED_EXPERTS = True
 
 
 def _layer_windows(cfg: ModelConfig) -> list[int | None]:
@@ -84,9 +75,8 @@ def _attention_bias(cfg: ModelConfig) -> bool:
 
 
 def expected_tensors(cfg: ModelConfig) -> Shapes:
-    """Every tensor the checkpoint must hold, with the shape the config implies.
-    Raises CheckpointError for an MXFP4 checkpoint."""
-    check_supported(cfg)
+    """Every tensor the checkpoint must hold, with the shape the config implies (the dense
+    shape of a quantized one)."""
     if not cfg.num_experts:
         raise ValueError("gpt-oss config.json has no num_local_experts")
     h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
@@ -99,14 +89,6 @@ def expected_tensors(cfg: ModelConfig) -> Shapes:
                 q + "experts.gate_up_proj": (e, h, 2 * i), q + "experts.gate_up_proj_bias": (e, 2 * i),
                 q + "experts.down_proj": (e, i, h), q + "experts.down_proj_bias": (e, h)}
     return decoder_shapes(cfg, layer)
-
-
-def ignorable(cfg: ModelConfig, name: str) -> bool:
-    """Tensors some checkpoints carry that the runtime does not use.  Raises CheckpointError
-    on an MXFP4 expert tensor (a quantized checkpoint whose config.json does not say so)."""
-    if ".mlp.experts." in name and name.endswith(MXFP4_SUFFIXES):
-        raise _mxfp4_error(f"tensor {name}")
-    return _plain_ignorable(cfg, name)
 
 
 def expert_bytes(cfg: ModelConfig, element_size: int) -> int:
@@ -133,6 +115,23 @@ def stack_fused_experts(gate_up: torch.Tensor, gate_up_bias: torch.Tensor, down:
     return w13, w2, b13, b2, prints
 
 
+def _experts(t: dict[str, torch.Tensor], p: str, with_fingerprints: bool
+             ) -> tuple[ExpertWeight, ExpertWeight, torch.Tensor, torch.Tensor, list[int]]:
+    """Pop one layer's experts `{p}gate_up_proj...` from `t`: `stack_fused_experts`, or for
+    MXFP4 experts kept quantized (in `t.quantized`) the published parts as they are."""
+    if not (isinstance(t, LoadedTensors) and p + "gate_up_proj" in t.quantized):
+        return stack_fused_experts(t.pop(p + "gate_up_proj"), t.pop(p + "gate_up_proj_bias"),
+                                   t.pop(p + "down_proj"), t.pop(p + "down_proj_bias"), with_fingerprints)
+    gate_up, down = t.quantized.pop(p + "gate_up_proj"), t.quantized.pop(p + "down_proj")
+    gate_up_bias, down_bias = t.pop(p + "gate_up_proj_bias"), t.pop(p + "down_proj_bias")
+    b13 = torch.cat((gate_up_bias[:, ::2], gate_up_bias[:, 1::2]), dim=1).contiguous()
+    prints = [fingerprint(*(part[e] for part in gate_up.tensors() + down.tensors()),
+                          gate_up_bias[e][::2], gate_up_bias[e][1::2], down_bias[e])
+              for e in range(b13.shape[0])] if with_fingerprints else []
+    w13 = JoinedRows([QuantStack(gate_up.fmt, gate_up.parts, gate_up.out, gate_up.in_)], interleaved=True)
+    return w13, QuantStack(down.fmt, down.parts, down.out, down.in_), b13, down_bias.contiguous(), prints
+
+
 def kernel_variants(cfg: ModelConfig) -> set[str]:
     return {"window", "sinks", "clamped_swiglu"}
 
@@ -143,7 +142,6 @@ def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], attention: TorchAtten
 
     `make_experts(layer, w13, w2, fingerprints, b13=, b2=, act=)` builds each layer's experts
     (default: all resident, run by the Triton kernel when `moe_triton`).  Consumes `t`."""
-    check_supported(cfg)
     rope = make_rope(cfg, t["model.embed_tokens.weight"].device)
     act, bias = _activation(cfg), _attention_bias(cfg)
     layers = []
@@ -152,9 +150,7 @@ def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], attention: TorchAtten
         attn = pop_gqa(cfg, t, p, rope, bias=bias, o_bias=bias, window=window, sinks=t.pop(p + "self_attn.sinks"))
         q = p + "mlp."
         router = LogitTopkRouter(t.pop(q + "router.weight"), t.pop(q + "router.bias"), cfg.num_experts_per_tok)
-        w13, w2, b13, b2, prints = stack_fused_experts(
-            t.pop(q + "experts.gate_up_proj"), t.pop(q + "experts.gate_up_proj_bias"),
-            t.pop(q + "experts.down_proj"), t.pop(q + "experts.down_proj_bias"), make_experts is not None)
+        w13, w2, b13, b2, prints = _experts(t, q + "experts.", make_experts is not None)
         experts: Experts = (make_experts(li, w13, w2, prints, b13=b13, b2=b2, act=act) if make_experts
                             else ResidentExperts(w13, w2, moe_triton, b13=b13, b2=b2, act=act))
         layers.append(decoder_layer(t, p, attn, MoeBlock(router, experts)))

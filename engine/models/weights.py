@@ -17,6 +17,8 @@ from engine.config import ModelConfig
 from engine.experts.check import fingerprint
 from engine.models.decoder import DecoderLayer, DecoderModel, DenseMlp, Mixer, MoeBlock
 from engine.moe import Experts, ExpertsFactory, GroupedSigmoidRouter, ResidentExperts
+from engine.quant.load import LoadedTensors, QuantParts
+from engine.quant.stack import ExpertWeight, JoinedRows, QuantStack
 from engine.rope import Rope, rope_params
 
 __all__ = ["ExpertNames", "ExpertsFactory", "Shapes", "build_experts", "decoder_layer", "decoder_shapes",
@@ -113,11 +115,14 @@ def expert_names(prefix: str, names: tuple[str, str, str] = SILU_NAMES) -> Exper
 
 
 def stack_experts(t: dict[str, torch.Tensor], names: ExpertNames, num_experts: int,
-                  with_fingerprints: bool) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+                  with_fingerprints: bool) -> tuple[ExpertWeight, ExpertWeight, list[int]]:
     """Pop every expert's gate/up/down from `t` into w13 [E, 2I, H] and w2 [E, H, I], with
     each expert's fingerprint over the checkpoint's own tensors (before stacking, so a
-    stacking bug that mixes experts is caught by the independence check)."""
+    stacking bug that mixes experts is caught by the independence check).  Experts the
+    loader kept quantized (`t.quantized`) stack into quantized weights, their parts as published."""
     gate0, _, down0 = names(0)
+    if isinstance(t, LoadedTensors) and gate0 in t.quantized:
+        return stack_quantized_experts(t.quantized, names, num_experts, with_fingerprints)
     i, h = t[gate0].shape
     first = t[down0]
     w13 = torch.empty(num_experts, 2 * i, h, dtype=first.dtype, device=first.device)
@@ -129,6 +134,30 @@ def stack_experts(t: dict[str, torch.Tensor], names: ExpertNames, num_experts: i
             prints.append(fingerprint(gate, up, down))
         w13[e, :i], w13[e, i:], w2[e] = gate, up, down
     return w13, w2, prints
+
+
+def stack_quantized_experts(q: dict[str, QuantParts], names: ExpertNames, num_experts: int,
+                            with_fingerprints: bool) -> tuple[ExpertWeight, ExpertWeight, list[int]]:
+    """`stack_experts` for quantized experts: each of gate, up and down stacked part by part
+    over the experts (w13 joins gate's and up's rows); an expert's fingerprint covers every
+    part of its three linears, in the format's order."""
+    linears: list[list[QuantParts]] = [[], [], []]    # gate, up, down; expert by expert
+    prints = []
+    for e in range(num_experts):
+        three = [q.pop(n) for n in names(e)]
+        if with_fingerprints:
+            prints.append(fingerprint(*(p for lin in three for p in lin.tensors())))
+        for stacked, lin in zip(linears, three):
+            stacked.append(lin)
+    gate, up, down = (_stack(lins) for lins in linears)
+    return JoinedRows([gate, up]), down, prints
+
+
+def _stack(linears: list[QuantParts]) -> QuantStack:
+    """One linear of every expert, each part stacked over the experts ([E, ...])."""
+    first = linears[0]
+    parts = {s: torch.stack([lin.parts[s] for lin in linears]) for s in first.fmt.parts()}
+    return QuantStack(first.fmt, parts, first.out, first.in_)
 
 
 def build_experts(layer: int, t: dict[str, torch.Tensor], names: ExpertNames, num_experts: int,
