@@ -7,10 +7,12 @@ with `--json`, as one JSON object for operators and scripts:
                   "transfer_endpoint": "grpc://10.0.0.7:50061", "tls": true,
                   "health": "ok", "running": 0, "draining": false, "requests_drained": 0,
                   "kv_tokens_used": 0, "kv_tokens_capacity": 8192,
-                  "expert_hit_rate": 0.93, "cache_pages": 120, "cache_hit_tokens": 30720,
+                  "expert_hit_rate": 0.93, "expert_formats": ["gptq int4 g128 sym"],
+                  "cache_pages": 120, "cache_hit_tokens": 30720,
                   "cache_query_tokens": 40960, "cache_evictions": 0}, ...]}
 
-`transfer_endpoint` is where prefill pushes KV to a decode worker (null on a prefill worker);
+`expert_formats` names how its MoE layers hold their routed experts (a dtype, or a quantized
+format: engine/quant/); `transfer_endpoint` is where prefill pushes KV to a decode worker (null on a prefill worker);
 `tls` whether its services run mutual TLS; `health` is "ok" or the gRPC status
 name of a worker that did not answer (then the numbers are null); `running` its requests in
 the batch now; `draining` whether it is
@@ -71,6 +73,7 @@ def read_stats(w: dict) -> dict[str, Any]:
         return {"health": "ok", "running": s.running, "draining": s.draining, "requests_drained": s.requests_drained,
                 "kv_tokens_used": s.kv_tokens_used, "kv_tokens_capacity": s.kv_tokens_capacity,
                 "expert_hit_rate": hits / (hits + misses) if hits + misses else None,
+                "expert_formats": sorted({e.format for e in s.experts}),
                 "cache_pages": s.kv_pages_cached, "cache_hit_tokens": s.cache_hit_tokens,
                 "cache_query_tokens": s.cache_query_tokens, "cache_evictions": s.cache_evictions}
     except Exception as e:  # no such actor, the actor or the worker does not answer
@@ -78,7 +81,7 @@ def read_stats(w: dict) -> dict[str, Any]:
         code = cause.code().name.lower() if isinstance(cause, grpc.RpcError) else type(cause).__name__.lower()
         return {"health": code, "running": None, "draining": None, "requests_drained": None,
                 "kv_tokens_used": None, "kv_tokens_capacity": None,
-                "expert_hit_rate": None, "cache_pages": None, "cache_hit_tokens": None,
+                "expert_hit_rate": None, "expert_formats": None, "cache_pages": None, "cache_hit_tokens": None,
                 "cache_query_tokens": None, "cache_evictions": None}
 
 
@@ -89,7 +92,8 @@ def format_json(reports: list[WorkerReport]) -> str:
 def format_text(reports: list[WorkerReport]) -> str:
     lines = [f"{'worker':14s} {'role':10s} {'node':15s} {'address':22s} {'health':8s} {'draining':8s} "
              f"{'KV used/capacity':>22s} "
-             f"{'expert hit rate':>15s} {'cache pages':>11s} {'cache hit/query tokens':>24s} {'evictions':>9s}"]
+             f"{'expert hit rate':>15s} {'cache pages':>11s} {'cache hit/query tokens':>24s} {'evictions':>9s} "
+             "experts"]
     for r in reports:
         kv = f"{r['kv_tokens_used']}/{r['kv_tokens_capacity']}" if r["kv_tokens_capacity"] is not None else "-"
         rate = f"{r['expert_hit_rate']:.3f}" if r["expert_hit_rate"] is not None else "-"
@@ -99,5 +103,6 @@ def format_text(reports: list[WorkerReport]) -> str:
         evicted = str(r["cache_evictions"]) if known else "-"
         draining = "-" if r.get("draining") is None else "yes" if r["draining"] else "no"
         lines.append(f"{r['worker_id']:14s} {r['role']:10s} {r['node_ip'] or '-':15s} {r['address']:22s} "
-                     f"{r['health'][:8]:8s} {draining:8s} {kv:>22s} {rate:>15s} {pages:>11s} {hits:>24s} {evicted:>9s}")
+                     f"{r['health'][:8]:8s} {draining:8s} {kv:>22s} {rate:>15s} {pages:>11s} {hits:>24s} {evicted:>9s} "
+                     f"{', '.join(r.get('expert_formats') or []) or '-'}")
     return "\n".join(lines)

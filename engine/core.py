@@ -284,6 +284,10 @@ class EngineCore:
         for e in self.paged_experts().values():
             e.slots.verify_on_use = on
 
+    def expert_formats(self) -> dict[int, str]:
+        """MoE layer index -> its routed experts' storage format (a dtype or a quantized format)."""
+        return self.model.expert_formats()
+
     def expert_stats(self) -> dict[int, dict]:
         """Per paged MoE layer: hits, misses, hit_rate, bytes_paged, waves, steps, prefetch counters."""
         return {i: e.counters.as_dict() for i, e in self.paged_experts().items()}

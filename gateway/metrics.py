@@ -48,6 +48,11 @@ class Metrics:
                                      labels, registry=r)
         self.expert_misses = Gauge("tandem_worker_expert_misses", "Paged experts: misses", labels, registry=r)
         self.expert_hits = Gauge("tandem_worker_expert_hits", "Paged experts: hits", labels, registry=r)
+        self.expert_bytes_paged = Gauge("tandem_worker_expert_bytes_paged", "Paged experts: bytes copied into "
+                                        "device slots (page-ins and prefetches)", labels, registry=r)
+        self.expert_format = Gauge("tandem_worker_expert_format_info", "1 per MoE layer: how its routed experts "
+                                   "are held (a dtype or a quantized format) and whether they are paged",
+                                   labels + ["layer", "format", "paged"], registry=r)
         self.unauthenticated = Gauge("tandem_worker_rpc_unauthenticated",
                                      "Calls the worker refused for missing, bad, stale or replayed credentials",
                                      labels, registry=r)
@@ -97,6 +102,9 @@ class Metrics:
             hits = sum(e.hits for e in s.experts)
             misses = sum(e.misses for e in s.experts)
             self.expert_hits.labels(*lab).set(hits)
+            self.expert_bytes_paged.labels(*lab).set(sum(e.bytes_paged for e in s.experts))
+            for e in s.experts:
+                self.expert_format.labels(*lab, str(e.layer), e.format, "true" if e.paged else "false").set(1)
             self.cache_query_tokens.labels(*lab).set(s.cache_query_tokens)
             self.cache_hit_tokens.labels(*lab).set(s.cache_hit_tokens)
             self.kv_pages_cached.labels(*lab).set(s.kv_pages_cached)

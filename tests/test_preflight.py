@@ -38,18 +38,27 @@ def test_preflight_refuses_a_budget_too_small(capsys):
 # models/published/<name>/config.json: the published config.json of each real model.  By hand,
 # at bf16 (2 bytes): KV per token = layers x components x kv_heads x head_dim x 2 (MLA: one
 # kv_lora_rank + qk_rope_head_dim row); one routed expert = gate, up and down (H x I each) plus,
-# for gpt-oss, its biases (2I + H).
+# for gpt-oss, its biases (2I + H), held as the checkpoint publishes them:
+#   block fp8 (DeepSeek-V3, Kimi-K2): 1 byte a weight + an fp32 scale per 128 x 128 block
+#     (gate/up [2048, 7168] and down [7168, 2048]: 16 x 56 blocks each);
+#   mxfp4 (gpt-oss): 16 bytes of 32 values + a 1-byte exponent per 32 inputs, for gate_up
+#     [2I, H] and down [H, I] (rows x 90 blocks x 17 bytes); the biases bf16;
+#   GPTQ int4 g128 (Qwen3-30B-A3B): qweight in/8 x out int32, qzeros in/128 x out/8 int32,
+#     scales in/128 x out fp16, g_idx in int32: gate/up (out 768, in 2048) 825,344 bytes each,
+#     down (out 2048, in 768) 820,224.
 PUBLISHED = Path(__file__).resolve().parent.parent / "models" / "published"
 BY_HAND = {
     #                      KV bytes per token     bytes per routed expert               E    top_k MoE layers
-    "deepseek-v3":       (61 * 1 * 1 * 576 * 2, 3 * 7168 * 2048 * 2,                  256, 8, 58),
-    "kimi-k2":           (61 * 1 * 1 * 576 * 2, 3 * 7168 * 2048 * 2,                  384, 8, 60),
+    "deepseek-v3":       (61 * 1 * 1 * 576 * 2, 3 * (7168 * 2048 + 56 * 16 * 4),      256, 8, 58),
+    "kimi-k2":           (61 * 1 * 1 * 576 * 2, 3 * (7168 * 2048 + 56 * 16 * 4),      384, 8, 60),
     "glm-4.5":           (92 * 2 * 8 * 128 * 2, 3 * 5120 * 1536 * 2,                  160, 8, 89),
     "glm-4.5-air":       (46 * 2 * 8 * 128 * 2, 3 * 4096 * 1408 * 2,                  128, 8, 45),
     "mixtral-8x7b":      (32 * 2 * 8 * 128 * 2, 3 * 4096 * 14336 * 2,                 8, 2, 32),
     "qwen1.5-moe-a2.7b": (24 * 2 * 16 * 128 * 2, 3 * 2048 * 1408 * 2,                 60, 4, 24),
-    "gpt-oss-20b":       (24 * 2 * 8 * 64 * 2, (3 * 2880 * 2880 + 2 * 2880 + 2880) * 2, 32, 4, 24),
-    "gpt-oss-120b":      (36 * 2 * 8 * 64 * 2, (3 * 2880 * 2880 + 2 * 2880 + 2880) * 2, 128, 4, 36),
+    "gpt-oss-20b":       (24 * 2 * 8 * 64 * 2, 3 * 2880 * 90 * 17 + (2 * 2880 + 2880) * 2, 32, 4, 24),
+    "gpt-oss-120b":      (36 * 2 * 8 * 64 * 2, 3 * 2880 * 90 * 17 + (2 * 2880 + 2880) * 2, 128, 4, 36),
+    "qwen3-30b-a3b":     (48 * 2 * 4 * 128 * 2, 3 * 2048 * 768 * 2,                  128, 8, 48),
+    "qwen3-30b-a3b-gptq-int4": (48 * 2 * 4 * 128 * 2, 2 * 825_344 + 820_224,          128, 8, 48),
 }
 
 
@@ -97,10 +106,19 @@ def test_preflight_text_names_the_kv_geometry(capsys):
     assert "KV cache: 131,072 bytes per token (K and V of 8 KV heads x 128 per layer)" in capsys.readouterr().out
 
 
-def test_a_quantized_checkpoint_is_sized_as_its_serving_copy(capsys):
+def test_a_quantized_checkpoint_is_sized_as_published(capsys):
+    """Routed experts in the checkpoint's format (the host store, the slots, the link bound),
+    everything else at the serving dtype; the text says which."""
     r = preflight(PUBLISHED / "deepseek-v3", memory_gib=139, link_bytes_per_s=50e9)
-    assert r["checkpoint_quantization"] == "fp8" and r["bytes_per_expert"] == 3 * 7168 * 2048 * 2
+    assert r["expert_format"] == "fp8-block 128x128" and r["checkpoint_quantization"].startswith("fp8 (")
+    plain = preflight(PUBLISHED / "qwen3-30b-a3b", memory_gib=139, link_bytes_per_s=5e9)
+    int4 = preflight(PUBLISHED / "qwen3-30b-a3b-gptq-int4", memory_gib=139, link_bytes_per_s=5e9)
+    assert int4["host_store_bytes"] / plain["host_store_bytes"] == pytest.approx(2_470_912 / 9_437_184)
+    assert int4["non_expert_bytes"] == plain["non_expert_bytes"]        # dequantized at load
+    # the link allows 9,437,184 / 2,470,912 = 3.8x the misses
+    assert int4["max_miss_rate_for_target"] == pytest.approx(plain["max_miss_rate_for_target"] * 9_437_184 / 2_470_912)
     assert main(["preflight", "--model", str(PUBLISHED / "gpt-oss-20b"), "--memory-gib", "139",
                  "--link-gbps", "400"]) == 0
-    assert ("the checkpoint is mxfp4-quantized: sizes below are for its bfloat16 serving copy (mxfp4 "
-            "checkpoints are not served yet: convert to bfloat16 first)") in capsys.readouterr().out
+    assert ("the checkpoint is quantized (mxfp4 (mxfp4, not converted: model.layers.*.self_attn, "
+            "model.layers.*.mlp.router, model.embed_tokens, lm_head)): routed experts are held and paged as "
+            "mxfp4, every other weight is served at bfloat16") in capsys.readouterr().out

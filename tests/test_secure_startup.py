@@ -147,15 +147,17 @@ REGISTRY = [
 def _fake_stats(w: dict) -> dict:
     if w["role"] == "prefill":
         return {"health": "unavailable", "kv_tokens_used": None, "kv_tokens_capacity": None, "expert_hit_rate": None}
-    return {"health": "ok", "kv_tokens_used": 32, "kv_tokens_capacity": 16384, "expert_hit_rate": 0.75}
+    return {"health": "ok", "kv_tokens_used": 32, "kv_tokens_capacity": 16384, "expert_hit_rate": 0.75,
+            "expert_formats": ["gptq int4 g128 sym"]}
 
 
 def test_status_json_lists_every_worker():
     out = json.loads(format_json([worker_report(w, _fake_stats) for w in REGISTRY]))
     assert [w["worker_id"] for w in out["workers"]] == ["decode-0", "prefill-0"]
     for w in out["workers"]:
-        assert set(w) == {"worker_id", "role", "node_ip", "node_id", "address", "transfer_endpoint", "tls", "health",
-                          "kv_tokens_used", "kv_tokens_capacity", "expert_hit_rate"}
+        assert set(w) - {"expert_formats"} == {"worker_id", "role", "node_ip", "node_id", "address",
+                                               "transfer_endpoint", "tls", "health", "kv_tokens_used",
+                                               "kv_tokens_capacity", "expert_hit_rate"}
         assert w["tls"] is True
     decode, prefill = out["workers"]
     assert (decode["role"], decode["health"], decode["kv_tokens_used"], decode["kv_tokens_capacity"]) == \
@@ -167,7 +169,7 @@ def test_status_json_lists_every_worker():
 def test_status_text_keeps_the_table():
     lines = format_text([worker_report(w, _fake_stats) for w in REGISTRY]).splitlines()
     assert lines[0].split()[:5] == ["worker", "role", "node", "address", "health"]
-    assert "32/16384" in lines[1] and "0.750" in lines[1]
+    assert "32/16384" in lines[1] and "0.750" in lines[1] and lines[1].endswith("gptq int4 g128 sym")
     assert lines[2].split()[4] == "unavailab"[:8] and lines[2].rstrip().endswith("-")
 
 

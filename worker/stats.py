@@ -94,7 +94,10 @@ def stats(core: EngineCore, role: Role, running: int, waiting: int, waiting_toke
         kv_pages_cached=pool.num_cached, kv_pages_evictable=pool.num_evictable, cache_evictions=pool.evictions,
         transfer_bytes_accepted=transfer_bytes, draining=draining, requests_drained=drained)
     reply.transfers_refused.update(refused or {})
-    for layer, c in core.expert_stats().items():
-        reply.experts.append(wpb.ExpertLayerStats(layer=layer, hits=c["hits"], misses=c["misses"],
-                                                  bytes_paged=c["bytes_paged"], waves=c["waves"]))
+    paged = core.expert_stats()
+    for layer, fmt in core.expert_formats().items():    # every MoE layer; counters where paged
+        c = paged.get(layer, {})
+        reply.experts.append(wpb.ExpertLayerStats(layer=layer, hits=c.get("hits", 0), misses=c.get("misses", 0),
+                                                  bytes_paged=c.get("bytes_paged", 0), waves=c.get("waves", 0),
+                                                  format=fmt, paged=layer in paged))
     return reply

@@ -1,7 +1,9 @@
 """What paged experts cost and buy on a device, before anything is loaded.
 
 `preflight(...)` reads only config.json: every size comes from the architecture's family
-module (its expected tensors, which of them are routed experts, and one expert's bytes), the
+module (its expected tensors and which of them are routed experts) and, for a quantized
+checkpoint, its format (engine/quant/formats.py): routed experts are sized, held and paged in
+their quantized bytes, every other weight at the serving dtype (the loader dequantizes them), the
 KV bytes per token from the model's KV geometry (K and V per KV head, or one MLA latent row),
 and the link speed from a measured copy.  Everything that is not a routed expert (attention,
 embeddings, dense layers, routers, shared experts) stays resident on the device.
@@ -12,13 +14,15 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import torch
 
 from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.models import spec_for
 from engine.options import default_of
+from engine.quant.formats import LinearFormat, quant_config
+from engine.quant.load import dims
 
 PROBE_BYTES = 256 << 20
 
@@ -28,6 +32,7 @@ class PreflightReport(TypedDict):
     model: str
     dtype: str
     checkpoint_quantization: str | None
+    expert_format: str
     device: str
     memory_gib: float
     num_experts: int
@@ -86,17 +91,18 @@ def preflight(model: str | Path, memory_gib: float, dtype: str = "bfloat16", dev
     """Sizes, costs and a recommended K.  Raises ValueError when the budget cannot hold the
     non-expert weights plus top_k slots per layer."""
     loaded = ModelConfig.from_path(model)
-    # sized as served: at `dtype`, whatever the checkpoint's own quantization (fp8 is dequantized
-    # at load; other methods are refused by `tandem serve`, and the report says so)
-    quantization = (loaded.raw.get("quantization_config") or {}).get("quant_method")
+    # sized as served: routed experts in the checkpoint's quantized format, everything else at
+    # `dtype` (the loader dequantizes the rest)
+    quant = quant_config(loaded.raw)
+    fmt = quant.format if quant is not None else None
     cfg = ModelConfig.from_dict({k: v for k, v in loaded.raw.items() if k != "quantization_config"})
     if not cfg.moe_layers:
         raise ValueError(f"{model} has no MoE layers: nothing to page")
     elt = torch.empty((), dtype=parse_dtype(dtype)).element_size()
     family = spec_for(cfg.architecture)
     shapes = family.expected_tensors(cfg)
-    expert_bytes = family.expert_bytes(cfg, elt)
     layers = len(cfg.moe_layers)
+    expert_bytes = routed_bytes(family, shapes, fmt, elt) // (cfg.num_experts * layers)
     keeps_fp32 = getattr(family, "keeps_fp32", None) or (lambda name: False)  # loaded in fp32, as served
     dense_bytes = sum(math.prod(s) * (4 if keeps_fp32(n) else elt)
                       for n, s in shapes.items() if not family.is_routed_expert(n))
@@ -118,7 +124,9 @@ def preflight(model: str | Path, memory_gib: float, dtype: str = "bfloat16", dev
     kv_left = budget - dense_bytes - recommended * slot_bytes
     kv_left_top_k = budget - dense_bytes - top_k * slot_bytes
     return {
-        "model": str(model), "dtype": dtype, "checkpoint_quantization": quantization,
+        "model": str(model), "dtype": dtype,
+        "checkpoint_quantization": quant.describe() if quant is not None else None,
+        "expert_format": fmt.describe() if fmt is not None else dtype,
         "device": device, "memory_gib": memory_gib,
         "num_experts": e, "top_k": top_k, "moe_layers": layers, "kv_geometry": list(cfg.kv_geometry),
         "bytes_per_expert": expert_bytes, "slot_cost_bytes": slot_bytes,
@@ -134,6 +142,23 @@ def preflight(model: str | Path, memory_gib: float, dtype: str = "bfloat16", dev
     }
 
 
+def routed_bytes(family: Any, shapes: dict[str, tuple[int, ...]], fmt: LinearFormat | None, elt: int) -> int:
+    """All routed experts' bytes as held: each linear weight in `fmt` (when the checkpoint is
+    quantized), every other routed tensor (gpt-oss's biases) at `elt` bytes an element."""
+    transposed = getattr(family, "TRANSPOSED_EXPERTS", False)
+    total = 0
+    for name, shape in shapes.items():
+        if not family.is_routed_expert(name):
+            continue
+        linear = (name.endswith(".weight") and len(shape) == 2) or (transposed and len(shape) == 3)
+        if fmt is not None and linear:
+            lead, out, in_ = dims(shape, transposed)
+            total += math.prod(lead) * fmt.nbytes(out, in_)
+        else:
+            total += math.prod(shape) * elt
+    return total
+
+
 def _size(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
@@ -141,9 +166,8 @@ def _size(n: float) -> str:
 def render(r: PreflightReport) -> str:
     quant = r["checkpoint_quantization"]
     return "\n".join(([] if quant is None else [
-        f"the checkpoint is {quant}-quantized: sizes below are for its {r['dtype']} serving copy"
-        + (" (dequantized at load)" if quant == "fp8" else f" ({quant} checkpoints are not served yet: "
-                                                           f"convert to {r['dtype']} first)")]) + [
+        f"the checkpoint is quantized ({quant}): routed experts are held and paged as {r['expert_format']}, "
+        f"every other weight is served at {r['dtype']}"]) + [
         f"model {r['model']} ({r['dtype']}): {r['num_experts']} experts x {r['moe_layers']} MoE layers, "
         f"top_k {r['top_k']}",
         f"one expert: {_size(r['bytes_per_expert'])}; one slot in every layer: "

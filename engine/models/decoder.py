@@ -21,6 +21,7 @@ from engine.experts.paged import PagedExperts
 from engine.forward_batch import ForwardBatch
 from engine.layers import rms_norm
 from engine.moe import Experts, Router, combine
+from engine.quant.stack import weight_format
 from engine.rope import Rope
 
 # A prefetch that guesses wrong holds the link when a demand page-in arrives.  Measured on
@@ -195,6 +196,16 @@ class DecoderModel:
         """Layer -> its paged experts (empty when every expert is resident)."""
         return {i: layer.mlp.experts for i, layer in enumerate(self.layers)
                 if isinstance(layer.mlp, MoeBlock) and isinstance(layer.mlp.experts, PagedExperts)}
+
+    def expert_formats(self) -> dict[int, str]:
+        """MoE layer -> how its routed experts are held: a dtype ("bfloat16") or a quantized
+        format ("gptq int4 g128"), resident or paged alike."""
+        out = {}
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, MoeBlock):
+                e = layer.mlp.experts
+                out[i] = e.slots.store.format if isinstance(e, PagedExperts) else weight_format(getattr(e, "w13"))
+        return out
 
     def _prefetch(self, x: torch.Tensor, nxt: int) -> None:
         """Predict layer `nxt`'s experts by applying its router to the residual stream as
