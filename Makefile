@@ -17,7 +17,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
-install: $(VENV)/.installed
+# the shipped model's GPTQ int4 copy (routed experts quantized): `tandem serve --model models/tiny-moe-int4`
+QUANT_DEMO := models/tiny-moe-int4/config.json
+$(QUANT_DEMO): $(VENV)/.installed models/tiny-moe/model.safetensors
+	rm -rf models/tiny-moe-int4
+	$(PY) -m deploy.cli quantize --format gptq-int4 --out models/tiny-moe-int4
+
+install: $(VENV)/.installed $(QUANT_DEMO)
 
 serve: install
 	$(PY) -m deploy.cli serve

@@ -79,6 +79,19 @@ def _preflight(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quantize(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from engine.config import SHIPPED_MODEL
+    from engine.quant.pack import quantize_checkpoint
+    from engine.quant.presets import preset
+    fmt = preset(args.format, args.group_size)
+    out = Path(args.out)
+    count = quantize_checkpoint(args.model or SHIPPED_MODEL, out, fmt, experts_only=not args.all_linears)
+    print(f"tandem: wrote {out} ({fmt.describe()}, {count} linears quantized; serve it with --model {out})")
+    return 0
+
+
 def _certs(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -105,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=lambda a: __import__("deploy.status", fromlist=["status"]).status(a.address, a.json))
     add_drain_parser(sub)
     add_preflight_parser(sub)
+    add_quantize_parser(sub)
     ct = sub.add_parser("certs", help="a cluster CA and one certificate per process, for workers run as plain "
                         "processes (python -m deploy.worker --tls-dir DIR/NAME)", formatter_class=DefaultsShown)
     ct.add_argument("dir", help="where to write NAME/{ca,cert,key}.pem (files 0600, directories 0700)")
@@ -146,6 +160,21 @@ def add_preflight_parser(sub: argparse._SubParsersAction) -> None:
                      help="use this link speed, in Gbit/s, instead of measuring (default: measured)")
     pre.add_argument("--json", action="store_true", help="the report as JSON")
     pre.set_defaults(func=_preflight)
+
+
+def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
+    from engine.quant.presets import PRESETS
+    qz = sub.add_parser("quantize", help="write a quantized copy of a checkpoint in a published layout (round to "
+                        "nearest, no calibration)", formatter_class=DefaultsShown)
+    qz.add_argument("--model", default=None, help="HF checkpoint directory (default: the shipped tiny-moe)")
+    qz.add_argument("--format", required=True, choices=sorted(PRESETS), help="the layout to write")
+    qz.add_argument("--out", required=True, help="the new checkpoint's directory (must not exist or be empty)")
+    qz.add_argument("--group-size", type=int, default=None,
+                    help="input columns per scale for the int formats (gptq, awq, ct): -1 for one group per row "
+                    "(default: the format's, 128; it must divide the input size for awq and ct)")
+    qz.add_argument("--all-linears", action="store_true",
+                    help="quantize attention and dense MLPs too (default: the routed experts only)")
+    qz.set_defaults(func=_quantize)
 
 
 def add_drain_parser(sub: argparse._SubParsersAction) -> None:
@@ -240,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         status: int = args.func(args)
         return status
-    except (ValueError, FileNotFoundError, json.JSONDecodeError) as err:
+    except (ValueError, FileNotFoundError, FileExistsError, json.JSONDecodeError) as err:
         print(f"tandem: error: {err}", file=sys.stderr)
         return 2
 
