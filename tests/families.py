@@ -71,8 +71,14 @@ def randomise(model: torch.nn.Module, seed: int) -> None:
 
 def tiny_checkpoint(family: str, path: Path, seed: int = 0) -> Path:
     """`save_pretrained` of a randomised tiny model of `family` in fp32, plus the shipped tokenizer."""
+    return write_checkpoint(hf_config(family), path, seed)
+
+
+def write_checkpoint(config: Any, path: Path, seed: int = 0) -> Path:
+    """`save_pretrained` of a randomised model of the transformers `config` in fp32, plus the
+    shipped tokenizer."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(family), dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomise(model, seed)
     model.save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):

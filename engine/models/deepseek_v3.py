@@ -24,9 +24,9 @@ from engine.models.weights import (
     finish,
     grouped_moe,
     grouped_moe_shapes,
+    ignorable,
     is_routed_expert,
 )
-from engine.models.weights import ignorable as _plain_ignorable
 from engine.models.weights import keeps_router_fp32 as keeps_fp32
 from engine.models.weights import silu_expert_bytes as expert_bytes
 from engine.rope import Rope, rope_params
@@ -83,12 +83,6 @@ def expected_tensors(cfg: ModelConfig) -> Shapes:
     """Every tensor the checkpoint must hold, with the shape the config implies."""
     check_supported(cfg)
     return decoder_shapes(cfg, lambda li, p: {**_attention_shapes(cfg, p), **grouped_moe_shapes(cfg, li, p)})
-
-
-def ignorable(cfg: ModelConfig, name: str) -> bool:
-    """Tensors some checkpoints carry that the runtime does not use (transformers writes the
-    shared experts with zero rows when n_shared_experts is 0)."""
-    return _plain_ignorable(cfg, name) or (not cfg.num_shared_experts and ".mlp.shared_experts." in name)
 
 
 def make_rope(cfg: ModelConfig, device: torch.device | str) -> Rope:

@@ -1,4 +1,5 @@
-"""Qwen3-MoE (`Qwen3MoeForCausalLM`): GQA attention with per-head q/k RMSNorm and RoPE, sparse
+"""Qwen3-MoE (`Qwen3MoeForCausalLM`): GQA attention with per-head q/k RMSNorm and RoPE, q/k/v/o
+biases when `attention_bias`, a sliding window on every layer when `use_sliding_window`; sparse
 MoE layers (softmax top-k router, optional norm_topk_prob) and optional dense layers
 (mlp_only_layers, decoder_sparse_step).  The checkpoint's names and shapes (HF layout) and
 how they are fused: q/k/v as one matrix, each MoE layer's experts stacked."""
@@ -29,13 +30,31 @@ from engine.models.weights import (
 from engine.models.weights import silu_expert_bytes as expert_bytes
 from engine.moe import SoftmaxRouter
 
-__all__ = ["assemble", "expected_tensors", "expert_bytes", "ignorable", "is_routed_expert"]
+__all__ = ["assemble", "expected_tensors", "expert_bytes", "ignorable", "is_routed_expert", "sliding_window"]
+
+
+def _attention_bias(cfg: ModelConfig) -> bool:
+    """q/k/v and output biases (transformers' default: off)."""
+    return bool(cfg.raw.get("attention_bias", False))
+
+
+def sliding_window(cfg: ModelConfig) -> int | None:
+    """The window every layer attends over (None: full causal attention).  transformers'
+    Qwen3MoeConfig keeps `sliding_window` only with `use_sliding_window` and then windows every
+    layer (it reads no max_window_layers, unlike Qwen2-MoE)."""
+    window = cfg.raw.get("sliding_window")
+    return int(window) if cfg.raw.get("use_sliding_window") and window else None
+
+
+def kernel_variants(cfg: ModelConfig) -> set[str]:
+    return {"window"} if sliding_window(cfg) else set()
 
 
 def expected_tensors(cfg: ModelConfig) -> Shapes:
     """Every tensor the checkpoint must hold, with the shape the config implies."""
     def layer(li: int, p: str) -> Shapes:
-        out = gqa_shapes(cfg, p, qk_norm=True)
+        bias = _attention_bias(cfg)
+        out = gqa_shapes(cfg, p, bias=bias, o_bias=bias, qk_norm=True)
         if cfg.is_moe_layer(li):
             out[p + "mlp.gate.weight"] = (cfg.num_experts, cfg.hidden_size)
             out.update(experts_shapes(cfg, p + "mlp.experts."))
@@ -54,10 +73,11 @@ def assemble(cfg: ModelConfig, t: dict[str, torch.Tensor], attention: TorchAtten
     tensors are popped as they are fused.
     """
     rope = make_rope(cfg, t["model.embed_tokens.weight"].device)
+    bias, window = _attention_bias(cfg), sliding_window(cfg)
     layers = []
     for li in range(cfg.num_hidden_layers):
         p = f"model.layers.{li}."
-        attn = pop_gqa(cfg, t, p, rope, qk_norm=True)
+        attn = pop_gqa(cfg, t, p, rope, bias=bias, o_bias=bias, qk_norm=True, window=window)
         mlp: MoeBlock | DenseMlp
         if cfg.is_moe_layer(li):
             router = SoftmaxRouter(t.pop(p + "mlp.gate.weight"), cfg.num_experts_per_tok, cfg.norm_topk_prob)

@@ -77,8 +77,11 @@ def grouped_moe_shapes(cfg: ModelConfig, li: int, p: str) -> Shapes:
 
 
 def ignorable(cfg: ModelConfig, name: str) -> bool:
-    """Tensors checkpoints carry that the runtime does not use: rotary caches, a tied LM head."""
-    return name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
+    """Tensors checkpoints carry that the runtime does not use: rotary caches, a tied LM head,
+    and the shared experts transformers writes with zero rows when n_shared_experts is 0
+    (GLM-4.5, DeepSeek-V3: an MLP of width 0, whose output is zero)."""
+    return (name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
+            or (not cfg.num_shared_experts and ".mlp.shared_experts." in name))
 
 
 def is_routed_expert(name: str) -> bool:
