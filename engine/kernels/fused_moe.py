@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.quant.stack import ExpertWeight, dense_all, dense_at, dense_one, num_rows
+from engine.quant.stack import ExpertWeight, dense_all, dense_at, dense_rows, num_rows
 
 
 @dataclass(frozen=True)
@@ -79,17 +79,18 @@ def fused_moe_ref(x: torch.Tensor, w13: ExpertWeight, w2: ExpertWeight, slot_ids
     if pairs.numel() == 0:
         return out
     counts = torch.bincount(slots, minlength=num_rows(w13)).tolist()
+    used = [s for s, n in enumerate(counts) if n]
+    w13s, w2s = dense_rows(w13, used, x.dtype), dense_rows(w2, used, x.dtype)   # quantized: one dequantize
     xs = x.index_select(0, pairs // k)  # [P, H], grouped by slot
     start = 0
-    for s, n in enumerate(counts):
-        if n == 0:
-            continue
+    for s, g13, g2 in zip(used, w13s, w2s):
+        n = counts[s]
         chunk = xs[start:start + n]
-        h13 = F.linear(chunk, dense_one(w13, s, x.dtype))
+        h13 = F.linear(chunk, g13)
         if b13 is not None:
             h13 = h13 + b13[s]
         gate, up = h13.chunk(2, dim=-1)
-        y = F.linear(glu(gate, up, act), dense_one(w2, s, x.dtype))
+        y = F.linear(glu(gate, up, act), g2)
         out[pairs[start:start + n]] = y if b2 is None else y + b2[s]
         start += n
     return out

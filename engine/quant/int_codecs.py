@@ -104,10 +104,15 @@ class Gptq:
     def dequantize(self, fmt: LinearFormat, parts: dict[str, torch.Tensor], out: int, in_: int) -> torch.Tensor:
         q = unpack(parts[".qweight"].transpose(-1, -2), fmt.bits, in_)               # [..., out, in]
         z = unpack(parts[".qzeros"], fmt.bits, out) + int(fmt.checkpoint_format == "gptq")   # [..., G, out]
-        group = parts[".g_idx"].long()                                              # [..., in]
-        zs = per_group(z, group).transpose(-1, -2)                                  # [..., out, in]
-        s = per_group(parts[".scales"].float(), group).transpose(-1, -2)
-        return (q - zs).float() * s
+        s = parts[".scales"].float()
+        if fmt.desc_act:                    # each input column's group from g_idx
+            group = parts[".g_idx"].long()                                          # [..., in]
+            z, s = per_group(z, group), per_group(s, group)                         # [..., in, out]
+        else:                               # g_idx is column // group_size (GPTQ writes it so, and vLLM
+            size = in_ if fmt.group_size == -1 else fmt.group_size   # reads it only with desc_act):
+            z = z.repeat_interleave(size, -2)[..., :in_, :]          # repeats, not a gather, which a
+            s = s.repeat_interleave(size, -2)[..., :in_, :]          # compiled CPU step runs far faster
+        return (q - z.transpose(-1, -2)).float() * s.transpose(-1, -2)
 
     def quantize(self, fmt: LinearFormat, w: torch.Tensor) -> dict[str, torch.Tensor]:
         out, in_ = w.shape[-2:]

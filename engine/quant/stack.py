@@ -139,11 +139,14 @@ def dense_at(w: ExpertWeight, idx: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return w.at(idx).to(dtype)
 
 
-def dense_one(w: ExpertWeight, i: int, dtype: torch.dtype) -> torch.Tensor:
-    """The dense weight of expert/slot `i` in `dtype`: [out, in] (a view of a plain weight)."""
+def dense_rows(w: ExpertWeight, rows: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The dense weight [out, in] of each expert/slot in `rows`, in `dtype`: views of a plain
+    weight, one dequantization of all of them for a quantized one."""
     if isinstance(w, torch.Tensor):
-        return w[i]
-    return w.at(torch.tensor([i], device=w.tensors()[0].device))[0].to(dtype)
+        return [w[i] for i in rows]
+    if not rows:
+        return []
+    return list(w.at(torch.tensor(rows, device=w.tensors()[0].device)).to(dtype).unbind(0))
 
 
 def dense_all(w: ExpertWeight, dtype: torch.dtype) -> torch.Tensor:
