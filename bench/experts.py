@@ -2,6 +2,7 @@
 
     python -m bench.experts [--json] [--copy-cost-ratio 7 | --link-gbps X] [--tokens 64]
     python -m bench.experts --device cuda [--json]     # the real link, no emulation
+    python -m bench.experts --format fp8,int4,mxfp4 [--json]   # quantized experts against bf16
 
 With `--device cuda` nothing is emulated: experts are paged from pinned host memory over the
 real link (CUDA copy streams, prefetch on), the link's pinned host-to-device bandwidth B is
@@ -21,6 +22,11 @@ Modes (decode only; prompts are held-out standard-library text, never random ids
   paged        K in {E/8, E/4, E/2} resident slots, LRU, demand paging (the CPU default);
                at K = E/4 also with the next-layer prefetcher (`"prefetch": true`)
   stream_all   no cache: every routed expert copied at every step (plain offload)
+
+With `--format`, the shipped model is written in each quantized layout (routed experts only:
+engine/quant/pack.py) and every format runs at the same emulated link, calibrated once from
+the bf16 run (bf16 compute and bf16 experts are the baseline, never the fp32 default):
+resident, paged at K = E/4 and stream_all at batch 1 (see `format_run`).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from typing import Any
 import torch
 
 from engine import LLM, SamplingParams, corpus
+from engine.config import SHIPPED_MODEL as SHIPPED
 from engine.experts import EmulatedLink
 from engine.experts.preflight import measure_link
 
@@ -83,9 +90,11 @@ def decode_rate(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float,
 
 
 def build(mode: str, k: int | None, link: EmulatedLink | None, prefetch: bool = False,
-          device: str = "cpu") -> LLM:
-    """An engine for one mode (resident, paged or stream_all); paged modes copy over `link` when given."""
-    llm = LLM(paged_experts_num_resident=k, paged_experts_prefetch=prefetch and mode == "paged", device=device)
+          device: str = "cpu", **engine: Any) -> LLM:
+    """An engine for one mode (resident, paged or stream_all); paged modes copy over `link` when
+    given.  `engine`: more EngineConfig fields (model, dtype)."""
+    llm = LLM(paged_experts_num_resident=k, paged_experts_prefetch=prefetch and mode == "paged", device=device,
+              **engine)
     for experts in llm.paged_experts().values():
         experts.cache = mode != "stream_all"
         if link is not None:            # paged modes run behind the emulated link
@@ -110,8 +119,8 @@ def row(llm: LLM, mode: str, batch: int, trial: tuple[float, dict[str, int], int
 
 
 def run_mode(mode: str, k: int | None, batch: int, prompts: list[list[int]], tokens: int,
-             link: EmulatedLink | None, prefetch: bool = False, repeats: int = 3) -> dict[str, Any]:
-    llm = build(mode, k, link, prefetch)
+             link: EmulatedLink | None, prefetch: bool = False, repeats: int = 3, **engine: Any) -> dict[str, Any]:
+    llm = build(mode, k, link, prefetch, **engine)
     decode_rate(llm, prompts[:batch], 4)  # warm-up: caches and allocator, not timed
     return row(llm, mode, batch, median_trial([decode_rate(llm, prompts[:batch], tokens) for _ in range(repeats)]))
 
@@ -160,6 +169,79 @@ def device_run(device: str, batches: tuple[int, ...] = (1, 16), tokens: int = 64
             "tokens": tokens, "repeats": repeats, "units": "GB/s (1e9 bytes/s)", "runs": runs, "summary": summary}
 
 
+# --format names -> the layouts written (engine/quant/presets.py)
+FORMATS = {"fp8": "fp8-block", "int4": "gptq-int4", "mxfp4": "mxfp4", "awq": "awq-int4", "int8": "gptq-int8"}
+
+
+def store_bytes(llm: LLM) -> tuple[int, int]:
+    """(bytes of one routed expert, all MoE layers' host stores) as the engine holds them."""
+    stores = [e.slots.store for e in llm.paged_experts().values()]
+    return stores[0].bytes_per_expert, sum(s.bytes_per_expert * s.num_experts for s in stores)
+
+
+def format_run(formats: list[str], tokens: int, prompt_tokens: int, ratio: float, repeats: int = 5) -> dict[str, Any]:
+    """bf16 experts, then each format's, at one emulated link: its bandwidth makes copying every
+    routed expert of one token take `ratio` times the bf16 resident decode step of this run
+    (bf16 bytes; the same link for every format, never recalibrated).  Per format at batch 1:
+    resident, paged (K = E/4) and stream_all, bytes per expert and the host store.  Every engine
+    is built first and the runs alternate between them, `repeats` rounds, so drift in a shared
+    machine hits all alike; each figure is the median of its rounds."""
+    import tempfile
+
+    from engine.quant.pack import quantize_checkpoint
+    from engine.quant.presets import preset
+    probe = LLM(dtype="bfloat16", compile=False)
+    cfg = probe.model_config
+    e, quarter = cfg.num_experts, cfg.num_experts // 4
+    prompts = natural_prompts(probe, 1, prompt_tokens)
+    del probe
+    out: dict[str, Any] = {"formats": {}, "summary": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        models = {"bf16": str(SHIPPED)}
+        for name in formats:
+            models[name] = f"{tmp}/{name}"
+            quantize_checkpoint(SHIPPED, models[name], preset(FORMATS[name]))
+        settings: dict[str, dict[str, Any]] = {
+            name: {"model": path, "dtype": "bfloat16", "compile_buckets": (1,)} for name, path in models.items()}
+        engines = {(name, "resident"): build("resident", None, None, **kw) for name, kw in settings.items()}
+        base = engines[("bf16", "resident")]
+        decode_rate(base, prompts, 4)
+        step_s = 1 / median_trial([decode_rate(base, prompts, tokens) for _ in range(3)])[0]
+        per_expert, _ = store_bytes(build("paged", quarter, None, **{**settings["bf16"], "compile": False}))
+        token_bytes = len(cfg.moe_layers) * cfg.num_experts_per_tok * per_expert
+        link = EmulatedLink(token_bytes / (ratio * step_s))     # calibrated on bf16, kept for every format
+        for name, kw in settings.items():
+            engines[(name, "paged")] = build("paged", quarter, link, **kw)
+            engines[(name, "stream_all")] = build("stream_all", quarter, link, **kw)
+        trials: dict[tuple[str, str], list] = {key: [] for key in engines}
+        for llm in engines.values():
+            decode_rate(llm, prompts, 4)                        # warm-up, not timed
+        for _ in range(repeats):
+            for key, llm in engines.items():
+                trials[key].append(decode_rate(llm, prompts, tokens))
+        for name, kw in settings.items():
+            resident, paged, stream = (row(engines[(name, m)], m, 1, median_trial(trials[(name, m)]))
+                                       for m in ("resident", "paged", "stream_all"))
+            per_expert, host = store_bytes(build("paged", quarter, None, **{**kw, "compile": False}))
+            out["formats"][name] = {
+                "layout": "bf16" if name == "bf16" else FORMATS[name], "bytes_per_expert": per_expert,
+                "host_store_bytes": host, "hit_rate": paged["hit_rate"], "resident_tok_s": resident["tok_s"],
+                "paged_tok_s": paged["tok_s"], "stream_all_tok_s": stream["tok_s"],
+                "paged_vs_resident": paged["tok_s"] / resident["tok_s"],
+                "paged_vs_stream_all": paged["tok_s"] / stream["tok_s"]}
+    bf16 = out["formats"]["bf16"]
+    for name in formats:
+        f = out["formats"][name]
+        out["summary"][f"{name}_vs_bf16_paged_vs_resident"] = f["paged_vs_resident"] / bf16["paged_vs_resident"]
+        out["summary"][f"{name}_host_store_ratio"] = f["host_store_bytes"] / bf16["host_store_bytes"]
+        out["summary"][f"{name}_resident_vs_bf16_resident"] = f["resident_tok_s"] / bf16["resident_tok_s"]
+        out["summary"][f"{name}_paged_vs_bf16_paged"] = f["paged_tok_s"] / bf16["paged_tok_s"]
+    out.update({"num_experts": e, "K": quarter, "batch": 1, "copy_cost_ratio": ratio, "emulated": True,
+                "link_gbps": link.bytes_per_s * 8 / 1e9, "resident_step_ms_bf16": step_s * 1e3,
+                "dtype": "bfloat16", "tokens": tokens, "repeats": repeats})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
@@ -169,8 +251,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="decode steps timed per run (median of 3 runs)")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--format", default=None,
+                    help=f"comma-separated quantized formats to compare with bf16 experts: {', '.join(FORMATS)}")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.format:
+        names = args.format.split(",")
+        if unknown := [n for n in names if n not in FORMATS]:
+            ap.error(f"--format {','.join(unknown)}: choose from {', '.join(FORMATS)}")
+        print(json.dumps(format_run(names, args.tokens, args.prompt_tokens, args.copy_cost_ratio),
+                         indent=2 if args.json else None))
+        return
     if args.device != "cpu":
         result = device_run(args.device, tokens=args.tokens, prompt_tokens=args.prompt_tokens)
         print(json.dumps(result, indent=2 if args.json else None))
