@@ -17,6 +17,9 @@ the check goes on):
                        torch path, paged experts bit-identical to resident, bf16, the compiled
                        attention variants, latent pages through CUDA workers; figures per family
                        (max logprob difference from the CPU, ...) under figures["families"]
+  quantized            `pytest -m cuda tests/test_cuda_quant.py`: every quantized layout on the device
+                       against its CPU reference dequantization, paged bit-identical to resident,
+                       decode tok/s resident and at K = E/4 (figures under figures["quantized"])
   kernels_interpreted  without CUDA only: the kernel tests (attention variants included) under
                        the Triton interpreter
   attention_bandwidth  Triton paged attention's achieved memory bandwidth (CUDA only)
@@ -67,6 +70,7 @@ STEPS = [
     Step("device", 60),
     Step("cuda_tests", 360, quick=False),
     Step("families", 240, where="cuda", quick=False),
+    Step("quantized", 240, where="cuda", quick=False),
     Step("kernels_interpreted", 300, where="cpu", quick=False),
     Step("attention_bandwidth", 90, where="cuda"),
     Step("experts", 120),
@@ -131,6 +135,10 @@ def run_step(step: Step, device: str, quick: bool, limit_s: float, env: dict[str
     if step.name == "families":
         result = pytest_step(["-m", "cuda", "tests/test_cuda_families.py"], limit_s, env, tmp, ROOT, "families")
         result["figures"]["families"] = result["figures"].pop("properties", {})
+        return result
+    if step.name == "quantized":
+        result = pytest_step(["-m", "cuda", "tests/test_cuda_quant.py"], limit_s, env, tmp, ROOT, "quantized")
+        result["figures"]["quantized"] = result["figures"].pop("properties", {})
         return result
     if step.name == "kernels_interpreted":
         return pytest_step(KERNEL_TESTS, limit_s, env, tmp, ROOT, "kernels_interpreted")
