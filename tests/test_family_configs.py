@@ -1,7 +1,8 @@
 """How the Mixtral, Qwen2-MoE and GLM-4.5 modules read their configs, against transformers'
 own reading of the same config.json: every spelling of the options (a published checkpoint's
 top-level keys, transformers 5's rope_parameters, defaults when a key is absent) and, for each
-option, the checkpoint transformers writes must be exactly the tensors the module expects."""
+option, the checkpoint transformers writes must be exactly the tensors the module expects.
+Every family refuses a `hidden_act` it does not run."""
 
 import json
 from pathlib import Path
@@ -16,14 +17,16 @@ from transformers import (
     MixtralForCausalLM,
     Qwen2MoeConfig,
     Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
 )
 
 from engine.attention import TorchAttention
 from engine.config import ModelConfig
 from engine.loader import load_model
-from engine.models import glm4_moe, mixtral, qwen2_moe
+from engine.models import REGISTRY, glm4_moe, mixtral, qwen2_moe
 from engine.models.decoder import MoeBlock
 from engine.moe import GroupedSigmoidRouter
+from tests.families import hf_config
 
 SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
 
@@ -116,3 +119,36 @@ def test_glm_router_stays_fp32_in_a_bf16_model(tmp_path):
     assert torch.equal(block.router.bias, gate.e_score_correction_bias)  # not rounded to bf16
     assert torch.equal(block.router.weight, gate.weight.detach())
     assert block.shared is not None and block.shared.w13.dtype == torch.bfloat16
+
+
+def family_raw(architecture: str) -> dict[str, object]:
+    """A small config.json of the family, as transformers writes it."""
+    family = REGISTRY[architecture].__name__.rsplit(".", 1)[-1]
+    hf = (Qwen3MoeConfig(**SMALL, intermediate_size=48, moe_intermediate_size=16, num_experts=4,
+                         num_experts_per_tok=2) if family == "qwen3_moe" else hf_config(family))
+    return {**hf.to_dict(), "architectures": [architecture]}
+
+
+SILU_GATED = sorted(a for a in REGISTRY if a != "GptOssForCausalLM")   # gpt-oss: its clamped SwiGLU
+
+
+@pytest.mark.parametrize("architecture", SILU_GATED)
+def test_a_hidden_act_the_engine_does_not_run_is_refused_by_name(architecture):
+    """transformers runs `hidden_act` in every expert and dense MLP of these families; the
+    engine runs SiLU, so anything else is refused before a tensor is read (expected_tensors)."""
+    cfg = ModelConfig.from_dict({**family_raw(architecture), "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match=r"hidden_act='gelu' is not supported.*supported: 'silu', 'swish'"):
+        REGISTRY[architecture].expected_tensors(cfg)
+
+
+@pytest.mark.parametrize("architecture", sorted(REGISTRY))
+def test_silu_spellings_and_gpt_oss_any_hidden_act_load(architecture):
+    """"silu", "swish" (transformers' ACT2FN: the same torch silu) and an absent hidden_act
+    (transformers' default, silu) expect the same tensors; gpt-oss's transformers ignores
+    hidden_act (its experts run the clamped SwiGLU), so its module accepts any."""
+    module, raw = REGISTRY[architecture], family_raw(architecture)
+    want = module.expected_tensors(ModelConfig.from_dict(raw))
+    acts = ["silu", "swish"] + (["gelu"] if architecture == "GptOssForCausalLM" else [])
+    configs = [{**raw, "hidden_act": act} for act in acts] + [{k: v for k, v in raw.items() if k != "hidden_act"}]
+    for c in configs:
+        assert module.expected_tensors(ModelConfig.from_dict(c)) == want

@@ -5,7 +5,8 @@ transformers writes a randomised checkpoint of each, and the engine's greedy tok
 logprobs must be transformers' (tests/parity.py: within 1e-4, fp32).  A field the engine
 reads from the wrong key, ignores, or defaults differently fails on the first config that
 sets it.  Draws are derandomized (the same configs on every run); the norm eps reaches 1e-2
-and rope_theta 100 so that a misread one moves logprobs well past the tolerance."""
+and rope_theta 100 so that a misread one moves logprobs well past the tolerance.  A field
+the engine does not run (a `hidden_act` other than SiLU) must be refused, not served."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import LLM
+from engine import LLM, loader
 from tests.families import COMMON, hf_model, write_checkpoint
 from tests.parity import check_parity
 
@@ -145,7 +146,9 @@ def gpt_oss(draw: st.DrawFn) -> dict[str, Any]:
             "max_position_embeddings": int(original * factor), "sliding_window": draw(WINDOWS),
             "layer_types": draw(st.lists(st.sampled_from(["sliding_attention", "full_attention"]),
                                          min_size=layers, max_size=layers)),
-            "attention_bias": draw(st.booleans()), "swiglu_limit": draw(st.sampled_from([7.0, 0.5]))}
+            "attention_bias": draw(st.booleans()), "swiglu_limit": draw(st.sampled_from([7.0, 0.5])),
+            # transformers' GptOss runs its clamped SwiGLU whatever hidden_act says; so must the engine
+            "hidden_act": draw(st.sampled_from(["silu", "gelu"]))}
 
 
 # family -> (transformers config class, the configs to draw)
@@ -175,3 +178,20 @@ def check_config(cls: str, fields: dict[str, Any]) -> None:
 def test_every_drawn_config_matches_transformers(family: str, data: st.DataObject) -> None:
     cls, fields = SWEEPS[family]
     check_config(cls, data.draw(fields, label="config"))
+
+
+def test_a_gelu_mixtral_is_refused_before_a_tensor_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This sweep's find: transformers runs a `hidden_act: gelu` Mixtral's experts with gelu,
+    which the engine (SiLU-gated experts) served with other tokens.  It is refused by name
+    instead, from the config alone (every SiLU-gated family: tests/test_family_configs.py)."""
+    config = transformers.MixtralConfig(**{**BASE, "hidden_size": 16, "num_attention_heads": 2,
+                                           "num_key_value_heads": 1, "num_hidden_layers": 1,
+                                           "intermediate_size": 8, "num_local_experts": 2,
+                                           "num_experts_per_tok": 1, "hidden_act": "gelu"})
+    path = write_checkpoint(config, tmp_path)
+
+    def read(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a tensor was read before the config was refused")
+    monkeypatch.setattr(loader, "iter_tensors", read)
+    with pytest.raises(ValueError, match=r"hidden_act='gelu' is not supported.*'silu'"):
+        LLM(path)

@@ -19,6 +19,7 @@ from engine.models.mla import MlaAttention, MlaDims, MlaWeights, softmax_scale
 from engine.models.weights import (
     ExpertsFactory,
     Shapes,
+    check_silu_gated,
     decoder_layer,
     decoder_shapes,
     finish,
@@ -45,11 +46,11 @@ def _get(cfg: ModelConfig, key: str) -> Any:
 
 
 def check_supported(cfg: ModelConfig) -> None:
-    """Refuse, naming the field, what this module does not run (DeepSeek-V2's routing, other
-    activations, a MoE layer frequency other than every layer)."""
+    """Refuse, naming the field, what this module does not run (DeepSeek-V2's routing, a
+    hidden_act other than SiLU (`check_silu_gated`), a MoE layer frequency other than every layer)."""
     raw = cfg.raw
-    limits = {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",), "hidden_act": ("silu",),
-              "moe_layer_freq": (1,)}
+    check_silu_gated(cfg)
+    limits = {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",), "moe_layer_freq": (1,)}
     for key, allowed in limits.items():
         if key in raw and raw[key] not in allowed:
             raise ValueError(f"{cfg.architecture}: {key}={raw[key]!r} is not supported "

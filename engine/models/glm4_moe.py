@@ -25,6 +25,7 @@ from engine.models.gqa import gqa_shapes, pop_gqa
 from engine.models.weights import (
     ExpertsFactory,
     Shapes,
+    check_silu_gated,
     decoder_layer,
     decoder_shapes,
     finish,
@@ -59,7 +60,9 @@ def rotary_dim(cfg: ModelConfig) -> int:
 
 
 def expected_tensors(cfg: ModelConfig) -> Shapes:
-    """Every tensor the checkpoint must hold, with the shape the config implies."""
+    """Every tensor the checkpoint must hold, with the shape the config implies.  Raises
+    ValueError naming `hidden_act` when it is not SiLU (the MLPs run SiLU-gated)."""
+    check_silu_gated(cfg)
     bias, qk_norm = _options(cfg)
     return decoder_shapes(cfg, lambda li, p: {**gqa_shapes(cfg, p, bias=bias, qk_norm=qk_norm),
                                               **grouped_moe_shapes(cfg, li, p)})

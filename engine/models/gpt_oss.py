@@ -66,6 +66,8 @@ def _layer_windows(cfg: ModelConfig) -> list[int | None]:
 
 
 def _activation(cfg: ModelConfig) -> ClampedSwiGLU:
+    """The experts' activation, read from swiglu_alpha / swiglu_limit.  config.json's
+    `hidden_act` is not read: transformers' GptOss writes it but runs this activation whatever it says."""
     return ClampedSwiGLU(alpha=float(cfg.raw.get("swiglu_alpha", 1.702)),
                          limit=float(cfg.raw.get("swiglu_limit", 7.0)))
 

@@ -20,6 +20,7 @@ from engine.models.weights import (
     ExpertsFactory,
     Shapes,
     build_experts,
+    check_silu_gated,
     decoder_layer,
     decoder_shapes,
     expert_names,
@@ -37,7 +38,10 @@ EXPERT_WEIGHTS = ("w1", "w3", "w2")  # gate, up, down
 
 
 def expected_tensors(cfg: ModelConfig) -> Shapes:
-    """Every tensor the checkpoint must hold, with the shape the config implies."""
+    """Every tensor the checkpoint must hold, with the shape the config implies.  Raises
+    ValueError naming `hidden_act` when it is not SiLU (the MLPs run SiLU-gated)."""
+    check_silu_gated(cfg)
+
     def layer(li: int, p: str) -> Shapes:
         out = gqa_shapes(cfg, p)
         out[p + "block_sparse_moe.gate.weight"] = (cfg.num_experts, cfg.hidden_size)

@@ -22,6 +22,7 @@ from engine.models.weights import (
     ExpertsFactory,
     Shapes,
     build_experts,
+    check_silu_gated,
     decoder_layer,
     decoder_shapes,
     dense_mlp,
@@ -44,7 +45,9 @@ def _qkv_bias(cfg: ModelConfig) -> bool:
 
 
 def expected_tensors(cfg: ModelConfig) -> Shapes:
-    """Every tensor the checkpoint must hold, with the shape the config implies."""
+    """Every tensor the checkpoint must hold, with the shape the config implies.  Raises
+    ValueError naming `hidden_act` when it is not SiLU (the MLPs run SiLU-gated)."""
+    check_silu_gated(cfg)
     h = cfg.hidden_size
 
     def layer(li: int, p: str) -> Shapes:

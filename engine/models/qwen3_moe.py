@@ -16,6 +16,7 @@ from engine.models.weights import (
     ExpertsFactory,
     Shapes,
     build_experts,
+    check_silu_gated,
     decoder_layer,
     decoder_shapes,
     dense_mlp,
@@ -51,7 +52,10 @@ def kernel_variants(cfg: ModelConfig) -> set[str]:
 
 
 def expected_tensors(cfg: ModelConfig) -> Shapes:
-    """Every tensor the checkpoint must hold, with the shape the config implies."""
+    """Every tensor the checkpoint must hold, with the shape the config implies.  Raises
+    ValueError naming `hidden_act` when it is not SiLU (the MLPs run SiLU-gated)."""
+    check_silu_gated(cfg)
+
     def layer(li: int, p: str) -> Shapes:
         bias = _attention_bias(cfg)
         out = gqa_shapes(cfg, p, bias=bias, o_bias=bias, qk_norm=True)

@@ -1,6 +1,7 @@
-"""Load-time helpers the family modules share: the tensors every decoder checkpoint holds,
-stacking per-expert checkpoint tensors into the layout the experts run from, and building a
-layer's MLP (dense, routed experts resident or paged, shared experts).
+"""Load-time helpers the family modules share: the activation their MLPs run (SiLU-gated), the
+tensors every decoder checkpoint holds, stacking per-expert checkpoint tensors into the layout
+the experts run from, and building a layer's MLP (dense, routed experts resident or paged,
+shared experts).
 
     w13: [E, 2I, H]  gate_proj rows first, then up_proj rows
     w2:  [E, H, I]   down_proj
@@ -21,15 +22,29 @@ from engine.quant.load import LoadedTensors, QuantParts
 from engine.quant.stack import ExpertWeight, JoinedRows, QuantStack
 from engine.rope import Rope, rope_params
 
-__all__ = ["ExpertNames", "ExpertsFactory", "Shapes", "build_experts", "decoder_layer", "decoder_shapes",
-           "dense_mlp", "expert_names", "experts_shapes", "finish", "grouped_moe", "grouped_moe_shapes",
-           "ignorable", "is_routed_expert", "keeps_router_fp32", "make_rope", "mlp_shapes", "silu_expert_bytes",
-           "stack_experts"]
+__all__ = ["SILU_ACTIVATIONS", "ExpertNames", "ExpertsFactory", "Shapes", "build_experts", "check_silu_gated",
+           "decoder_layer", "decoder_shapes", "dense_mlp", "expert_names", "experts_shapes", "finish", "grouped_moe",
+           "grouped_moe_shapes", "ignorable", "is_routed_expert", "keeps_router_fp32", "make_rope", "mlp_shapes",
+           "silu_expert_bytes", "stack_experts"]
 
 Shapes = dict[str, tuple[int, ...]]
 # expert e -> the checkpoint names of its (gate, up, down) weights
 ExpertNames = Callable[[int], tuple[str, str, str]]
 SILU_NAMES = ("gate_proj", "up_proj", "down_proj")
+# the config.json `hidden_act` values that are the SiLU the experts and dense MLPs run
+# (transformers' ACT2FN: "silu" and "swish" are both torch's silu)
+SILU_ACTIVATIONS = ("silu", "swish")
+
+
+def check_silu_gated(cfg: ModelConfig) -> None:
+    """Refuse a config whose `hidden_act` (transformers' default when absent: "silu") is not
+    the SiLU every SiLU-gated MLP here runs.  Raises ValueError naming the field, its value
+    and the supported values; the families call it from `expected_tensors`, before any
+    tensor is read."""
+    act = cfg.raw.get("hidden_act", "silu")
+    if act not in SILU_ACTIVATIONS:
+        raise ValueError(f"{cfg.architecture}: hidden_act={act!r} is not supported: its experts and dense "
+                         f"MLPs run SiLU-gated (supported: {', '.join(map(repr, SILU_ACTIVATIONS))})")
 
 
 # ---- what the checkpoint holds ------------------------------------------------------------
