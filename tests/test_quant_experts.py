@@ -130,11 +130,12 @@ def test_a_quantized_checkpoint_serves_like_its_reference_dequantization(
     got = resident.generate(prompts(), PARAMS)
     assert_same(got, reference, f"{fmt.describe()} against its reference")
     del resident
-    paged = LLM(quantized, paged_experts_num_resident=2)    # K = top_k
-    assert_same(paged.generate(prompts(), PARAMS), got, f"{fmt.describe()} paged at K=2", exact=True)
-    assert sum(e.counters.misses for e in paged.core.paged_experts().values()) > 0
-    del paged
-    gc.collect()
+    for k in (2, 4):                                        # K = top_k and E/2
+        paged = LLM(quantized, paged_experts_num_resident=k)
+        assert_same(paged.generate(prompts(), PARAMS), got, f"{fmt.describe()} paged at K={k}", exact=True)
+        assert sum(e.counters.misses for e in paged.core.paged_experts().values()) > 0
+        del paged
+        gc.collect()
 
 
 def test_experts_are_held_and_paged_as_their_quantized_bytes(plain: Path, tmp_path: Path) -> None:
