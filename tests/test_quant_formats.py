@@ -12,6 +12,7 @@ import torch
 from engine.checkpoint import CheckpointError
 from engine.quant import LinearFormat, format_named, quant_config, quantization_config_for
 from tests.quant_refs import REFERENCES
+from tests.quant_refs import e2m1 as REF_E2M1
 
 CASES = [  # (format, [(out, in_), ...]): sizes off the group / block / pack where the layout allows it
     (format_named("gptq", bits=4, group_size=16, sym=False, desc_act=True), [(16, 40), (8, 24)]),
@@ -328,3 +329,17 @@ def test_unsupported_settings_are_refused_naming_the_setting_and_the_supported_v
     assert "config.json quantization_config." in message and "is not supported" in message
     assert setting in message, message
     assert "supported: " in message and supported in message.split("supported: ", 1)[1], message
+
+
+def test_mxfp4_scales_every_code_at_every_exponent_as_ldexp_does() -> None:
+    """The exponent is built from its bits (no pow): every E2M1 code at every E8M0 value, 0 (a
+    subnormal 2^-127) and 255 included, is bit for bit torch.ldexp's (transformers' dequantizer)."""
+    fmt = format_named("mxfp4")
+    blocks = torch.arange(256, dtype=torch.uint8).repeat(256, 1).view(256, 16, 16)   # every byte: two codes
+    scales = torch.arange(256, dtype=torch.uint8).view(256, 1).expand(256, 16).contiguous()
+    lut = torch.tensor([REF_E2M1(c) for c in range(16)])
+    codes = blocks.long()
+    values = torch.stack([lut[codes & 0xF], lut[codes >> 4]], -1).flatten(-2)      # [256, 16, 32]
+    want = torch.ldexp(values, (scales.long() - 127).unsqueeze(-1).float()).flatten(-2)
+    got = fmt.dequantize({"_blocks": blocks, "_scales": scales}, 256, 512)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
