@@ -179,7 +179,7 @@ def store_bytes(llm: LLM) -> tuple[int, int]:
     return stores[0].bytes_per_expert, sum(s.bytes_per_expert * s.num_experts for s in stores)
 
 
-def format_run(formats: list[str], tokens: int, prompt_tokens: int, ratio: float, repeats: int = 5) -> dict[str, Any]:
+def format_run(formats: list[str], tokens: int, prompt_tokens: int, ratio: float, repeats: int = 7) -> dict[str, Any]:
     """bf16 experts, then each format's, at one emulated link: its bandwidth makes copying every
     routed expert of one token take `ratio` times the bf16 resident decode step of this run
     (bf16 bytes; the same link for every format, never recalibrated).  Per format at batch 1:
