@@ -17,7 +17,8 @@ the check goes on):
                        torch path, paged experts bit-identical to resident, bf16, the compiled
                        attention variants, latent pages through CUDA workers; figures per family
                        (max logprob difference from the CPU, ...) under figures["families"]
-  quantized            `pytest -m cuda tests/test_cuda_quant.py`: every quantized layout on the device
+  quantized            `pytest -m cuda tests/test_cuda_quant.py`: the quantized fused-MoE kernel's
+                       cases and start-up checks compiled on the device; every quantized layout
                        against its CPU reference dequantization, paged bit-identical to resident,
                        decode tok/s resident and at K = E/4 (figures under figures["quantized"])
   kernels_interpreted  without CUDA only: the kernel tests (attention variants included) under
@@ -79,7 +80,7 @@ STEPS = [
 ]
 SKIP_WHY = {"cuda": "needs a CUDA device", "cpu": "on CUDA the compiled kernels run in cuda_tests and families"}
 KERNEL_TESTS = ["tests/test_kernel_paged_attention.py", "tests/test_kernel_fused_moe.py",
-                "tests/test_attention_variants.py"]
+                "tests/test_kernel_fused_moe_quant.py", "tests/test_attention_variants.py"]
 
 
 def child_env() -> tuple[dict[str, str], str | None]:

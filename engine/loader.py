@@ -58,7 +58,9 @@ def load_engine_model(config: EngineConfig, cfg: ModelConfig, attention: str | N
     device, k = config.device, config.paged_experts_num_resident
     variants = kernel_variants(cfg)
     attn = select_attention(device, config.page_size, attention, variants)
-    triton_moe = select_moe_kernel(device, clamped="clamped_swiglu" in variants)
+    quant = quant_config(cfg.raw)
+    triton_moe = select_moe_kernel(device, clamped="clamped_swiglu" in variants,
+                                   expert_format=quant.format if quant is not None else None)
     model = load_model(Path(config.model), cfg, config.torch_dtype, device, attn, moe_triton=triton_moe,
                        make_experts=paged_factory(k, device, triton_moe) if k is not None else None)
     if k is not None:

@@ -8,14 +8,17 @@ Expert weights are stacked per layer:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from engine.kernels.fused_moe import ClampedSwiGLU, fused_moe_ref, gathered_all, moe_gathered, moe_padded
-from engine.quant.stack import ExpertWeight, dense_all, num_rows
+from engine.quant.stack import ExpertWeight, JoinedRows, QuantStack, num_rows
+
+if TYPE_CHECKING:
+    from engine.quant.formats import LinearFormat
 
 # How a step's (token, expert) pairs are computed on the CPU path (`StepPlan.for_step`): the
 # path with the lowest predicted cost, from a cost model fixed in code (never re-timed, so every
@@ -170,36 +173,58 @@ def expert_outputs(x: torch.Tensor, w13: ExpertWeight, w2: ExpertWeight, slot_id
         return moe_gathered(x, w13, w2, slot_ids, out, b13=b13, b2=b2, act=act)
     if plan.strategy == "padded":
         return moe_padded(x, w13, w2, slot_ids, out, plan.cap, b13=b13, b2=b2, act=act)
-    if plan.strategy == "triton":
-        # quantized experts: every slot dequantized into a scratch weight the kernel reads (the
-        # fused kernels read dense weights only)
+    if plan.strategy == "triton":   # quantized experts are dequantized tile by tile inside the kernel
         from engine.kernels.triton.fused_moe import fused_moe
-        return fused_moe(x, dense_all(w13, x.dtype), dense_all(w2, x.dtype), slot_ids, out, b13=b13, b2=b2, act=act)
+        return fused_moe(x, w13, w2, slot_ids, out, b13=b13, b2=b2, act=act)
     return fused_moe_ref(x, w13, w2, slot_ids, out, b13=b13, b2=b2, act=act)
 
 
-def select_moe_kernel(device: torch.device | str, clamped: bool = True) -> bool:
+def select_moe_kernel(device: torch.device | str, clamped: bool = True,
+                      expert_format: LinearFormat | None = None) -> bool:
     """Whether the Triton fused-MoE kernel runs the experts (CUDA), chosen once at start-up.
 
     On CUDA the kernel is compiled now (silu without biases; with `clamped`, also the biased
-    clamped SwiGLU of gpt-oss) and compared with the reference on a small input; raises
-    RuntimeError when they differ."""
+    clamped SwiGLU of gpt-oss; with `expert_format`, over experts quantized in that layout, its
+    group size fitted to the check's small shapes) and compared with the reference on a small
+    input; raises RuntimeError when they differ."""
     if torch.device(device).type != "cuda":
         return False
+    check_moe_kernel(device, clamped, expert_format)
+    return True
+
+
+def check_moe_kernel(device: torch.device | str, clamped: bool = True,
+                     expert_format: LinearFormat | None = None) -> None:
+    """`select_moe_kernel`'s comparison of the Triton kernel with the reference, on any device
+    (a CPU runs it under TRITON_INTERPRET=1).  Raises RuntimeError when they differ."""
     from engine.kernels.triton.fused_moe import fused_moe
     gen = torch.Generator().manual_seed(0)
     x, w13, w2, b13, b2 = (torch.randn(*s, generator=gen).to(device)
                            for s in ((5, 64), (4, 64, 64), (4, 64, 32), (4, 64), (4, 64)))
     ids = torch.tensor([[0, 1], [1, 2], [3, -1], [0, 3], [2, 2]], device=device)
+    weights: list[tuple[str, ExpertWeight, ExpertWeight]] = [("plain", w13, w2)]
+    if expert_format is not None:
+        weights.append((expert_format.describe(), *_quantized_like(expert_format, w13, w2)))
     variants: list[tuple[str, torch.Tensor | None, torch.Tensor | None, ClampedSwiGLU | None]] = [
         ("silu", None, None, None), ("biased clamped SwiGLU", b13, b2, ClampedSwiGLU())]
-    for name, bias13, bias2, act in variants[:2 if clamped else 1]:
-        got = fused_moe(x, w13, w2, ids, torch.zeros(10, 64, device=device), b13=bias13, b2=bias2, act=act)
-        want = fused_moe_ref(x, w13, w2, ids, torch.zeros(10, 64, device=device), b13=bias13, b2=bias2, act=act)
-        err = (got - want).abs().max().item()
-        if not err < 1e-3:
-            raise RuntimeError(f"Triton fused MoE ({name}) differs from the reference by {err} at start-up")
-    return True
+    for kind, q13, q2 in weights:
+        for name, bias13, bias2, act in variants[:2 if clamped else 1]:
+            got = fused_moe(x, q13, q2, ids, torch.zeros(10, 64, device=device), b13=bias13, b2=bias2, act=act)
+            want = fused_moe_ref(x, q13, q2, ids, torch.zeros(10, 64, device=device), b13=bias13, b2=bias2, act=act)
+            err = (got - want).abs().max().item()
+            if not err < 1e-3:
+                raise RuntimeError(f"Triton fused MoE ({name}, {kind} experts) differs from the reference "
+                                   f"by {err} at start-up")
+
+
+def _quantized_like(fmt: LinearFormat, w13: torch.Tensor, w2: torch.Tensor) -> tuple[ExpertWeight, ExpertWeight]:
+    """w13 (as gate and up) and w2 quantized in `fmt`, a group size above 32 brought down to 32
+    (the check's w2 has 32 input columns)."""
+    if fmt.group_size > 32:
+        fmt = replace(fmt, group_size=32)
+    _, i2, h = w13.shape
+    gate, up = (QuantStack(fmt, fmt.quantize(w), i2 // 2, h) for w in w13.chunk(2, dim=1))
+    return JoinedRows([gate, up]), QuantStack(fmt, fmt.quantize(w2), h, i2 // 2)
 
 
 class Experts(Protocol):

@@ -1,12 +1,14 @@
 """Quantized checkpoints on a CUDA device (`pytest -m cuda`; all skip without one).
 
 For each published layout (tests/test_quant_experts.py's list), the random Qwen3-MoE checkpoint
-quantized by engine/quant/pack.py, served on cuda (Triton fused MoE over the experts'
-dequantized scratch weights): greedy tokens identical to its reference dequantization served on
+quantized by engine/quant/pack.py, served on cuda (Triton fused MoE reading the experts'
+published parts, dequantized in the kernel): greedy tokens identical to its reference dequantization served on
 the CPU, every logprob within CPU_TOLERANCE (fp32 both sides, different kernels); paged at
 K = top_k over CUDA copy streams (pinned quantized host store) bit-identical to resident on
 cuda; and each format's decode tok/s at K = E/4 against bf16, as JUnit properties
-`<format>.<figure>` (`python -m bench.gpu_check`'s `quantized` step).
+`<format>.<figure>` (`python -m bench.gpu_check`'s `quantized` step).  The step also runs the
+quantized kernel's cases (tests/test_kernel_fused_moe_quant.py) and the loader's start-up check
+of each format on the device, compiled instead of interpreted.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from engine import LLM, SamplingParams
 from engine.quant import LinearFormat
 from engine.quant.pack import quantize_checkpoint
 from tests.checkpoints import write_random_checkpoint
+from tests.test_kernel_fused_moe_quant import CASES, STARTUP_CHECKS, run_cases
 from tests.test_quant_experts import FORMATS, PARAMS, dequantized_copy, prompts
 
 DEVICE = "cuda"
@@ -33,6 +36,16 @@ pytestmark = [pytest.mark.cuda,
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_random_checkpoint(tmp_path_factory.mktemp("plain"))
+
+
+@pytest.fixture(scope="module")
+def kernel_results() -> dict[str, str | None]:
+    return run_cases(DEVICE)
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES + STARTUP_CHECKS])
+def test_the_quantized_fused_moe_kernel_on_cuda(kernel_results: dict[str, str | None], name: str) -> None:
+    assert kernel_results[name] is None, kernel_results[name]
 
 
 def decode_tok_s(llm: LLM, tokens: int = 64) -> float:

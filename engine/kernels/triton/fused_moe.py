@@ -8,7 +8,9 @@ tile): gate/up = x @ w13[slot].T with act = silu(gate) * up into an intermediate
 dtype, then out = act @ w2[slot].T. Accumulation is fp32. With biases (gpt-oss) the slot's b13
 is added to gate/up and its b2 to out in fp32 before the store; the clamped-SwiGLU variant
 computes act = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
-(constexpr branches: the plain silu kernel is unchanged). The block sizes depend only on
+(constexpr branches: the plain silu kernel is unchanged). Quantized experts are read in their
+published parts and dequantized tile by tile in the kernel (engine/kernels/triton/weight_tiles.py):
+no dense copy of a slot's weight is made. The block sizes depend only on
 the dtype, never on T, k, S or the routing, and every row of a tile is computed
 independently, so a pair's result depends only on its token and its expert's weights.
 """
@@ -20,6 +22,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fused_moe import ClampedSwiGLU
+from engine.kernels.triton.weight_tiles import down_source, gate_up_sources, weight_tile
+from engine.quant.stack import ExpertWeight, tensors_of, weight_format
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
@@ -28,18 +32,22 @@ BLOCK_M = 16
 
 # Kernel parameters are annotated with their in-kernel types, tl.tensor (pointers and runtime
 # scalars) or tl.constexpr, never `int`/`float`/`bool`: Triton reads those as forced i32/fp32/u1
-# argument types (no 64-bit strides, no specialisation of integers equal to 1).
+# argument types (no 64-bit strides, no specialisation of integers equal to 1).  A weight's parts
+# and strides are tuples (`tuple`, which Triton reads as no type: each element is specialised).
 @triton.jit
 def _gate_up_kernel(
-    x_ptr: tl.tensor, w_ptr: tl.tensor, act_ptr: tl.tensor, ids_ptr: tl.tensor, bslot_ptr: tl.tensor,
+    x_ptr: tl.tensor, act_ptr: tl.tensor, ids_ptr: tl.tensor, bslot_ptr: tl.tensor,
+    g_parts: tuple, g_strides: tuple, g_step: tl.tensor, g_start: tl.tensor,            # w13's gate rows (weight_tiles)
+    u_parts: tuple, u_strides: tuple, u_step: tl.tensor, u_start: tl.tensor,            # w13's up rows
     b_ptr: tl.tensor,                                                     # b13: [S, 2I] when HAS_BIAS
     stride_xt: tl.tensor, stride_xh: tl.tensor,                           # x:   [T, H]
-    stride_ws: tl.tensor, stride_wn: tl.tensor, stride_wh: tl.tensor,     # w13: [S, 2I, H]
     stride_am: tl.tensor, stride_an: tl.tensor,                           # act: [num_blocks * BLOCK_M, I]
     stride_bs: tl.tensor, stride_bn: tl.tensor,                           # b13
     num_pairs: tl.tensor, K: tl.tensor, H: tl.tensor, INTER: tl.tensor,   # INTER: I in the shapes
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
     HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+    FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, ZERO_ADD: tl.constexpr,
+    DESC_ACT: tl.constexpr, SYM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ) -> None:
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -54,9 +62,8 @@ def _gate_up_kernel(
     n_mask = offs_n < INTER
     offs_k = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + tok[:, None] * stride_xt                        # [BM, 1]
-    w_base = w_ptr + slot * stride_ws
-    g_rows = w_base + offs_n[None, :] * stride_wn                    # [1, BN] gate rows
-    u_rows = w_base + (offs_n[None, :] + INTER) * stride_wn          # [1, BN] up rows
+    g_rows = offs_n * g_step + g_start                               # [BN] gate rows of the linear
+    u_rows = offs_n * u_step + u_start                               # [BN] up rows
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -64,9 +71,10 @@ def _gate_up_kernel(
         k_mask = kk < H
         a = tl.load(x_rows + kk[None, :] * stride_xh,
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)   # [BM, BK]
-        wmask = k_mask[:, None] & n_mask[None, :]
-        g = tl.load(g_rows + kk[:, None] * stride_wh, mask=wmask, other=0.0)  # [BK, BN]
-        u = tl.load(u_rows + kk[:, None] * stride_wh, mask=wmask, other=0.0)  # [BK, BN]
+        g = weight_tile(g_parts, g_strides, slot, g_rows, kk, n_mask, k_mask, FMT, BITS, GROUP, ZERO_ADD,
+                        DESC_ACT, SYM, BLOCK_R, BLOCK_C, x_ptr.dtype.element_ty)      # [BK, BN]
+        u = weight_tile(u_parts, u_strides, slot, u_rows, kk, n_mask, k_mask, FMT, BITS, GROUP, ZERO_ADD,
+                        DESC_ACT, SYM, BLOCK_R, BLOCK_C, x_ptr.dtype.element_ty)      # [BK, BN]
         if DOT_F32:
             a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
         acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
@@ -87,15 +95,17 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr: tl.tensor, w_ptr: tl.tensor, out_ptr: tl.tensor, ids_ptr: tl.tensor, bslot_ptr: tl.tensor,
+    act_ptr: tl.tensor, out_ptr: tl.tensor, ids_ptr: tl.tensor, bslot_ptr: tl.tensor,
+    w_parts: tuple, w_strides: tuple,                                     # w2 [S, H, I] (weight_tiles)
     b_ptr: tl.tensor,                                                     # b2: [S, H] when HAS_BIAS
     stride_am: tl.tensor, stride_an: tl.tensor,                           # act: [num_blocks * BLOCK_M, I]
-    stride_ws: tl.tensor, stride_wn: tl.tensor, stride_wi: tl.tensor,     # w2:  [S, H, I]
     stride_om: tl.tensor, stride_oh: tl.tensor,                           # out: [T*k, H]
     stride_bs: tl.tensor, stride_bn: tl.tensor,                           # b2
     num_pairs: tl.tensor, H: tl.tensor, INTER: tl.tensor,                 # INTER: I in the shapes
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, ZERO_ADD: tl.constexpr,
+    DESC_ACT: tl.constexpr, SYM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ) -> None:
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -109,14 +119,13 @@ def _down_kernel(
     n_mask = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
     a_rows = act_ptr + offs_m[:, None].to(tl.int64) * stride_am      # [BM, 1]
-    w_rows = w_ptr + slot * stride_ws + offs_n[None, :] * stride_wn  # [1, BN]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < INTER
         a = tl.load(a_rows + kk[None, :] * stride_an, mask=k_mask[None, :], other=0.0)  # [BM, BK]
-        w = tl.load(w_rows + kk[:, None] * stride_wi,
-                    mask=k_mask[:, None] & n_mask[None, :], other=0.0)                 # [BK, BN]
+        w = weight_tile(w_parts, w_strides, slot, offs_n, kk, n_mask, k_mask, FMT, BITS, GROUP, ZERO_ADD,
+                        DESC_ACT, SYM, BLOCK_R, BLOCK_C, act_ptr.dtype.element_ty)    # [BK, BN]
         if DOT_F32:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision="ieee")
@@ -162,47 +171,22 @@ def align_block_size(slot_ids: torch.Tensor, num_slots: int, block_m: int
     return sorted_ids, block_slot
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: torch.Tensor,
+def fused_moe(x: torch.Tensor, w13: ExpertWeight, w2: ExpertWeight, slot_ids: torch.Tensor,
               out: torch.Tensor, *, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
               act: ClampedSwiGLU | None = None) -> torch.Tensor:
     """Write down(silu(gate(x_t)) * up(x_t)) of slot slot_ids[t, r] into out[t*k + r]
     (with `act`: its clamped SwiGLU; with b13 [S, 2I] / b2 [S, H]: the slot's biases added).
 
-    x: [T, H]; w13: [S, 2I, H]; w2: [S, H, I]; out: [T*k, H], all one dtype (fp32, fp16 or
-    bf16) on one device; slot_ids: [T, k] integer, values in -1..S-1 (-1: pair skipped).
+    x: [T, H]; w13: [S, 2I, H]; w2: [S, H, I] (plain tensors in x's dtype, or quantized expert
+    weights of one format: engine/quant/stack.py); out: [T*k, H] in x's dtype (fp32, fp16 or
+    bf16), all on one device; slot_ids: [T, k] integer, values in -1..S-1 (-1: pair skipped).
     Returns `out`. Changes only the rows of `out` whose pair has a slot >= 0.
-    Raises ValueError on a wrong rank, shape, dtype or device, or a slot id outside -1..S-1.
+    Raises ValueError on a wrong rank, shape, dtype, format or device, or a slot id outside -1..S-1.
     """
-    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or slot_ids.dim() != 2 or out.dim() != 2:
-        raise ValueError(f"expected x [T, H], w13 [S, 2I, H], w2 [S, H, I], slot_ids [T, k], "
-                         f"out [T*k, H], got {tuple(x.shape)}, {tuple(w13.shape)}, "
-                         f"{tuple(w2.shape)}, {tuple(slot_ids.shape)}, {tuple(out.shape)}")
+    _check(x, w13, w2, slot_ids, out, b13, b2)
     t, h = x.shape
     s, i2, _ = w13.shape
-    i = i2 // 2
-    k = slot_ids.shape[1]
-    if i2 % 2 or w13.shape[2] != h:
-        raise ValueError(f"w13 shape {tuple(w13.shape)} is not [S, 2I, H={h}]")
-    if w2.shape != (s, h, i):
-        raise ValueError(f"w2 shape {tuple(w2.shape)} != [S, H, I] = {(s, h, i)}")
-    if slot_ids.shape[0] != t or out.shape != (t * k, h):
-        raise ValueError(f"expected slot_ids [{t}, k] and out [T*k, {h}], got "
-                         f"{tuple(slot_ids.shape)} and {tuple(out.shape)}")
-    if (b13 is None) != (b2 is None):
-        raise ValueError("pass both expert biases b13 and b2, or neither")
-    biases = [b for b in (b13, b2) if b is not None]
-    if b13 is not None and b2 is not None and (b13.shape != (s, i2) or b2.shape != (s, h)):
-        raise ValueError(f"expected biases b13 [S, 2I] = {(s, i2)} and b2 [S, H] = {(s, h)}, got "
-                         f"{tuple(b13.shape)} and {tuple(b2.shape)}")
-    if x.dtype not in _DTYPES or any(w.dtype != x.dtype for w in (w13, w2, out, *biases)):
-        raise ValueError(f"x/w13/w2/out (and biases) must share one dtype among {_DTYPES}, got "
-                         f"{x.dtype}/{w13.dtype}/{w2.dtype}/{out.dtype}"
-                         + "".join(f"/{b.dtype}" for b in biases))
-    if slot_ids.dtype not in _INT_DTYPES:
-        raise ValueError(f"slot_ids must be a signed integer tensor, got {slot_ids.dtype}")
-    devices = {v.device for v in (x, w13, w2, slot_ids, out, *biases)}
-    if len(devices) != 1:
-        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+    i, k = i2 // 2, slot_ids.shape[1]
     if slot_ids.numel() == 0:
         return out
     lo, hi = (int(v) for v in torch.aminmax(slot_ids))               # one host sync
@@ -218,19 +202,63 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, slot_ids: to
     bk = 32 if x.dtype == torch.float32 else 64
     bn = 64
     has_bias = b13 is not None
-    bias13 = b13 if b13 is not None else w13[:, :, 0]    # any [S, 2I] view: not read without biases
-    bias2 = b2 if b2 is not None else w2[:, :, 0]        # any [S, H] view
+    bias13 = b13 if b13 is not None else x.new_empty(1, 1)   # not read without biases
+    bias2 = b2 if b2 is not None else x.new_empty(1, 1)
     alpha, limit = (act.alpha, act.limit) if act is not None else (1.0, 0.0)
+    gate, up = gate_up_sources(w13)
+    down = down_source(w2)
     if i > 0:
         _gate_up_kernel[(num_blocks, triton.cdiv(i, bn))](
-            x, w13, hidden, sorted_ids, block_slot, bias13,
-            x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
-            hidden.stride(0), hidden.stride(1), bias13.stride(0), bias13.stride(1), t * k, k, h, i,
+            x, hidden, sorted_ids, block_slot,
+            gate.parts, gate.strides, gate.row_step, gate.row_start,
+            up.parts, up.strides, up.row_step, up.row_start, bias13,
+            x.stride(0), x.stride(1), hidden.stride(0), hidden.stride(1),
+            bias13.stride(0), bias13.stride(1), t * k, k, h, i,
             BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=dot_f32,
-            HAS_BIAS=has_bias, CLAMPED=act is not None, ALPHA=float(alpha), LIMIT=float(limit))
+            HAS_BIAS=has_bias, CLAMPED=act is not None, ALPHA=float(alpha), LIMIT=float(limit), **gate.consts)
     _down_kernel[(num_blocks, triton.cdiv(h, bn))](
-        hidden, w2, out, sorted_ids, block_slot, bias2,
-        hidden.stride(0), hidden.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
-        out.stride(0), out.stride(1), bias2.stride(0), bias2.stride(1), t * k, h, i,
-        BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=dot_f32, HAS_BIAS=has_bias)
+        hidden, out, sorted_ids, block_slot, down.parts, down.strides, bias2,
+        hidden.stride(0), hidden.stride(1), out.stride(0), out.stride(1),
+        bias2.stride(0), bias2.stride(1), t * k, h, i,
+        BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=dot_f32, HAS_BIAS=has_bias, **down.consts)
     return out
+
+
+def _check(x: torch.Tensor, w13: ExpertWeight, w2: ExpertWeight, slot_ids: torch.Tensor, out: torch.Tensor,
+           b13: torch.Tensor | None, b2: torch.Tensor | None) -> None:
+    """fused_moe's argument checks (see its docstring); raises ValueError naming what is wrong."""
+    if x.dim() != 2 or len(w13.shape) != 3 or len(w2.shape) != 3 or slot_ids.dim() != 2 or out.dim() != 2:
+        raise ValueError(f"expected x [T, H], w13 [S, 2I, H], w2 [S, H, I], slot_ids [T, k], "
+                         f"out [T*k, H], got {tuple(x.shape)}, {tuple(w13.shape)}, "
+                         f"{tuple(w2.shape)}, {tuple(slot_ids.shape)}, {tuple(out.shape)}")
+    t, h = x.shape
+    s, i2, _ = w13.shape
+    i = i2 // 2
+    k = slot_ids.shape[1]
+    if i2 % 2 or w13.shape[2] != h:
+        raise ValueError(f"w13 shape {tuple(w13.shape)} is not [S, 2I, H={h}]")
+    if tuple(w2.shape) != (s, h, i):
+        raise ValueError(f"w2 shape {tuple(w2.shape)} != [S, H, I] = {(s, h, i)}")
+    if slot_ids.shape[0] != t or out.shape != (t * k, h):
+        raise ValueError(f"expected slot_ids [{t}, k] and out [T*k, {h}], got "
+                         f"{tuple(slot_ids.shape)} and {tuple(out.shape)}")
+    if (b13 is None) != (b2 is None):
+        raise ValueError("pass both expert biases b13 and b2, or neither")
+    biases = [b for b in (b13, b2) if b is not None]
+    if b13 is not None and b2 is not None and (b13.shape != (s, i2) or b2.shape != (s, h)):
+        raise ValueError(f"expected biases b13 [S, 2I] = {(s, i2)} and b2 [S, H] = {(s, h)}, got "
+                         f"{tuple(b13.shape)} and {tuple(b2.shape)}")
+    plain = [w for w in (w13, w2) if isinstance(w, torch.Tensor)]
+    if x.dtype not in _DTYPES or any(v.dtype != x.dtype for v in (*plain, out, *biases)):
+        raise ValueError(f"x/out, plain w13/w2 and biases must share one dtype among {_DTYPES}, got "
+                         f"x {x.dtype}, out {out.dtype}, w13 {weight_format(w13)}, w2 {weight_format(w2)}"
+                         + "".join(f", bias {b.dtype}" for b in biases))
+    if len(plain) == 1:
+        raise ValueError(f"w13 ({weight_format(w13)}) and w2 ({weight_format(w2)}) must both be plain "
+                         "or both quantized")
+    if slot_ids.dtype not in _INT_DTYPES:
+        raise ValueError(f"slot_ids must be a signed integer tensor, got {slot_ids.dtype}")
+    devices = {v.device for v in (x, *tensors_of(w13), *tensors_of(w2), slot_ids, out, *biases)}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+

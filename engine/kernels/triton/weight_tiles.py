@@ -1,0 +1,189 @@
+"""How the Triton fused-MoE kernels read one tile of an expert weight, plain or quantized.
+
+An expert weight is [N, out, in] over N slots (engine/quant/stack.py): a plain tensor, or a
+linear in one of the published layouts, stored as its own parts.  The kernels never see a
+dense copy of a quantized weight: `weight_tile` loads the tile's packed words, scales and
+zeros and dequantizes them in registers, with the same element-wise arithmetic as the
+format's torch codec (engine/quant/int_codecs.py, float_codecs.py), so the dequantized value
+of every element equals the reference's bit for bit and only the matmul's summation order
+differs.
+
+    tile[c, r] = W[slot, rows[r], cols[c]]     rows: [BN] output rows, cols: [BK] input columns
+
+A `TileSource` is the launcher's side: the four part tensors (unused ones repeat the first),
+three strides per part (slot, then the part's two dims; a [N, d] part has a zero third) and
+the format's constants, which are constexprs of the kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.quant.formats import LinearFormat
+from engine.quant.stack import ExpertWeight, JoinedRows, QuantStack
+
+DENSE = tl.constexpr(0)
+GPTQ = tl.constexpr(1)
+AWQ = tl.constexpr(2)
+CT_INT = tl.constexpr(3)
+FP8_BLOCK = tl.constexpr(4)
+CT_FP8 = tl.constexpr(5)
+MXFP4 = tl.constexpr(6)
+CODES = {"gptq": 1, "awq": 2, "ct-int": 3, "fp8-block": 4, "ct-fp8": 5, "mxfp4": 6}
+MX_BLOCK = tl.constexpr(32)
+MX_SUBNORMAL = tl.constexpr(2.0 ** -127)       # an E8M0 exponent of 0 (float_codecs.Mxfp4)
+
+
+@triton.jit
+def _field(words: tl.tensor, index: tl.tensor, BITS: tl.constexpr) -> tl.tensor:
+    """Value `index % (32 / BITS)` of each int32 word, unsigned (int_codecs.unpack)."""
+    return (words >> ((index % (32 // BITS)) * BITS).to(tl.int32)) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _e2m1(code: tl.tensor) -> tl.tensor:
+    """E2M1 code (0..15) -> fp32, exactly float_codecs.E2M1[code]."""
+    m = code & 7
+    e = m >> 1
+    half = (m & 1).to(tl.float32) * 0.5
+    mag = tl.where(e == 0, half, (1 << tl.maximum(e - 1, 0)).to(tl.float32) * (1.0 + half))
+    return tl.where(code >= 8, -mag, mag)
+
+
+@triton.jit
+def weight_tile(parts: tuple, strides: tuple, slot: tl.tensor, rows: tl.tensor, cols: tl.tensor,
+                row_mask: tl.tensor, col_mask: tl.tensor,
+                FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, ZERO_ADD: tl.constexpr,
+                DESC_ACT: tl.constexpr, SYM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                OUT_DTYPE: tl.constexpr) -> tl.tensor:
+    """The [BK, BN] tile W[slot, rows, cols]ᵀ (see the module doc): a plain weight in its own
+    dtype, a quantized one dequantized in fp32 and cast to OUT_DTYPE (as the codec's result is
+    cast to the compute dtype); zero outside the masks."""
+    mask = col_mask[:, None] & row_mask[None, :]
+    n = rows[None, :].to(tl.int64)                                  # [1, BN] output row
+    k = cols[:, None].to(tl.int64)                                  # [BK, 1] input column
+    p0 = parts[0] + slot * strides[0]
+    p1 = parts[1] + slot * strides[3]
+    p2 = parts[2] + slot * strides[6]
+    if FMT == DENSE:
+        return tl.load(p0 + n * strides[1] + k * strides[2], mask=mask, other=0.0)
+    PER: tl.constexpr = 32 // BITS
+    if FMT == GPTQ:       # qweight [in/p, out], qzeros [G, out/p], scales [G, out], g_idx [in]
+        q = _field(tl.load(p0 + (k // PER) * strides[1] + n * strides[2], mask=mask, other=0), k, BITS)
+        if DESC_ACT:
+            g = tl.load(parts[3] + slot * strides[9] + k * strides[10], mask=col_mask[:, None], other=0)
+            g = g.to(tl.int64)
+        else:
+            g = k // GROUP
+        z = _field(tl.load(p1 + g * strides[4] + (n // PER) * strides[5], mask=mask, other=0), n, BITS) + ZERO_ADD
+        w = (q - z).to(tl.float32) * tl.load(p2 + g * strides[7] + n * strides[8], mask=mask, other=0.0).to(tl.float32)
+    elif FMT == AWQ:      # qweight [in, out/8], qzeros [G, out/8] in AWQ's nibble order; scales [G, out]
+        shift = (((n % 8) // 2 + (n % 2) * 4) * 4).to(tl.int32)
+        g = k // GROUP
+        q = (tl.load(p0 + k * strides[1] + (n // 8) * strides[2], mask=mask, other=0) >> shift) & 15
+        z = (tl.load(p1 + g * strides[4] + (n // 8) * strides[5], mask=mask, other=0) >> shift) & 15
+        w = (q - z).to(tl.float32) * tl.load(p2 + g * strides[7] + n * strides[8], mask=mask, other=0.0).to(tl.float32)
+    elif FMT == CT_INT:   # weight_packed [out, in/p] (+2^(b-1)), weight_scale [out, G], zero point [out/p, G]
+        g = k // GROUP
+        q = _field(tl.load(p0 + n * strides[1] + (k // PER) * strides[2], mask=mask, other=0), k, BITS)
+        if SYM:
+            z = 1 << (BITS - 1)
+        else:
+            zp = parts[3] + slot * strides[9]
+            z = _field(tl.load(zp + (n // PER) * strides[10] + g * strides[11], mask=mask, other=0), n, BITS)
+        w = (q - z).to(tl.float32) * tl.load(p1 + n * strides[4] + g * strides[5], mask=mask, other=0.0).to(tl.float32)
+    elif FMT == FP8_BLOCK:  # weight fp8 [out, in], weight_scale_inv fp32 [out/BLOCK_R, in/BLOCK_C]
+        s = tl.load(p1 + (n // BLOCK_R) * strides[4] + (k // BLOCK_C) * strides[5], mask=mask, other=0.0)
+        w = tl.load(p0 + n * strides[1] + k * strides[2], mask=mask, other=0.0).to(tl.float32) * s.to(tl.float32)
+    elif FMT == CT_FP8:   # weight fp8 [out, in], weight_scale [out, 1] (channel) or [1] (tensor: stride 0)
+        s = tl.load(p1 + n * strides[4], mask=row_mask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(p0 + n * strides[1] + k * strides[2], mask=mask, other=0.0).to(tl.float32) * s
+    else:                 # MXFP4: blocks uint8 [out, in/2] (two codes a byte, even in the low nibble),
+        byte = tl.load(p0 + n * strides[1] + (k // 2) * strides[2], mask=mask, other=0).to(tl.int32)
+        code = (byte >> ((k % 2) * 4).to(tl.int32)) & 15            # scales uint8 [out, in/32]
+        e = tl.load(p1 + n * strides[4] + (k // MX_BLOCK) * strides[5], mask=mask, other=0).to(tl.int32)
+        scale = tl.where(e == 0, MX_SUBNORMAL, (e << 23).to(tl.float32, bitcast=True))
+        w = _e2m1(code) * scale
+    return tl.where(mask, w, 0.0).to(OUT_DTYPE)
+
+
+@dataclass(frozen=True)
+class TileSource:
+    """One expert weight as `weight_tile` reads it: its rows r of a call are rows
+    `r * row_step + row_start` of the stored linear."""
+    parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    strides: tuple[int, ...]          # 12: (slot, dim 1, dim 2) for each part
+    consts: dict[str, int]            # the constexprs FMT .. BLOCK_C
+    row_step: int = 1
+    row_start: int = 0
+
+
+def _dense_consts() -> dict[str, int]:
+    return dict(FMT=0, BITS=32, GROUP=1, ZERO_ADD=0, DESC_ACT=0, SYM=1, BLOCK_R=1, BLOCK_C=1)
+
+
+def _three(t: torch.Tensor) -> tuple[int, int, int]:
+    """(slot, dim 1, dim 2) strides of a part: [N, a, b], [N, a] (no dim 2) or, for MXFP4's
+    blocks [N, out, G, 16], [N, out, in/2] (its last two dims contiguous with each other)."""
+    if t.dim() == 4:
+        if t.stride(2) != t.shape[3] * t.stride(3):
+            raise ValueError(f"MXFP4 blocks of strides {t.stride()} cannot be read as [N, out, in/2]")
+        return t.stride(0), t.stride(1), t.stride(3)
+    s = t.stride()
+    return (s[0], s[1] if t.dim() > 1 else 0, s[2] if t.dim() > 2 else 0)
+
+
+def format_consts(fmt: LinearFormat, in_: int) -> dict[str, int]:
+    """The kernel's constexprs for a linear of `in_` input columns in `fmt`."""
+    return dict(FMT=CODES[fmt.name], BITS=fmt.bits, GROUP=in_ if fmt.group_size == -1 else fmt.group_size,
+                ZERO_ADD=int(fmt.name == "gptq" and fmt.checkpoint_format == "gptq"),
+                DESC_ACT=int(fmt.desc_act), SYM=int(fmt.sym), BLOCK_R=fmt.block[0], BLOCK_C=fmt.block[1])
+
+
+def _quant_source(w: QuantStack, row_step: int = 1, row_start: int = 0) -> TileSource:
+    tensors = w.tensors()
+    if w.fmt.name == "ct-int":                 # weight_shape (part 2) is metadata: never read
+        tensors = [tensors[0], tensors[1], tensors[0], *tensors[3:]]
+    if w.fmt.name == "ct-fp8" and w.fmt.strategy == "tensor":
+        strides = [(*_three(tensors[0]),), (tensors[1].stride(0), 0, 0)]
+    else:
+        strides = [_three(t) for t in tensors]
+    padded = (tensors + [tensors[0]] * 4)[:4]
+    strides = (strides + [(0, 0, 0)] * 4)[:4]
+    return TileSource(tuple(padded), tuple(s for three in strides for s in three),   # type: ignore[arg-type]
+                      format_consts(w.fmt, w.in_), row_step, row_start)
+
+
+def _plain_source(w: torch.Tensor, row_start: int = 0) -> TileSource:
+    return TileSource((w, w, w, w), (*w.stride(), 0, 0, 0, 0, 0, 0, 0, 0, 0), _dense_consts(), 1, row_start)
+
+
+def gate_up_sources(w13: ExpertWeight) -> tuple[TileSource, TileSource]:
+    """The gate rows and the up rows of w13 [N, 2I, H] as two sources over the same act columns."""
+    if isinstance(w13, torch.Tensor):
+        return _plain_source(w13), _plain_source(w13, w13.shape[1] // 2)
+    if isinstance(w13, JoinedRows) and w13.interleaved and isinstance(w13.linears[0], QuantStack):
+        return _quant_source(w13.linears[0], 2, 0), _quant_source(w13.linears[0], 2, 1)
+    if (isinstance(w13, JoinedRows) and len(w13.linears) == 2
+            and all(isinstance(w, QuantStack) for w in w13.linears)):
+        gate, up = w13.linears
+        assert isinstance(gate, QuantStack) and isinstance(up, QuantStack)
+        if gate.fmt != up.fmt or gate.out != up.out:
+            raise ValueError(f"gate ({gate.describe()}, {gate.out} rows) and up ({up.describe()}, {up.out} rows) "
+                             "must share a format and a size for the fused kernel")
+        return _quant_source(gate), _quant_source(up)
+    raise ValueError(f"the fused kernel reads w13 as a plain tensor, gate and up QuantStacks or one "
+                     f"interleaved gate_up, not {type(w13).__name__}")
+
+
+def down_source(w2: ExpertWeight) -> TileSource:
+    """w2 [N, H, I] as a source."""
+    if isinstance(w2, torch.Tensor):
+        return _plain_source(w2)
+    if isinstance(w2, QuantStack):
+        return _quant_source(w2)
+    raise ValueError(f"the fused kernel reads w2 as a plain tensor or a QuantStack, not {type(w2).__name__}")
