@@ -54,6 +54,76 @@ def _e2m1(code: tl.tensor) -> tl.tensor:
     return tl.where(code >= 8, -mag, mag)
 
 
+# Each format's tile: fp32 [BK, BN] at output rows n [1, BN] and input columns k [BK, 1] of one
+# slot, whose parts start at p0.. (the slot's offset added); `mask` [BK, BN] covers both edges.
+
+@triton.jit
+def _gptq(p0: tl.tensor, p1: tl.tensor, p2: tl.tensor, p3: tl.tensor, strides: tuple, n: tl.tensor,
+          k: tl.tensor, mask: tl.tensor, col_mask: tl.tensor, BITS: tl.constexpr, GROUP: tl.constexpr,
+          ZERO_ADD: tl.constexpr, DESC_ACT: tl.constexpr) -> tl.tensor:
+    """qweight [in/p, out], qzeros [G, out/p] (v1: zero - 1), scales [G, out], g_idx [in]."""
+    PER: tl.constexpr = 32 // BITS
+    q = _field(tl.load(p0 + (k // PER) * strides[1] + n * strides[2], mask=mask, other=0), k, BITS)
+    if DESC_ACT:
+        g = tl.load(p3 + k * strides[10], mask=col_mask[:, None], other=0).to(tl.int64)
+    else:                                       # column // group size, as the codec reads it then
+        g = k // GROUP
+    z = _field(tl.load(p1 + g * strides[4] + (n // PER) * strides[5], mask=mask, other=0), n, BITS) + ZERO_ADD
+    s = tl.load(p2 + g * strides[7] + n * strides[8], mask=mask, other=0.0).to(tl.float32)
+    return (q - z).to(tl.float32) * s
+
+
+@triton.jit
+def _awq(p0: tl.tensor, p1: tl.tensor, p2: tl.tensor, strides: tuple, n: tl.tensor, k: tl.tensor,
+         mask: tl.tensor, GROUP: tl.constexpr) -> tl.tensor:
+    """qweight [in, out/8], qzeros [G, out/8], both in AWQ's nibble order; scales [G, out]."""
+    shift = (((n % 8) // 2 + (n % 2) * 4) * 4).to(tl.int32)   # column c sits in nibble AWQ_REVERSE[c]
+    g = k // GROUP
+    q = (tl.load(p0 + k * strides[1] + (n // 8) * strides[2], mask=mask, other=0) >> shift) & 15
+    z = (tl.load(p1 + g * strides[4] + (n // 8) * strides[5], mask=mask, other=0) >> shift) & 15
+    s = tl.load(p2 + g * strides[7] + n * strides[8], mask=mask, other=0.0).to(tl.float32)
+    return (q - z).to(tl.float32) * s
+
+
+@triton.jit
+def _ct_int(p0: tl.tensor, p1: tl.tensor, p3: tl.tensor, strides: tuple, n: tl.tensor, k: tl.tensor,
+            mask: tl.tensor, BITS: tl.constexpr, GROUP: tl.constexpr, SYM: tl.constexpr) -> tl.tensor:
+    """weight_packed [out, ceil(in/p)] (q + 2^(b-1)), weight_scale [out, G], zero point [ceil(out/p), G]."""
+    PER: tl.constexpr = 32 // BITS
+    g = k // GROUP
+    q = _field(tl.load(p0 + n * strides[1] + (k // PER) * strides[2], mask=mask, other=0), k, BITS)
+    if SYM:
+        z = 1 << (BITS - 1)
+    else:
+        z = _field(tl.load(p3 + (n // PER) * strides[10] + g * strides[11], mask=mask, other=0), n, BITS)
+    s = tl.load(p1 + n * strides[4] + g * strides[5], mask=mask, other=0.0).to(tl.float32)
+    return (q - z).to(tl.float32) * s
+
+
+@triton.jit
+def _fp8(p0: tl.tensor, p1: tl.tensor, strides: tuple, n: tl.tensor, k: tl.tensor, mask: tl.tensor,
+         BLOCKED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr) -> tl.tensor:
+    """weight e4m3 [out, in] times weight_scale_inv [out/BLOCK_R, in/BLOCK_C] (block FP8), or times
+    weight_scale [out, 1] (channel) / [1] (tensor: a zero stride) for compressed-tensors FP8."""
+    if BLOCKED:
+        s = tl.load(p1 + (n // BLOCK_R) * strides[4] + (k // BLOCK_C) * strides[5], mask=mask, other=0.0)
+    else:
+        s = tl.load(p1 + n * strides[4], mask=mask, other=0.0)
+    return tl.load(p0 + n * strides[1] + k * strides[2], mask=mask, other=0.0).to(tl.float32) * s.to(tl.float32)
+
+
+@triton.jit
+def _mxfp4(p0: tl.tensor, p1: tl.tensor, strides: tuple, n: tl.tensor, k: tl.tensor,
+           mask: tl.tensor) -> tl.tensor:
+    """blocks uint8 [out, in/2] (two E2M1 codes a byte, the even element low), scales uint8
+    [out, in/32] (E8M0): E2M1[code] * 2^(scale - 127)."""
+    byte = tl.load(p0 + n * strides[1] + (k // 2) * strides[2], mask=mask, other=0).to(tl.int32)
+    code = (byte >> ((k % 2) * 4).to(tl.int32)) & 15
+    e = tl.load(p1 + n * strides[4] + (k // MX_BLOCK) * strides[5], mask=mask, other=0).to(tl.int32)
+    scale = tl.where(e == 0, MX_SUBNORMAL, (e << 23).to(tl.float32, bitcast=True))
+    return _e2m1(code) * scale
+
+
 @triton.jit
 def weight_tile(parts: tuple, strides: tuple, slot: tl.tensor, rows: tl.tensor, cols: tl.tensor,
                 row_mask: tl.tensor, col_mask: tl.tensor,
@@ -62,53 +132,27 @@ def weight_tile(parts: tuple, strides: tuple, slot: tl.tensor, rows: tl.tensor, 
                 OUT_DTYPE: tl.constexpr) -> tl.tensor:
     """The [BK, BN] tile W[slot, rows, cols]ᵀ (see the module doc): a plain weight in its own
     dtype, a quantized one dequantized in fp32 and cast to OUT_DTYPE (as the codec's result is
-    cast to the compute dtype); zero outside the masks."""
+    cast to the compute dtype); zero outside the masks.  FMT is a constexpr: one branch compiles."""
     mask = col_mask[:, None] & row_mask[None, :]
     n = rows[None, :].to(tl.int64)                                  # [1, BN] output row
     k = cols[:, None].to(tl.int64)                                  # [BK, 1] input column
-    p0 = parts[0] + slot * strides[0]
-    p1 = parts[1] + slot * strides[3]
-    p2 = parts[2] + slot * strides[6]
+    p0, p1 = parts[0] + slot * strides[0], parts[1] + slot * strides[3]
+    p2, p3 = parts[2] + slot * strides[6], parts[3] + slot * strides[9]
     if FMT == DENSE:
-        return tl.load(p0 + n * strides[1] + k * strides[2], mask=mask, other=0.0)
-    PER: tl.constexpr = 32 // BITS
-    if FMT == GPTQ:       # qweight [in/p, out], qzeros [G, out/p], scales [G, out], g_idx [in]
-        q = _field(tl.load(p0 + (k // PER) * strides[1] + n * strides[2], mask=mask, other=0), k, BITS)
-        if DESC_ACT:
-            g = tl.load(parts[3] + slot * strides[9] + k * strides[10], mask=col_mask[:, None], other=0)
-            g = g.to(tl.int64)
+        tile = tl.load(p0 + n * strides[1] + k * strides[2], mask=mask, other=0.0)
+    else:
+        if FMT == GPTQ:
+            w = _gptq(p0, p1, p2, p3, strides, n, k, mask, col_mask, BITS, GROUP, ZERO_ADD, DESC_ACT)
+        elif FMT == AWQ:
+            w = _awq(p0, p1, p2, strides, n, k, mask, GROUP)
+        elif FMT == CT_INT:
+            w = _ct_int(p0, p1, p3, strides, n, k, mask, BITS, GROUP, SYM)
+        elif FMT == FP8_BLOCK or FMT == CT_FP8:
+            w = _fp8(p0, p1, strides, n, k, mask, FMT == FP8_BLOCK, BLOCK_R, BLOCK_C)
         else:
-            g = k // GROUP
-        z = _field(tl.load(p1 + g * strides[4] + (n // PER) * strides[5], mask=mask, other=0), n, BITS) + ZERO_ADD
-        w = (q - z).to(tl.float32) * tl.load(p2 + g * strides[7] + n * strides[8], mask=mask, other=0.0).to(tl.float32)
-    elif FMT == AWQ:      # qweight [in, out/8], qzeros [G, out/8] in AWQ's nibble order; scales [G, out]
-        shift = (((n % 8) // 2 + (n % 2) * 4) * 4).to(tl.int32)
-        g = k // GROUP
-        q = (tl.load(p0 + k * strides[1] + (n // 8) * strides[2], mask=mask, other=0) >> shift) & 15
-        z = (tl.load(p1 + g * strides[4] + (n // 8) * strides[5], mask=mask, other=0) >> shift) & 15
-        w = (q - z).to(tl.float32) * tl.load(p2 + g * strides[7] + n * strides[8], mask=mask, other=0.0).to(tl.float32)
-    elif FMT == CT_INT:   # weight_packed [out, in/p] (+2^(b-1)), weight_scale [out, G], zero point [out/p, G]
-        g = k // GROUP
-        q = _field(tl.load(p0 + n * strides[1] + (k // PER) * strides[2], mask=mask, other=0), k, BITS)
-        if SYM:
-            z = 1 << (BITS - 1)
-        else:
-            zp = parts[3] + slot * strides[9]
-            z = _field(tl.load(zp + (n // PER) * strides[10] + g * strides[11], mask=mask, other=0), n, BITS)
-        w = (q - z).to(tl.float32) * tl.load(p1 + n * strides[4] + g * strides[5], mask=mask, other=0.0).to(tl.float32)
-    elif FMT == FP8_BLOCK:  # weight fp8 [out, in], weight_scale_inv fp32 [out/BLOCK_R, in/BLOCK_C]
-        s = tl.load(p1 + (n // BLOCK_R) * strides[4] + (k // BLOCK_C) * strides[5], mask=mask, other=0.0)
-        w = tl.load(p0 + n * strides[1] + k * strides[2], mask=mask, other=0.0).to(tl.float32) * s.to(tl.float32)
-    elif FMT == CT_FP8:   # weight fp8 [out, in], weight_scale [out, 1] (channel) or [1] (tensor: stride 0)
-        s = tl.load(p1 + n * strides[4], mask=row_mask[None, :], other=0.0).to(tl.float32)
-        w = tl.load(p0 + n * strides[1] + k * strides[2], mask=mask, other=0.0).to(tl.float32) * s
-    else:                 # MXFP4: blocks uint8 [out, in/2] (two codes a byte, even in the low nibble),
-        byte = tl.load(p0 + n * strides[1] + (k // 2) * strides[2], mask=mask, other=0).to(tl.int32)
-        code = (byte >> ((k % 2) * 4).to(tl.int32)) & 15            # scales uint8 [out, in/32]
-        e = tl.load(p1 + n * strides[4] + (k // MX_BLOCK) * strides[5], mask=mask, other=0).to(tl.int32)
-        scale = tl.where(e == 0, MX_SUBNORMAL, (e << 23).to(tl.float32, bitcast=True))
-        w = _e2m1(code) * scale
-    return tl.where(mask, w, 0.0).to(OUT_DTYPE)
+            w = _mxfp4(p0, p1, strides, n, k, mask)
+        tile = tl.where(mask, w, 0.0).to(OUT_DTYPE)
+    return tile
 
 
 @dataclass(frozen=True)
