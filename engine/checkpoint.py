@@ -158,11 +158,8 @@ def dequantize_fp8(name: str, weight: torch.Tensor, scale_inv: torch.Tensor, blo
     if tuple(scale.shape) != want:
         raise CheckpointError(f"{name}{SCALE_SUFFIX} has shape {list(scale.shape)}; the {list(weight.shape)} "
                               f"weight in {bn}x{bk} blocks needs {list(want)}")
-    # each element's block by index (not repeat_interleave then a cut to the weight's size: inductor's
-    # CPU codegen fused that expansion with the float8 conversion into a kernel that read garbage)
-    row_block = torch.arange(rows, device=scale.device) // bn
-    col_block = torch.arange(cols, device=scale.device) // bk
-    return out.mul_(scale.index_select(-2, row_block).index_select(-1, col_block))
+    full = scale.repeat_interleave(bn, dim=-2)[..., :rows, :].repeat_interleave(bk, dim=-1)[..., :cols]
+    return out.mul_(full)
 
 
 def dequantized(tensors: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int]

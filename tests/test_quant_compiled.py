@@ -2,9 +2,12 @@
 compiled decode step, which `tandem serve` runs by default) dequantize to the eager codec's
 values bit for bit, at shapes whose last group or block is partial.
 
-Inductor once fused a block-FP8 scale expanded by repeat_interleave and then cut to the weight's
-size with the weight's conversion into a kernel that read past the expansion: the compiled
-decode step of an FP8 checkpoint served garbage (NaN, token 0) while every eager test passed."""
+Inductor's CPU code (torch 2.13) vectorizes a per-element scale index c // block wrongly where the
+block is no multiple of its vector width: with block-FP8 scales expanded that way, the compiled
+decode step of a checkpoint in 48x40 blocks served garbage (NaN, token 0) while every eager test
+passed.  Such layouts now dequantize through an opaque op inside a graph (engine/quant/traced.py);
+the cases below take both paths (groups of 16 and 48x40 blocks the op, groups of 32, channels and
+128x128 blocks the fused code)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 from engine.kernels.fused_moe import gathered_all
 from engine.quant import LinearFormat, format_named
 from engine.quant.stack import JoinedRows, QuantStack
+from engine.quant.traced import dequantize
 
 # (format, H, I): I or H not a multiple of the group or block, so the last one is partial
 CASES = [
@@ -54,6 +58,17 @@ def test_compiled_dequantization_equals_the_eager_one(fmt: LinearFormat, h: int,
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fmt,h,i", CASES, ids=[f"{f.describe()} H{h} I{i}" for f, h, i in CASES])
+def test_a_dense_linear_dequantizes_compiled_as_eager(fmt: LinearFormat, h: int, i: int) -> None:
+    """One [out, in] linear, no expert dim (an attention projection kept quantized)."""
+    for out, in_ in ((i, h), (h, i)):
+        parts = fmt.quantize(torch.randn(out, in_, generator=torch.Generator().manual_seed(out)) * in_ ** -0.5)
+        torch._dynamo.reset()
+        want = fmt.dequantize(parts, out, in_)
+        got = torch.compile(lambda p: dequantize(fmt, p, out, in_), fullgraph=True)(parts)
+        assert torch.equal(got, want), f"{fmt.describe()} [{out}, {in_}]: compiled differs"
+
+
 def test_an_fp8_checkpoint_decodes_compiled_as_it_does_eager(tmp_path: Path) -> None:
     from engine import LLM
     from engine.quant.pack import quantize_checkpoint
@@ -64,3 +79,14 @@ def test_an_fp8_checkpoint_decodes_compiled_as_it_does_eager(tmp_path: Path) -> 
     eager = LLM(quantized).generate(prompts(), PARAMS)
     compiled = LLM(quantized, compile=True, compile_buckets=(1, 4)).generate(prompts(), PARAMS)
     assert_same(compiled, eager, "fp8-block 48x40 compiled against eager")
+
+
+def test_which_layouts_dequantize_through_the_opaque_op() -> None:
+    from engine.quant.traced import splits_vectors
+    assert splits_vectors(format_named("fp8-block", block=(48, 40)), 64)
+    assert splits_vectors(format_named("gptq", group_size=16), 64)
+    assert not splits_vectors(format_named("gptq", group_size=128), 2048)
+    assert not splits_vectors(format_named("gptq", group_size=128), 64)       # one group: nothing split
+    assert not splits_vectors(format_named("ct-int", group_size=-1), 20)
+    assert not splits_vectors(format_named("fp8-block"), 7168)
+    assert not splits_vectors(format_named("mxfp4"), 2880)

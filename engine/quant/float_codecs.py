@@ -54,8 +54,7 @@ class Fp8Block:
         blocks = padded.unflatten(-1, (-1, bk)).unflatten(-3, (-1, bn))       # [..., R, bn, C, bk]
         amax = blocks.abs().amax(dim=(-3, -1))                                # [..., R, C]
         scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
-        full = scale.index_select(-2, torch.arange(out, device=w.device) // bn).index_select(
-            -1, torch.arange(in_, device=w.device) // bk)
+        full = scale.repeat_interleave(bn, -2)[..., :out, :].repeat_interleave(bk, -1)[..., :in_]
         return {".weight": to_fp8(w, full), ".weight_scale_inv": scale}
 
     def describe(self, fmt: LinearFormat) -> str:

@@ -48,6 +48,7 @@ BITS = {"fp8-block": (8,), "ct-fp8": (8,), "mxfp4": (4,), "gptq": (4, 8), "awq":
 GROUPED = ("gptq", "awq", "ct-int")          # the formats whose `group_size` means something
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")      # GPTQ v1 stores zero - 1, v2 the zero itself
 CT_FP8_STRATEGIES = ("channel", "tensor")
+KNOWN: dict[str, "LinearFormat"] = {}          # every format made in this process, by its key
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class LinearFormat:
     block: tuple[int, int] = (128, 128)
     strategy: str = "channel"
     scale_dtype: torch.dtype = field(default=torch.bfloat16)
+    key: str = field(init=False, repr=False, compare=False, default="")   # the settings, as one string
 
     def __post_init__(self) -> None:
         if self.name not in CODECS:
@@ -96,6 +98,8 @@ class LinearFormat:
                                   f"(supported: {', '.join(CT_FP8_STRATEGIES)})")
         if self.scale_dtype not in SCALE_DTYPES:
             raise CheckpointError(f"scale_dtype={self.scale_dtype} is not supported (supported: {SCALE_DTYPES})")
+        object.__setattr__(self, "key", repr(self))
+        KNOWN.setdefault(self.key, self)
 
     @property
     def codec(self) -> Codec:

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Protocol, Union
 
 import torch
 
+from engine.quant.traced import dequantize
+
 if TYPE_CHECKING:
     from engine.quant.formats import LinearFormat
 
@@ -81,7 +83,7 @@ class QuantStack:
         return [self.parts[s] for s in self.fmt.parts()]
 
     def at(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.fmt.dequantize({s: t.index_select(0, idx) for s, t in self.parts.items()}, self.out, self.in_)
+        return dequantize(self.fmt, {s: t.index_select(0, idx) for s, t in self.parts.items()}, self.out, self.in_)
 
     def empty(self, num: int, device: torch.device | str) -> "QuantStack":
         return QuantStack(self.fmt, {s: torch.empty((num, *t.shape[1:]), dtype=t.dtype, device=device)
