@@ -80,7 +80,8 @@ STEPS = [
 ]
 SKIP_WHY = {"cuda": "needs a CUDA device", "cpu": "on CUDA the compiled kernels run in cuda_tests and families"}
 KERNEL_TESTS = ["tests/test_kernel_paged_attention.py", "tests/test_kernel_fused_moe.py",
-                "tests/test_kernel_fused_moe_quant.py", "tests/test_attention_variants.py"]
+                "tests/test_kernel_fused_moe_quant.py", "tests/test_kernel_quant_linear.py",
+                "tests/test_attention_variants.py"]
 
 
 def child_env() -> tuple[dict[str, str], str | None]:

@@ -28,7 +28,7 @@ from deploy.flags import ENGINE_FLAGS, DefaultsShown, add_serve_flags, serve_fie
 from deploy.settings import ServeSettings
 from engine import env
 from engine.config import DTYPE_NAMES, EngineConfig
-from engine.options import add_flags, build, default_of, flag_of, given
+from engine.options import add_flag, add_flags, build, default_of, flag_of, given
 from kv_transfer.tls import SERVER_NAME, VALIDITY_S
 
 if TYPE_CHECKING:
@@ -74,7 +74,8 @@ def _preflight(args: argparse.Namespace) -> int:
     from engine.experts.preflight import preflight, render
     report = preflight(args.model or SHIPPED_MODEL, args.memory_gib, dtype=args.dtype, device=args.device,
                        target_tok_s=args.target_tok_s, concurrency=args.concurrency,
-                       link_bytes_per_s=args.link_gbps * 1e9 / 8 if args.link_gbps else None)
+                       link_bytes_per_s=args.link_gbps * 1e9 / 8 if args.link_gbps else None,
+                       keep_dense_quantized=getattr(args, "keep_dense_quantized", None))
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0
 
@@ -158,6 +159,7 @@ def add_preflight_parser(sub: argparse._SubParsersAction) -> None:
     pre.add_argument("--concurrency", type=int, default=8, help="the concurrent requests to size K for")
     pre.add_argument("--link-gbps", type=float, default=None,
                      help="use this link speed, in Gbit/s, instead of measuring (default: measured)")
+    add_flag(pre, EngineConfig, "keep_dense_quantized")
     pre.add_argument("--json", action="store_true", help="the report as JSON")
     pre.set_defaults(func=_preflight)
 

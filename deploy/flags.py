@@ -23,6 +23,7 @@ from gateway.config import FRONT_DOOR
 
 # EngineConfig fields every command that runs an engine takes
 ENGINE_FLAGS = ("model", "dtype", "device", "max_model_len", "kv_cache_tokens", "paged_experts_num_resident",
+                "keep_dense_quantized",
                 "enable_prefix_cache", "compile", "compile_buckets")
 
 

@@ -196,6 +196,13 @@ def parse_compile_buckets(text: str, max_num_seqs: int = MAX_NUM_SEQS) -> tuple[
     return check_compile_buckets(parse_buckets(text), max_num_seqs)
 
 
+def on_off(text: str) -> bool:
+    """A command line's "on" or "off"."""
+    if text not in ("on", "off"):
+        raise ValueError(f"expected on or off, got {text!r}")
+    return text == "on"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs a model: device, dtype, KV pool and batch limits.  Each field's help
@@ -218,6 +225,11 @@ class EngineConfig:
     paged_experts_prefetch: bool | None = option(
         None, says_default=True, help="predict the next layer's experts and page them in early (default: on with "
         "CUDA, off elsewhere)")
+    keep_dense_quantized: bool | None = option(
+        None, says_default=True, type=on_off, metavar="on|off",
+        help="keep a quantized checkpoint's attention and dense MLP linears in their published parts, read by a "
+        "Triton kernel on CUDA, dequantized per call elsewhere (default: on with CUDA; off elsewhere: dequantized "
+        "to --dtype once, at load)")
     enable_prefix_cache: bool = option(
         True, flag="--no-prefix-cache", action="store_false",
         help="the prefix cache: requests share the KV pages of a common prompt prefix, per tenant salt, with the "

@@ -37,6 +37,7 @@ from engine.models import kernel_variants, spec_for
 from engine.models.decoder import DecoderModel
 from engine.models.weights import ExpertsFactory
 from engine.moe import select_moe_kernel
+from engine.quant.dense import QuantLinear
 from engine.quant.formats import LinearFormat, format_named, quant_config
 from engine.quant.load import LoadedTensors, QuantParts, dims, grouped, items
 
@@ -61,8 +62,13 @@ def load_engine_model(config: EngineConfig, cfg: ModelConfig, attention: str | N
     quant = quant_config(cfg.raw)
     triton_moe = select_moe_kernel(device, clamped="clamped_swiglu" in variants,
                                    expert_format=quant.format if quant is not None else None)
+    cuda = torch.device(device).type == "cuda"
+    keep_dense = cuda if config.keep_dense_quantized is None else config.keep_dense_quantized
+    if keep_dense and cuda:
+        import engine.kernels.triton.quant_linear  # noqa: F401  (registers tandem::quant_linear)
     model = load_model(Path(config.model), cfg, config.torch_dtype, device, attn, moe_triton=triton_moe,
-                       make_experts=paged_factory(k, device, triton_moe) if k is not None else None)
+                       make_experts=paged_factory(k, device, triton_moe) if k is not None else None,
+                       keep_dense_quantized=keep_dense)
     if k is not None:
         for layer, experts in model.paged_experts().items():
             check_independence(experts.slots, layer)
@@ -73,14 +79,17 @@ def load_engine_model(config: EngineConfig, cfg: ModelConfig, attention: str | N
 
 def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
                attention: TorchAttention, progress: bool | None = None,
-               make_experts: ExpertsFactory | None = None, moe_triton: bool = False) -> DecoderModel:
+               make_experts: ExpertsFactory | None = None, moe_triton: bool = False,
+               keep_dense_quantized: bool = False) -> DecoderModel:
     """Read every tensor, check its name and shape, copy it in `dtype` to `device`, fuse.
 
     With `make_experts` (paged experts) the expert tensors stay in host memory and the
     factory builds each layer's experts from them.
 
-    Quantized linears: routed experts kept as published (in `loaded.quantized`), the rest
-    dequantized to `dtype`; multi-token-prediction layers are
+    Quantized linears: routed experts kept as published (in `loaded.quantized`); with
+    `keep_dense_quantized` every other one too (`loaded.dense`: the family keeps those it computes
+    through engine.quant.dense.linear, and gets the rest dequantized), else the rest dequantized
+    to `dtype`; multi-token-prediction layers are
     skipped (one log line says how many tensors); the tensors the family's `keeps_fp32(name)`
     names (grouped routers) are copied in float32.
 
@@ -98,7 +107,7 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: s
     total = items((n for n in weight_files(path) if mtp_layer(cfg, n) is None), fmt)
     show = progress if progress is not None else total >= PROGRESS_MIN_TENSORS
     skipped: Counter[int] = Counter()
-    loaded = LoadedTensors()
+    loaded = LoadedTensors(dtype)
     for name, item in tqdm(grouped(without_mtp(cfg, iter_tensors(path), skipped), fmt), total=total,
                            desc="loading weights", unit="tensor", disable=not show):
         if isinstance(item, QuantParts):
@@ -110,6 +119,10 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: s
                 place = "cpu" if make_experts is not None else device
                 item.parts = {s: owned_copy(t, t.dtype, place) for s, t in item.parts.items()}
                 loaded.quantized[name] = item
+                continue
+            if keep_dense_quantized and not lead and not keeps_fp32(name):
+                parts = {s: owned_copy(t, t.dtype, device) for s, t in item.parts.items()}
+                loaded.dense[name] = QuantLinear(fmt, parts, item.out, item.in_)
                 continue
             dense = fmt.dequantize(item.parts, item.out, item.in_)
             loaded[name] = owned_copy(dense, torch.float32 if keeps_fp32(name) else dtype, device)
@@ -135,7 +148,7 @@ def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: s
         log.info("skipped %d tensors of %d multi-token-prediction layer%s (model.layers.%s): "
                  "the engine does not run them", sum(skipped.values()), len(layers),
                  "s" if len(layers) > 1 else "", ",".join(map(str, layers)))
-    missing = [n for n in expected if n not in loaded and n not in loaded.quantized]
+    missing = [n for n in expected if n not in loaded and n not in loaded.quantized]   # `in` covers .dense
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"missing tensor {missing[0]} (expected shape {list(expected[missing[0]])})"

@@ -7,8 +7,9 @@ the CPU, every logprob within CPU_TOLERANCE (fp32 both sides, different kernels)
 K = top_k over CUDA copy streams (pinned quantized host store) bit-identical to resident on
 cuda; and each format's decode tok/s at K = E/4 against bf16, as JUnit properties
 `<format>.<figure>` (`python -m bench.gpu_check`'s `quantized` step).  The step also runs the
-quantized kernel's cases (tests/test_kernel_fused_moe_quant.py) and the loader's start-up check
-of each format on the device, compiled instead of interpreted.
+quantized kernels' cases (tests/test_kernel_fused_moe_quant.py, tests/test_kernel_quant_linear.py)
+and the loader's start-up check of each format on the device, compiled instead of interpreted; the
+formats whose attention is quantized keep it so (keep_dense_quantized, on by default on CUDA).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from engine import LLM, SamplingParams
 from engine.quant import LinearFormat
 from engine.quant.pack import quantize_checkpoint
 from tests.checkpoints import write_random_checkpoint
+from tests import test_kernel_quant_linear as linear_cases
 from tests.test_kernel_fused_moe_quant import CASES, STARTUP_CHECKS, run_cases
 from tests.test_quant_experts import FORMATS, PARAMS, dequantized_copy, prompts
 
@@ -46,6 +48,16 @@ def kernel_results() -> dict[str, str | None]:
 @pytest.mark.parametrize("name", [c[0] for c in CASES + STARTUP_CHECKS])
 def test_the_quantized_fused_moe_kernel_on_cuda(kernel_results: dict[str, str | None], name: str) -> None:
     assert kernel_results[name] is None, kernel_results[name]
+
+
+@pytest.fixture(scope="module")
+def linear_results() -> dict[str, str | None]:
+    return linear_cases.run_cases(DEVICE)
+
+
+@pytest.mark.parametrize("name", [c[0] for c in linear_cases.CASES])
+def test_the_quantized_linear_kernel_on_cuda(linear_results: dict[str, str | None], name: str) -> None:
+    assert linear_results[name] is None, linear_results[name]
 
 
 def decode_tok_s(llm: LLM, tokens: int = 64) -> float:

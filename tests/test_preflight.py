@@ -115,6 +115,16 @@ def test_a_quantized_checkpoint_is_sized_as_published(capsys):
     int4 = preflight(PUBLISHED / "qwen3-30b-a3b-gptq-int4", memory_gib=139, link_bytes_per_s=5e9)
     assert int4["host_store_bytes"] / plain["host_store_bytes"] == pytest.approx(2_470_912 / 9_437_184)
     assert int4["non_expert_bytes"] == plain["non_expert_bytes"]        # dequantized at load
+    # on CUDA the attention stays GPTQ int4 (keep_dense_quantized): per layer q [4096, 2048], k and v
+    # [512, 2048], o [2048, 4096] = 18,874,368 weights, 37,748,736 bytes in bf16; int4 g128 holds
+    # 1/2 + 1/256 (qzeros) + 1/64 (fp16 scales) a byte each, 9,805,824, plus g_idx 4 * (3 * 2048 + 4096)
+    kept = preflight(PUBLISHED / "qwen3-30b-a3b-gptq-int4", memory_gib=139, link_bytes_per_s=5e9, device="cuda")
+    assert kept["dense_kept_quantized"] and not int4["dense_kept_quantized"]
+    assert plain["non_expert_bytes"] - kept["non_expert_bytes"] == 48 * (37_748_736 - 9_805_824 - 40_960)
+    gpt_oss = preflight(PUBLISHED / "gpt-oss-20b", memory_gib=139, link_bytes_per_s=5e9, device="cuda")
+    assert gpt_oss["non_expert_bytes"] == preflight(PUBLISHED / "gpt-oss-20b", memory_gib=139, link_bytes_per_s=5e9,
+                                                    device="cuda", keep_dense_quantized=False)["non_expert_bytes"], \
+        "gpt-oss leaves its attention unquantized (modules_to_not_convert): nothing else to keep"
     # the link allows 9,437,184 / 2,470,912 = 3.8x the misses
     assert int4["max_miss_rate_for_target"] == pytest.approx(plain["max_miss_rate_for_target"] * 9_437_184 / 2_470_912)
     assert main(["preflight", "--model", str(PUBLISHED / "gpt-oss-20b"), "--memory-gib", "139",

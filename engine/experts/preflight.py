@@ -3,7 +3,8 @@
 `preflight(...)` reads only config.json: every size comes from the architecture's family
 module (its expected tensors and which of them are routed experts) and, for a quantized
 checkpoint, its format (engine/quant/formats.py): routed experts are sized, held and paged in
-their quantized bytes, every other weight at the serving dtype (the loader dequantizes them), the
+their quantized bytes, the quantized attention and dense-MLP linears too where they are kept so
+(`keep_dense_quantized`, the default on CUDA), every other weight at the serving dtype, the
 KV bytes per token from the model's KV geometry (K and V per KV head, or one MLA latent row),
 and the link speed from a measured copy.  Everything that is not a routed expert (attention,
 embeddings, dense layers, routers, shared experts) stays resident on the device.
@@ -21,6 +22,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.models import spec_for
 from engine.options import default_of
+from engine.quant.dense import is_kept_linear, not_converted
 from engine.quant.formats import LinearFormat, quant_config
 from engine.quant.load import dims
 
@@ -33,6 +35,7 @@ class PreflightReport(TypedDict):
     dtype: str
     checkpoint_quantization: str | None
     expert_format: str
+    dense_kept_quantized: bool
     device: str
     memory_gib: float
     num_experts: int
@@ -87,9 +90,11 @@ def measure_link(device: str, nbytes: int = PROBE_BYTES, repeats: int = 3) -> tu
 
 def preflight(model: str | Path, memory_gib: float, dtype: str = "bfloat16", device: str = "cpu",
               target_tok_s: float = 50.0, concurrency: int = 8, link_bytes_per_s: float | None = None,
-              page_size: int = default_of(EngineConfig, "page_size")) -> PreflightReport:
-    """Sizes, costs and a recommended K.  Raises ValueError when the budget cannot hold the
-    non-expert weights plus top_k slots per layer."""
+              page_size: int = default_of(EngineConfig, "page_size"),
+              keep_dense_quantized: bool | None = None) -> PreflightReport:
+    """Sizes, costs and a recommended K.  `keep_dense_quantized` as EngineConfig's (None: on for a
+    CUDA device): the quantized attention and dense-MLP linears sized in the checkpoint's format.
+    Raises ValueError when the budget cannot hold the non-expert weights plus top_k slots per layer."""
     loaded = ModelConfig.from_path(model)
     # sized as served: routed experts in the checkpoint's quantized format, everything else at
     # `dtype` (the loader dequantizes the rest)
@@ -104,8 +109,14 @@ def preflight(model: str | Path, memory_gib: float, dtype: str = "bfloat16", dev
     layers = len(cfg.moe_layers)
     expert_bytes = routed_bytes(family, shapes, fmt, elt) // (cfg.num_experts * layers)
     keeps_fp32 = getattr(family, "keeps_fp32", None) or (lambda name: False)  # loaded in fp32, as served
-    dense_bytes = sum(math.prod(s) * (4 if keeps_fp32(n) else elt)
-                      for n, s in shapes.items() if not family.is_routed_expert(n))
+    keep = device.startswith("cuda") if keep_dense_quantized is None else keep_dense_quantized
+    skip = quant.not_converted if quant is not None else ()
+
+    def held(name: str, shape: tuple[int, ...]) -> int:
+        if keep and fmt is not None and is_kept_linear(name) and not not_converted(name, skip):
+            return fmt.nbytes(*shape)
+        return math.prod(shape) * (4 if keeps_fp32(name) else elt)
+    dense_bytes = sum(held(n, s) for n, s in shapes.items() if not family.is_routed_expert(n))
     slot_bytes = expert_bytes * layers  # one more resident expert in every MoE layer
     kv_bytes_per_token = cfg.kv_bytes_per_token(elt)
     budget = int(memory_gib * (1 << 30))
@@ -127,6 +138,7 @@ def preflight(model: str | Path, memory_gib: float, dtype: str = "bfloat16", dev
         "model": str(model), "dtype": dtype,
         "checkpoint_quantization": quant.describe() if quant is not None else None,
         "expert_format": fmt.describe() if fmt is not None else dtype,
+        "dense_kept_quantized": keep and fmt is not None,
         "device": device, "memory_gib": memory_gib,
         "num_experts": e, "top_k": top_k, "moe_layers": layers, "kv_geometry": list(cfg.kv_geometry),
         "bytes_per_expert": expert_bytes, "slot_cost_bytes": slot_bytes,
@@ -167,7 +179,8 @@ def render(r: PreflightReport) -> str:
     quant = r["checkpoint_quantization"]
     return "\n".join(([] if quant is None else [
         f"the checkpoint is quantized ({quant}): routed experts are held and paged as {r['expert_format']}, "
-        f"every other weight is served at {r['dtype']}"]) + [
+        + ("its quantized attention and dense-MLP linears held as published, every other weight"
+           if r["dense_kept_quantized"] else "every other weight") + f" is served at {r['dtype']}"]) + [
         f"model {r['model']} ({r['dtype']}): {r['num_experts']} experts x {r['moe_layers']} MoE layers, "
         f"top_k {r['top_k']}",
         f"one expert: {_size(r['bytes_per_expert'])}; one slot in every layer: "

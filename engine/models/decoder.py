@@ -21,6 +21,7 @@ from engine.experts.paged import PagedExperts
 from engine.forward_batch import ForwardBatch
 from engine.layers import rms_norm
 from engine.moe import Experts, Router, combine
+from engine.quant.dense import DenseWeight, linear
 from engine.quant.stack import weight_format
 from engine.rope import Rope
 
@@ -78,14 +79,15 @@ class Mixer(Protocol):
 
 
 class DenseMlp:
-    """SiLU-gated MLP: w13 [2I, H] (gate rows, then up rows), w2 [H, I]."""
+    """SiLU-gated MLP: w13 [2I, H] (gate rows, then up rows), w2 [H, I]; plain, or kept quantized
+    (engine/quant/dense.py)."""
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    def __init__(self, w13: DenseWeight, w2: DenseWeight) -> None:
         self.w13, self.w2 = w13, w2
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(h, self.w13).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.w2)
+        gate, up = linear(h, self.w13).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.w2)
 
 
 class MoeBlock:

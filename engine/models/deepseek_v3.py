@@ -30,6 +30,7 @@ from engine.models.weights import (
 )
 from engine.models.weights import keeps_router_fp32 as keeps_fp32
 from engine.models.weights import silu_expert_bytes as expert_bytes
+from engine.quant.dense import join_rows, take_linear
 from engine.rope import Rope, rope_params
 
 __all__ = ["assemble", "attention_layer", "expected_tensors", "expert_bytes", "ignorable", "is_routed_expert",
@@ -99,13 +100,13 @@ def attention_layer(cfg: ModelConfig, t: dict[str, torch.Tensor], p: str, rope: 
     d, a = MlaDims.from_raw(cfg.raw), p + "self_attn."
     bias = bool(cfg.raw.get("attention_bias"))
     q_lora = [a + "q_a_proj"] if d.q_lora_rank else []
-    w_a = torch.cat([t.pop(n + ".weight") for n in q_lora + [a + "kv_a_proj_with_mqa"]])
+    w_a = join_rows([take_linear(t, n + ".weight") for n in q_lora + [a + "kv_a_proj_with_mqa"]])
     b_a = torch.cat([t.pop(n + ".bias") for n in q_lora + [a + "kv_a_proj_with_mqa"]]) if bias else None
     w = MlaWeights(
         w_a=w_a, b_a=b_a, q_norm=t.pop(a + "q_a_layernorm.weight") if d.q_lora_rank else None,
-        w_q=t.pop(a + ("q_b_proj.weight" if d.q_lora_rank else "q_proj.weight")),
+        w_q=take_linear(t, a + ("q_b_proj.weight" if d.q_lora_rank else "q_proj.weight")),
         kv_norm=t.pop(a + "kv_a_layernorm.weight"), w_kv_b=t.pop(a + "kv_b_proj.weight"),
-        w_o=t.pop(a + "o_proj.weight"), b_o=t.pop(a + "o_proj.bias") if bias else None)
+        w_o=take_linear(t, a + "o_proj.weight"), b_o=t.pop(a + "o_proj.bias") if bias else None)
     return MlaAttention(w, d, rope, softmax_scale(cfg.raw), absorbed)
 
 

@@ -10,21 +10,22 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.layers import rms_norm
 from engine.models.decoder import StepContext
+from engine.quant.dense import DenseWeight, join_rows, linear, take_linear
 from engine.rope import Rope
 
 
 class GqaAttention:
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, wqkv: torch.Tensor,
-                 wo: torch.Tensor, rope: Rope, *, bqkv: torch.Tensor | None = None,
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, wqkv: DenseWeight,
+                 wo: DenseWeight, rope: Rope, *, bqkv: torch.Tensor | None = None,
                  bo: torch.Tensor | None = None, qk_norm: torch.Tensor | None = None, eps: float = 1e-6,
                  window: int | None = None, sinks: torch.Tensor | None = None,
                  scale: float | None = None) -> None:
-        """wqkv [(Hq + 2 Hkv) D, H] (q rows, then k, then v); wo [H, Hq D]; qk_norm
+        """wqkv [(Hq + 2 Hkv) D, H] (q rows, then k, then v); wo [H, Hq D] (either plain, or kept
+        quantized: engine/quant/dense.py); qk_norm
         [Hq + Hkv, D] (q_norm for the query heads, k_norm for the key heads); sinks [Hq]."""
         self.hq, self.hkv, self.d = num_heads, num_kv_heads, head_dim
         self.wqkv, self.wo, self.bqkv, self.bo = wqkv, wo, bqkv, bo
@@ -38,7 +39,7 @@ class GqaAttention:
 
     def __call__(self, h: torch.Tensor, kv_layer: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t, qk_heads = h.shape[0], self.hq + self.hkv
-        qkv = F.linear(h, self.wqkv, self.bqkv).view(t, -1, self.d)  # [T, Hq + 2 Hkv, D]
+        qkv = linear(h, self.wqkv, self.bqkv).view(t, -1, self.d)  # [T, Hq + 2 Hkv, D]
         qk = qkv[:, :qk_heads]
         if self.qk_norm is not None:
             qk = rms_norm(qk, self.qk_norm, self.eps)
@@ -50,7 +51,7 @@ class GqaAttention:
             out = ctx.attention.decode(q, kv_layer, ctx.plan, self.scale, **self._options)  # [B, Hq, D]
         else:
             out = ctx.attention.prefill(q, kv_layer, ctx.batch, self.scale, **self._options)  # [T, Hq, D]
-        return F.linear(out.reshape(t, -1), self.wo, self.bo)
+        return linear(out.reshape(t, -1), self.wo, self.bo)
 
 
 def gqa_shapes(cfg: ModelConfig, prefix: str, *, bias: bool = False, o_bias: bool = False,
@@ -79,7 +80,7 @@ def pop_gqa(cfg: ModelConfig, t: dict[str, torch.Tensor], prefix: str, rope: Rop
     norm = torch.cat([t.pop(p + "q_norm.weight").expand(hq, -1),
                       t.pop(p + "k_norm.weight").expand(hkv, -1)]) if qk_norm else None
     return GqaAttention(
-        hq, hkv, cfg.head_dim, wqkv=torch.cat([t.pop(p + f"{n}_proj.weight") for n in "qkv"]),
-        wo=t.pop(p + "o_proj.weight"), rope=rope, eps=cfg.rms_norm_eps, qk_norm=norm,
+        hq, hkv, cfg.head_dim, wqkv=join_rows([take_linear(t, p + f"{n}_proj.weight") for n in "qkv"]),
+        wo=take_linear(t, p + "o_proj.weight"), rope=rope, eps=cfg.rms_norm_eps, qk_norm=norm,
         bqkv=torch.cat([t.pop(p + f"{n}_proj.bias") for n in "qkv"]) if bias else None,
         bo=t.pop(p + "o_proj.bias") if o_bias else None, window=window, sinks=sinks)

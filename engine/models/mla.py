@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from engine.forward_batch import ForwardBatch
 from engine.layers import rms_norm
 from engine.models.decoder import StepContext
+from engine.quant.dense import DenseWeight, linear
 from engine.rope import Rope, rope_params, yarn_softmax_mscale
 
 # DeepSeek's q_a_layernorm and kv_a_layernorm keep HF's RMSNorm default eps, not rms_norm_eps.
@@ -72,13 +73,13 @@ def softmax_scale(raw: dict[str, Any]) -> float:
 
 @dataclass
 class MlaWeights:
-    w_a: torch.Tensor            # [q_lora + r + dr, H]: q_a_proj rows then kv_a_proj_with_mqa (one matmul)
+    w_a: DenseWeight             # [q_lora + r + dr, H]: q_a_proj rows then kv_a_proj_with_mqa (one matmul)
     b_a: torch.Tensor | None     # [q_lora + r + dr] (attention_bias)
     q_norm: torch.Tensor | None  # [q_lora] q_a_layernorm (None: no q lora)
-    w_q: torch.Tensor            # [Hq * (dn + dr), q_lora] q_b_proj, or [Hq * (dn + dr), H] q_proj
+    w_q: DenseWeight             # [Hq * (dn + dr), q_lora] q_b_proj, or [Hq * (dn + dr), H] q_proj
     kv_norm: torch.Tensor        # [r] kv_a_layernorm
     w_kv_b: torch.Tensor         # [Hq * (dn + dv), r] kv_b_proj
-    w_o: torch.Tensor            # [H, Hq * dv]
+    w_o: DenseWeight             # [H, Hq * dv]
     b_o: torch.Tensor | None     # [H]
 
 
@@ -102,15 +103,15 @@ class MlaAttention:
             out = self._absorbed_decode(q_nope, q_pe, kv_layer, ctx)
         else:
             out = self._per_request(q_nope, q_pe, kv_layer, ctx)
-        return F.linear(out.reshape(h.shape[0], -1), self.w.w_o, self.w.b_o)
+        return linear(out.reshape(h.shape[0], -1), self.w.w_o, self.w.b_o)
 
     def _query_and_cache(self, h: torch.Tensor, kv_layer: torch.Tensor,
                          ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head query parts ([T, Hq, dn], roped [T, Hq, dr]); writes each token's row."""
         d, t = self.dims, h.shape[0]
-        a = F.linear(h, self.w.w_a, self.w.b_a)  # [T, q_lora + r + dr]
+        a = linear(h, self.w.w_a, self.w.b_a)  # [T, q_lora + r + dr]
         q_in = h if self.w.q_norm is None else rms_norm(a[:, :d.q_lora_rank], self.w.q_norm, LATENT_NORM_EPS)
-        q = F.linear(q_in, self.w.w_q).view(t, d.heads, d.nope + d.rope)
+        q = linear(q_in, self.w.w_q).view(t, d.heads, d.nope + d.rope)
         latent = rms_norm(a[:, d.q_lora_rank:d.q_lora_rank + d.kv_lora_rank], self.w.kv_norm, LATENT_NORM_EPS)
         cos, sin = ctx.tables(self.rope)
         q_pe = self.rope.apply(q[:, :, d.nope:], cos, sin)                                 # [T, Hq, dr]

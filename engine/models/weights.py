@@ -18,6 +18,7 @@ from engine.config import ModelConfig
 from engine.experts.check import fingerprint
 from engine.models.decoder import DecoderLayer, DecoderModel, DenseMlp, Mixer, MoeBlock
 from engine.moe import Experts, ExpertsFactory, GroupedSigmoidRouter, ResidentExperts
+from engine.quant.dense import join_rows, take_linear
 from engine.quant.load import LoadedTensors, QuantParts
 from engine.quant.stack import ExpertWeight, JoinedRows, QuantStack
 from engine.rope import Rope, rope_params
@@ -188,8 +189,8 @@ def build_experts(layer: int, t: dict[str, torch.Tensor], names: ExpertNames, nu
 
 def dense_mlp(t: dict[str, torch.Tensor], prefix: str, names: tuple[str, str, str] = SILU_NAMES) -> DenseMlp:
     """Pop a SiLU-gated MLP's three weights `{prefix}{name}.weight` from `t`."""
-    gate, up, down = (t.pop(f"{prefix}{n}.weight") for n in names)
-    return DenseMlp(torch.cat([gate, up]), down)
+    gate, up, down = (take_linear(t, f"{prefix}{n}.weight") for n in names)
+    return DenseMlp(join_rows([gate, up]), down)
 
 
 def grouped_moe(cfg: ModelConfig, t: dict[str, torch.Tensor], li: int, defaults: dict[str, Any],

@@ -14,11 +14,12 @@ bytes) and dequantizes every other quantized linear to the serving dtype.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
 from engine.checkpoint import FP8_DTYPES, CheckpointError
+from engine.quant.dense import QuantLinear
 from engine.quant.formats import LinearFormat
 
 WEIGHT = ".weight"
@@ -56,12 +57,26 @@ class QuantParts:
 
 
 class LoadedTensors(dict[str, torch.Tensor]):
-    """What the loader hands a family's `assemble`: the model's tensors by name, and in
-    `quantized` the routed experts' linears it keeps quantized, by the dense weight's name."""
+    """What the loader hands a family's `assemble`: the model's tensors by name; in `quantized`
+    the routed experts' linears it keeps quantized, by the dense weight's name; in `dense` the
+    other quantized linears it keeps as published (`keep_dense_quantized`), which a family takes
+    with engine.quant.dense.take_linear.  A family that pops one of those as a plain tensor gets
+    its dequantization in `dtype` (what the loader makes of every quantized dense linear
+    otherwise), so only the linears a family computes through `linear` stay quantized."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.quantized: dict[str, QuantParts] = {}
+        self.dense: dict[str, QuantLinear] = {}
+        self.dtype = dtype
+
+    def pop(self, name: str, *default: Any) -> Any:
+        if name in self.dense:
+            return self.dense.pop(name).dense(self.dtype)
+        return super().pop(name, *default)
+
+    def __contains__(self, name: object) -> bool:
+        return super().__contains__(name) or name in self.dense
 
 
 def _part_of(fmt: LinearFormat, name: str, tensor: torch.Tensor) -> tuple[str, str] | None:

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.quant.formats import LinearFormat
+from engine.kernels.quant_consts import format_consts
 from engine.quant.stack import ExpertWeight, JoinedRows, QuantStack
 
 DENSE = tl.constexpr(0)
@@ -33,7 +33,6 @@ CT_INT = tl.constexpr(3)
 FP8_BLOCK = tl.constexpr(4)
 CT_FP8 = tl.constexpr(5)
 MXFP4 = tl.constexpr(6)
-CODES = {"gptq": 1, "awq": 2, "ct-int": 3, "fp8-block": 4, "ct-fp8": 5, "mxfp4": 6}
 MX_BLOCK = tl.constexpr(32)
 MX_SUBNORMAL = tl.constexpr(2.0 ** -127)       # an E8M0 exponent of 0 (float_codecs.Mxfp4)
 
@@ -172,34 +171,35 @@ def _dense_consts() -> dict[str, int]:
 
 def _three(t: torch.Tensor) -> tuple[int, int, int]:
     """(slot, dim 1, dim 2) strides of a part: [N, a, b], [N, a] (no dim 2) or, for MXFP4's
-    blocks [N, out, G, 16], [N, out, in/2] (its last two dims contiguous with each other)."""
+    blocks [N, out, G, 16], [N, out, in/2] (its last two dims contiguous with each other).  A
+    dim of size 1 reads as stride 0: one group, one scale row or a per-tensor scale broadcasts."""
     if t.dim() == 4:
-        if t.stride(2) != t.shape[3] * t.stride(3):
+        if t.shape[2] > 1 and t.stride(2) != t.shape[3] * t.stride(3):
             raise ValueError(f"MXFP4 blocks of strides {t.stride()} cannot be read as [N, out, in/2]")
-        return t.stride(0), t.stride(1), t.stride(3)
-    s = t.stride()
-    return (s[0], s[1] if t.dim() > 1 else 0, s[2] if t.dim() > 2 else 0)
+        dims = [(t.shape[0], t.stride(0)), (t.shape[1], t.stride(1)), (2, t.stride(3))]
+    else:
+        dims = [(t.shape[d], t.stride(d)) if d < t.dim() else (1, 0) for d in range(3)]
+    slot, a, b = (0 if size == 1 else stride for size, stride in dims)
+    return slot, a, b
 
 
-def format_consts(fmt: LinearFormat, in_: int) -> dict[str, int]:
-    """The kernel's constexprs for a linear of `in_` input columns in `fmt`."""
-    return dict(FMT=CODES[fmt.name], BITS=fmt.bits, GROUP=in_ if fmt.group_size == -1 else fmt.group_size,
-                ZERO_ADD=int(fmt.name == "gptq" and fmt.checkpoint_format == "gptq"),
-                DESC_ACT=int(fmt.desc_act), SYM=int(fmt.sym), BLOCK_R=fmt.block[0], BLOCK_C=fmt.block[1])
+def _source(tensors: list[torch.Tensor], consts: dict[str, int], row_step: int = 1, row_start: int = 0
+            ) -> TileSource:
+    """Parts [N, ...] each, in the format's order (at most four; the unused repeat the first)."""
+    padded = (tensors + [tensors[0]] * 4)[:4]
+    strides = [_three(t) for t in padded]
+    return TileSource(tuple(padded), tuple(s for three in strides for s in three),   # type: ignore[arg-type]
+                      consts, row_step, row_start)
 
 
 def _quant_source(w: QuantStack, row_step: int = 1, row_start: int = 0) -> TileSource:
-    tensors = w.tensors()
-    if w.fmt.name == "ct-int":                 # weight_shape (part 2) is metadata: never read
-        tensors = [tensors[0], tensors[1], tensors[0], *tensors[3:]]
-    if w.fmt.name == "ct-fp8" and w.fmt.strategy == "tensor":
-        strides = [(*_three(tensors[0]),), (tensors[1].stride(0), 0, 0)]
-    else:
-        strides = [_three(t) for t in tensors]
-    padded = (tensors + [tensors[0]] * 4)[:4]
-    strides = (strides + [(0, 0, 0)] * 4)[:4]
-    return TileSource(tuple(padded), tuple(s for three in strides for s in three),   # type: ignore[arg-type]
-                      format_consts(w.fmt, w.in_), row_step, row_start)
+    return _source(w.tensors(), format_consts(w.fmt, w.in_), row_step, row_start)
+
+
+def source_of_parts(parts: list[torch.Tensor], consts: dict[str, int]) -> TileSource:
+    """One dense linear's parts (no expert dim; engine/quant/dense.py's QuantLinear.tensors()) as
+    the source of slot 0."""
+    return _source([p.unsqueeze(0) for p in parts], consts)
 
 
 def _plain_source(w: torch.Tensor, row_start: int = 0) -> TileSource:
