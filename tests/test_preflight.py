@@ -125,6 +125,7 @@ def test_a_quantized_checkpoint_is_sized_as_published(capsys):
     assert gpt_oss["non_expert_bytes"] == preflight(PUBLISHED / "gpt-oss-20b", memory_gib=139, link_bytes_per_s=5e9,
                                                     device="cuda", keep_dense_quantized=False)["non_expert_bytes"], \
         "gpt-oss leaves its attention unquantized (modules_to_not_convert): nothing else to keep"
+    assert not gpt_oss["dense_kept_quantized"]
     # the link allows 9,437,184 / 2,470,912 = 3.8x the misses
     assert int4["max_miss_rate_for_target"] == pytest.approx(plain["max_miss_rate_for_target"] * 9_437_184 / 2_470_912)
     assert main(["preflight", "--model", str(PUBLISHED / "gpt-oss-20b"), "--memory-gib", "139",

@@ -112,11 +112,10 @@ def preflight(model: str | Path, memory_gib: float, dtype: str = "bfloat16", dev
     keep = device.startswith("cuda") if keep_dense_quantized is None else keep_dense_quantized
     skip = quant.not_converted if quant is not None else ()
 
-    def held(name: str, shape: tuple[int, ...]) -> int:
-        if keep and fmt is not None and is_kept_linear(name) and not not_converted(name, skip):
-            return fmt.nbytes(*shape)
-        return math.prod(shape) * (4 if keeps_fp32(name) else elt)
-    dense_bytes = sum(held(n, s) for n, s in shapes.items() if not family.is_routed_expert(n))
+    kept = {n for n in shapes if fmt is not None and keep and not family.is_routed_expert(n)
+            and is_kept_linear(n) and not not_converted(n, skip)}    # held as published on the device
+    dense_bytes = sum(fmt.nbytes(*s) if n in kept and fmt is not None else math.prod(s) * (4 if keeps_fp32(n) else elt)
+                      for n, s in shapes.items() if not family.is_routed_expert(n))
     slot_bytes = expert_bytes * layers  # one more resident expert in every MoE layer
     kv_bytes_per_token = cfg.kv_bytes_per_token(elt)
     budget = int(memory_gib * (1 << 30))
@@ -138,7 +137,7 @@ def preflight(model: str | Path, memory_gib: float, dtype: str = "bfloat16", dev
         "model": str(model), "dtype": dtype,
         "checkpoint_quantization": quant.describe() if quant is not None else None,
         "expert_format": fmt.describe() if fmt is not None else dtype,
-        "dense_kept_quantized": keep and fmt is not None,
+        "dense_kept_quantized": bool(kept),
         "device": device, "memory_gib": memory_gib,
         "num_experts": e, "top_k": top_k, "moe_layers": layers, "kv_geometry": list(cfg.kv_geometry),
         "bytes_per_expert": expert_bytes, "slot_cost_bytes": slot_bytes,
