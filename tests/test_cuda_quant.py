@@ -24,8 +24,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.quant import LinearFormat
 from engine.quant.pack import quantize_checkpoint
-from tests.checkpoints import write_random_checkpoint
 from tests import test_kernel_quant_linear as linear_cases
+from tests.checkpoints import write_random_checkpoint
 from tests.test_kernel_fused_moe_quant import CASES, STARTUP_CHECKS, run_cases
 from tests.test_quant_experts import FORMATS, PARAMS, dequantized_copy, prompts
 
