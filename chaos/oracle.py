@@ -81,7 +81,9 @@ def compare(got: list[int], ids: list[int], max_tokens: int, complete: bool, ref
         top = reference.logprobs(ids + got[:done], max_tokens - done)[i]
         a, b = want[i], rest[i]
         if b not in top or abs(top[a] - top[b]) > NEAR_TIE or len(out.near_ties) >= MAX_NEAR_TIES:
-            out.wrong = f"token {done + i} is {b} where the reference has {a}"
+            theirs = f"{top[b]:.7f}" if b in top else f"not among its top {len(top)}"
+            out.wrong = (f"token {done + i} is {b} where the reference has {a} (the reference's logprobs: "
+                         f"{top[a]:.7f} for {a}, {theirs} for {b})")     # a wide tie reads apart from a wrong token
             return out
         out.near_ties.append(f"token {done + i}: {b} for the reference's {a} (logprobs {top[a]:.7f} and "
                              f"{top[b]:.7f})")
