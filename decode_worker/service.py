@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import threading
 from typing import Iterator, Protocol
 
 import grpc
@@ -10,10 +11,12 @@ import grpc
 from decode_worker.engine import DecodeEngine
 from decode_worker.requests import DecodeRequest
 from engine.errors import ErrorCode
+from engine.request import Request
 from kv_transfer.auth import Verifier
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from worker.cache_events import CacheEventStreams
+from worker.convert import finish_to_proto, prompt_logprobs_to_proto
 from worker.drain import Drainable, drain_reply
 from worker.handoff import GenerateOrder, PrefillOrder
 from worker.stats import LoopWatch, health, stats
@@ -22,11 +25,19 @@ from worker.types import Role, WorkerError
 POLL_S = 0.5     # how often a stream waiting for tokens checks that its client is still there
 
 
+class LocalJob(Protocol):
+    """A local prefill's job, as far as this servicer reads it: when it is done, its request (the
+    prompt logprobs it computed) and its failure."""
+    done: threading.Event
+    req: Request
+    error: WorkerError | None
+
+
 class LocalPrefill(Drainable, Protocol):
     """A prefill role in the same process (colocated): it fills this worker's reservations (and
     drains with it)."""
 
-    def submit(self, order: PrefillOrder) -> object:
+    def submit(self, order: PrefillOrder) -> LocalJob:
         """Queue the order's prompt and a migrated request's generated tokens (pushing the pages
         after `order.cached_tokens`); raises WorkerError having queued nothing."""
         ...
@@ -51,7 +62,11 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         """Reserve for the request (worker.handoff.GenerateOrder), answer with the reservation,
         then stream its tokens and its Finish, or one Error.  A cancelled stream ends the request."""
         try:
-            dreq = self.engine.reserve(GenerateOrder.from_proto(request))
+            order = GenerateOrder.from_proto(request)
+            if order.params.prefill_only:
+                yield from self._prefill_only(order, context)
+                return
+            dreq = self.engine.reserve(order)
         except WorkerError as e:
             yield wpb.GenerateResponse(error=e.to_proto())
             return
@@ -67,9 +82,33 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
             return
         reservation = self._reservation(dreq)
         yield wpb.GenerateResponse(reservation=reservation)
-        if self.prefill is not None:
-            self._prefill_here(self.prefill, dreq, reservation)
-        yield from self._events(dreq, context)
+        job = self._prefill_here(self.prefill, dreq, reservation) if self.prefill is not None else None
+        wants_prompt = job is not None and order.params.prompt_logprobs is not None
+        for msg in self._events(dreq, context):
+            if wants_prompt and msg.WhichOneof("kind") == "tokens":
+                assert job is not None
+                wants_prompt = False
+                if (prompt := _prompt_of(job, context)) is not None:
+                    yield prompt
+            yield msg
+
+    def _prefill_only(self, order: GenerateOrder, context: grpc.ServicerContext) -> Iterator[wpb.GenerateResponse]:
+        """(Colocated) max_tokens 0: the local prefill role computes the prompt's logprobs; no
+        reservation, nothing decoded.  Streams them, then a Finish ("length", no token).  Raises
+        WorkerError (a decode worker without a prefill role: the caller sends these to a prefill
+        worker's Prefill)."""
+        if self.prefill is None:
+            raise WorkerError(ErrorCode.INVALID_REQUEST, "max_tokens 0 only prefills: this decode worker has no "
+                              "prefill role (send it to a prefill worker's Prefill)")
+        job = self.prefill.submit(order.prefill_only_order())
+        if (prompt := _prompt_of(job, context)) is None:
+            if job.error is not None:
+                yield wpb.GenerateResponse(error=job.error.to_proto())
+            else:
+                self.prefill.cancel(order.request_id, "the Generate stream was cancelled")
+            return
+        yield prompt
+        yield wpb.GenerateResponse(finish=finish_to_proto("length", None, job.req.num_prompt_tokens, 0))
 
     def _reservation(self, dreq: DecodeRequest) -> wpb.Reservation:
         """The reservation's answer: where to push its pages, with which seed, from which token."""
@@ -92,14 +131,16 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
             if msg.WhichOneof("kind") in ("finish", "error"):
                 return
 
-    def _prefill_here(self, prefill: LocalPrefill, dreq: DecodeRequest, reservation: wpb.Reservation) -> None:
+    def _prefill_here(self, prefill: LocalPrefill, dreq: DecodeRequest, reservation: wpb.Reservation
+                      ) -> LocalJob | None:
         """(Colocated) fill this reservation with the local prefill role: the reservation's order
         as a caller would send it in a Prefill call (`GenerateOrder.prefill_order`), its params
         taken as they are (checked once, when the Generate call was read)."""
         try:
-            prefill.submit(dreq.order.prefill_order(reservation))
+            return prefill.submit(dreq.order.prefill_order(reservation))
         except WorkerError as e:
             self.engine.abort(dreq.order.request_id, e.code, e.message)
+            return None
 
     def Abort(self, request: wpb.AbortRequest, context: grpc.ServicerContext) -> wpb.AbortReply:
         """End the request only if the caller names its reservation's transfer id too (a
@@ -143,6 +184,17 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         """This worker's prefix-cache changes (worker/cache_events.py); a colocated worker's
         one pool serves both roles."""
         return self.cache_events.stream(context)
+
+
+def _prompt_of(job: LocalJob, context: grpc.ServicerContext) -> wpb.GenerateResponse | None:
+    """The local prefill job's prompt logprobs once it is done (its push acknowledged); None when
+    it failed (the stream's own error follows) or the client left first."""
+    while not job.done.wait(POLL_S):
+        if not context.is_active():
+            return None
+    if job.error is not None:
+        return None
+    return wpb.GenerateResponse(prompt=prompt_logprobs_to_proto(job.req.prompt_logprobs))
 
 
 def add_to_server(servicer: DecodeServicer, server: grpc.Server) -> None:

@@ -61,7 +61,8 @@ LayerHook = Callable[[int], None]
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One token appended to a request by the token path, and whether it ended the request."""
+    """One token appended to a request by the token path, and whether it ended the request
+    (token -1: a prefill-only request ended with its prompt computed, nothing generated)."""
     req: Request
     token: int
     logprobs: dict[int, float] | None
@@ -246,8 +247,21 @@ class EngineCore:
             for req in batch.requests:
                 if not req.prefilling:
                     self.scheduler.publish(req)
-        return [self.accept_token(req, token, lp)
-                for req, token, lp in zip(batch.requests, output.tokens, output.logprobs) if token >= 0]
+        events = [self.accept_token(req, token, lp)
+                  for req, token, lp in zip(batch.requests, output.tokens, output.logprobs) if token >= 0]
+        return events + [self._prefilled_only(req) for req in batch.requests
+                         if req.params.prefill_only and not req.prefilling and req.status is Status.RUNNING]
+
+    def _prefilled_only(self, req: Request) -> TokenEvent:
+        """A prefill-only request (max_tokens 0) whose prompt is computed: it ends ("length",
+        token -1) with nothing generated; a hand-off is detached with its pages kept (its owner
+        releases them), any other request's pages go back to the pool here."""
+        if req.handoff:
+            self.scheduler.detach(req)
+            req.finish_reason = "length"
+        else:
+            self.scheduler.finish(req, "length")
+        return TokenEvent(req, -1, None, "length")
 
     def accept_token(self, req: Request, token: int, logprobs: dict[int, float] | None) -> TokenEvent:
         """Append `token` (and its logprobs) to `req`, run its stop checks, and end it when it

@@ -22,7 +22,8 @@ class ForwardBatch:
     slot_mapping: torch.Tensor   # [T] int64: page * page_size + offset, where K/V is written
     page_table: torch.Tensor     # [B, max_pages] int32
     seq_lens: torch.Tensor       # [B] int32: tokens in the cache after this pass
-    logits_indices: torch.Tensor  # [B] int64: flat index of each request's last token
+    logits_indices: torch.Tensor  # [R] int64: flat index of the tokens whose hidden states come back:
+                                  # each request's last token, or its last `logits_counts[b]` tokens
     is_decode: bool
     max_seq_len: int = 0                  # max(seq_lens), as a Python int
     q_index: torch.Tensor | None = None   # [B, Qmax] int64 (prefill only)
@@ -30,9 +31,12 @@ class ForwardBatch:
 
 
 def build_batch(token_ids: list[list[int]], start_positions: list[int], page_tables: list[list[int]],
-                page_size: int, device: torch.device | str, pad_page: int = 0, min_pages: int = 1) -> ForwardBatch:
+                page_size: int, device: torch.device | str, pad_page: int = 0, min_pages: int = 1,
+                logits_counts: list[int] | None = None) -> ForwardBatch:
     """Build the tensors for requests that each add `token_ids[b]` at `start_positions[b]`.
-    The page table is padded with `pad_page` to the longest request's pages, at least `min_pages`."""
+    The page table is padded with `pad_page` to the longest request's pages, at least `min_pages`.
+    `logits_counts[b]` (default 1): how many of request b's last tokens get their hidden states
+    back (the ragged-step seam: prompt logprobs want every position of a chunk)."""
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
@@ -49,13 +53,15 @@ def build_batch(token_ids: list[list[int]], start_positions: list[int], page_tab
     tables = [t + [pad_page] * (max_pages - len(t)) for t in page_tables]
     seq_lens = [s + len(t) for s, t in zip(start_positions, token_ids)]
     is_decode = all(len(t) == 1 for t in token_ids)
+    counts = logits_counts or [1] * len(q_rows)
+    wanted = [i for r, n in zip(q_rows, counts) for i in r[len(r) - n:]]
     # one host-to-device transfer for all three
     flat = torch.tensor([ids, pos, slots], dtype=torch.int64, device=device)
     batch = ForwardBatch(
         input_ids=flat[0], positions=flat[1], slot_mapping=flat[2],
         page_table=torch.tensor(tables, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        logits_indices=torch.tensor([r[-1] for r in q_rows], dtype=torch.int64, device=device),
+        logits_indices=torch.tensor(wanted, dtype=torch.int64, device=device),
         is_decode=is_decode, max_seq_len=max(seq_lens))
     if not is_decode:
         qmax = max(len(r) for r in q_rows)

@@ -180,5 +180,6 @@ class LLM:
                              text=req.stopper.final_text(),
                              logprobs=req.logprobs if req.params.logprobs is not None else None,
                              finish_reason=req.finish_reason, matched_stop=req.stopper.matched_stop,
+                             prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
                              num_cached_tokens=req.num_cached_tokens)
 

@@ -20,6 +20,13 @@ from regex import _regex_core
 from engine.constraint import Constraint
 
 MAX_LOGPROBS = 20
+# logit_bias: OpenAI's range of a bias, and how many tokens one request may bias (OpenAI states no
+# count; each entry costs one add per sampled token)
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 1024
+# prompt logprobs: prompt tokens x (1 + alternatives) one request may ask for (what the prefill
+# worker sends back in one reply: about 25 bytes an entry, well under gRPC's 4 MiB message)
+MAX_PROMPT_LOGPROB_ENTRIES = 100_000
 UINT32_MAX = 2**32 - 1
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
@@ -58,14 +65,22 @@ class SamplingParams:
     stop_regex: tuple[str, ...] = ()   # stop where the output first matches any of these
     no_stop_trim: bool = False   # keep the matched stop text (string, regex or stop token)
     constraint: Constraint | None = None   # structured output: the grammar the output follows
+    # the log-probabilities of the prompt's own tokens (each given the tokens before it), with the
+    # top N alternatives: None for none.  With max_tokens 0 the request only prefills
+    prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit) before sampling
 
     def __post_init__(self) -> None:
         for name in ("stop", "stop_regex"):
             value = getattr(self, name)
             object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        _check(_int_in(self.max_tokens, 1, UINT32_MAX),
-               f"max_tokens must be an integer >= 1 and <= {UINT32_MAX}, got {self.max_tokens!r}")
+        object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in self.logit_bias or ()))
+        _check(self.prompt_logprobs is None or _int_in(self.prompt_logprobs, 0, MAX_LOGPROBS),
+               f"prompt_logprobs must be in 0..{MAX_LOGPROBS}, got {self.prompt_logprobs!r}")
+        _check(_int_in(self.max_tokens, 0 if self.prompt_logprobs is not None else 1, UINT32_MAX),
+               f"max_tokens must be an integer >= 1 (0 only with prompt_logprobs: prefill only) and "
+               f"<= {UINT32_MAX}, got {self.max_tokens!r}")
         _check(_real(self.temperature) and 0 <= self.temperature < math.inf,
                f"temperature must be >= 0 and finite, got {self.temperature!r}")
         _check(_real(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -78,6 +93,7 @@ class SamplingParams:
         _check(self.logprobs is None or _int_in(self.logprobs, 0, MAX_LOGPROBS),
                f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
         self._check_stops()
+        self._check_bias()
         _check(self.constraint is None or isinstance(self.constraint, Constraint),
                f"constraint must be an engine.constraint.Constraint, got {type(self.constraint).__name__}")
 
@@ -100,6 +116,22 @@ class SamplingParams:
                    f"stop_regex patterns must be at most {MAX_STOP_REGEX_CHARS} characters, got one of "
                    f"{len(pattern)} ({pattern[:40]!r}...)")
             check_stop_regex(pattern)
+
+    def _check_bias(self) -> None:
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS_TOKENS,
+               f"logit_bias has {len(self.logit_bias)} tokens; at most {MAX_LOGIT_BIAS_TOKENS} are allowed")
+        seen: set[int] = set()
+        for t, b in self.logit_bias:
+            _check(_int_in(t, 0, UINT32_MAX) and t not in seen,
+                   f"logit_bias keys must be distinct token ids in 0..{UINT32_MAX}, got {t!r}")
+            _check(_real(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS,
+                   f"logit_bias values must be in -{MAX_LOGIT_BIAS:g}..{MAX_LOGIT_BIAS:g}, got {b!r} for token {t}")
+            seen.add(t)
+
+    @property
+    def prefill_only(self) -> bool:
+        """max_tokens 0: the prompt is computed (for its logprobs) and nothing is generated."""
+        return self.max_tokens == 0
 
     @property
     def greedy(self) -> bool:

@@ -9,6 +9,7 @@ import torch
 
 from engine.guide import Guide
 from engine.params import SamplingParams
+from engine.prompt_entry import PromptLogprob
 from engine.stop import StopChecker
 
 
@@ -31,6 +32,8 @@ class Request:
     num_computed: int = 0                      # tokens whose K/V are in the cache
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # params.prompt_logprobs: the entries of prompt tokens 1.. (engine/prompt_logprobs.py), as computed
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stopper: StopChecker | None = None         # stop conditions and the output text (not on hand-off)
     guide: Guide | None = None                 # its grammar (params.constraint): masks its tokens;
@@ -87,5 +90,6 @@ class RequestOutput:
     text: str
     logprobs: list[dict[int, float]] | None
     finish_reason: str
+    prompt_logprobs: list[PromptLogprob] | None = None   # asked for: the entries of prompt tokens 1..
     matched_stop: str | int | None = None      # the stop string, regex pattern or token id
     num_cached_tokens: int = 0                 # prompt tokens served from the prefix cache

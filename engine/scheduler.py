@@ -63,8 +63,9 @@ class Scheduler:
         Raises PoolExhausted (ValueError if it holds pages), changing nothing."""
         size = self.pool.page_size
         prompt = req.prompt_token_ids
+        # a request that asks for its prompt's logprobs computes every prompt token: no cached prefix
         keys = page_keys(req.cache_salt, prompt[:max_cached_pages(len(prompt), size) * size], size) \
-            if self.pool.enable_prefix_cache else []
+            if self.pool.enable_prefix_cache and req.params.prompt_logprobs is None else []
         cached = self.pool.allocate_prefixed(req.request_id, self.pool.pages_for(reserved_tokens),
                                              keys, req.cache_salt) * size
         req.num_computed = req.num_cached_tokens = cached

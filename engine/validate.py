@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.errors import ErrorCode, RequestError
-from engine.params import SamplingParams
+from engine.params import MAX_PROMPT_LOGPROB_ENTRIES, SamplingParams
 
 
 def check_prompt(ids: list[int], params: SamplingParams, vocab: int, max_model_len: int, kv_tokens: int,
@@ -19,12 +19,26 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab: int, max_model_l
         if not isinstance(t, int) or not 0 <= t < vocab:
             raise RequestError(ErrorCode.INVALID_REQUEST,
                                f"prompt token {i} is {t!r}, not a token id in 0..{vocab - 1}")
+    check_prompt_logprobs(len(ids), params.prompt_logprobs)
+    for t, _ in params.logit_bias:
+        if not t < vocab:
+            raise RequestError(ErrorCode.INVALID_REQUEST,
+                               f"logit_bias token {t} is not a token id in 0..{vocab - 1}")
     total = len(ids) + params.max_tokens
     head = f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total}"
     if total > max_model_len:
         raise RequestError(ErrorCode.PROMPT_TOO_LONG, f"{head} exceeds the model context of {max_model_len} tokens")
     if (total if reserve_output else len(ids)) > kv_tokens:
         raise RequestError(ErrorCode.PROMPT_TOO_LONG, f"{head} exceeds the KV cache capacity of {kv_tokens} tokens")
+
+
+def check_prompt_logprobs(prompt_tokens: int, n: int | None) -> None:
+    """Raises RequestError when the prompt logprobs asked for exceed MAX_PROMPT_LOGPROB_ENTRIES."""
+    if n is not None and prompt_tokens * (1 + n) > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise RequestError(ErrorCode.INVALID_REQUEST,
+                           f"prompt logprobs for {prompt_tokens} prompt tokens with {n} alternatives each "
+                           f"({prompt_tokens * (1 + n)} entries) exceed the limit of "
+                           f"{MAX_PROMPT_LOGPROB_ENTRIES} entries per request")
 
 
 def check_generated(generated: Sequence[int], params: SamplingParams, vocab: int, handoff: bool) -> None:
@@ -34,7 +48,7 @@ def check_generated(generated: Sequence[int], params: SamplingParams, vocab: int
         if not isinstance(t, int) or not 0 <= t < vocab:
             raise RequestError(ErrorCode.INVALID_REQUEST,
                                f"generated token {i} is {t!r}, not a token id in 0..{vocab - 1}")
-    limit = params.max_tokens - 1 if handoff else params.max_tokens
+    limit = params.max_tokens - 1 if handoff and not params.prefill_only else params.max_tokens
     if len(generated) > limit:
         raise RequestError(ErrorCode.INVALID_REQUEST, f"{len(generated)} generated tokens leave nothing to "
                            f"generate: max_tokens is {params.max_tokens}")

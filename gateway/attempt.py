@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import grpc
 
 from engine.errors import ErrorCode
+from engine.params import SamplingParams
 from gateway.choice import Choice
 from gateway.errors import ForwardError, Next, call_error, policy
 from gateway.outcome import Broken, Failed, Finished, Outcome, Retry
@@ -42,7 +44,7 @@ class Attempt:
         order = GenerateOrder(
             request_id=f"{route.choice_id(choice)}.{choice.attempts}", tenant=route.tenant,
             prompt_token_ids=tuple(choice.prompt_ids), generated_token_ids=tuple(choice.token_ids),
-            params=choice.params, cache_salt=choice.prompt.cache_salt, timeout_s=timeout_s)
+            params=_attempt_params(choice), cache_salt=choice.prompt.cache_salt, timeout_s=timeout_s)
         self.order = order if choice.seed is None else order.with_seed(choice.seed)
         self.streamed = False                    # a token arrived: the transfer committed, prefill is done
         self.prefill_error: ForwardError | None = None
@@ -70,6 +72,9 @@ class Attempt:
         """The decode stream's first message: a reservation (then its tokens), a refusal, or the
         Finish of a migrated choice whose generated tokens already end it."""
         first = await self._read(call)
+        while not isinstance(first, Outcome) and first.WhichOneof("kind") == "prompt":
+            self.choice.keep_prompt_logprobs(first.prompt)   # a colocated prefill-only: then its Finish
+            first = await self._read(call)
         if isinstance(first, Outcome):
             self.outcome = first
             return
@@ -99,7 +104,13 @@ class Attempt:
             if kind == "error":
                 self.outcome = self._failed(msg.error)
                 return
+            if kind == "prompt":
+                self.choice.keep_prompt_logprobs(msg.prompt)
+                continue
             if kind == "tokens":
+                if self.choice.awaits_prompt_logprobs and (missing := await self._prompt_logprobs()) is not None:
+                    self.outcome = missing
+                    return
                 self.choice.keep_reservation(res)
                 self.streamed = True
                 self.choice.add(msg.tokens)
@@ -108,6 +119,18 @@ class Attempt:
                 self._end(msg.finish)
                 yield msg
                 return
+
+    async def _prompt_logprobs(self) -> Outcome | None:
+        """Before the first token of a choice that asked for prompt logprobs: they come with the
+        Prefill reply (sent once the commit was acknowledged, so about when the first token is),
+        awaited here; None once they are in.  A reply that failed or lacked them fails the
+        request: a response without what it asked for would be a wrong 200 (DESIGN I8)."""
+        if self._prefill_task is not None:
+            await asyncio.shield(self._prefill_task)
+        if not self.choice.awaits_prompt_logprobs:
+            return None
+        why = self.prefill_error.message if self.prefill_error is not None else "no prompt logprobs came"
+        return Failed(ForwardError(ErrorCode.INTERNAL, f"the prompt logprobs were lost: {why}"))
 
     def _end(self, finish: wpb.Finish) -> None:
         self.choice.end(finish)
@@ -254,6 +277,8 @@ class Attempt:
             return ForwardError(ErrorCode.PREFILL_UNAVAILABLE, f"{prefill.address}: {e.code().name}")
         if reply.ok:
             prefill.succeeded()
+            if reply.HasField("prompt_logprobs"):
+                self.choice.keep_prompt_logprobs(reply.prompt_logprobs)
             if req.generated_token_ids:
                 self.route.observer.recomputed(max(0, queued - reply.cached_tokens))
             return None
@@ -262,6 +287,15 @@ class Attempt:
             self.exclude.add(prefill.address)
             self.choice.leaving.add(prefill.address)
         return err
+
+
+def _attempt_params(choice: Choice) -> SamplingParams:
+    """The choice's params for its next attempt: without prompt logprobs once an earlier attempt
+    brought them (a migration computes only what it must)."""
+    p = choice.params
+    if p.prompt_logprobs is None or choice.awaits_prompt_logprobs or p.prefill_only:
+        return p
+    return replace(p, prompt_logprobs=None)
 
 
 def cancelling() -> bool:

@@ -46,6 +46,11 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[wpb.TokenLogprobs] = field(default_factory=list)
+    # /v1/completions' echo: the prompt's text, sent before the completion (None: no echo)
+    echo: str | None = None
+    # params.prompt_logprobs: the prompt tokens' entries, from the prefill worker's reply (or a
+    # colocated worker's stream), kept across attempts: a migrated choice does not ask again
+    prompt_logprobs: list[wpb.PromptLogprob] | None = None
     finish: wpb.Finish | None = None    # the stop state and usage, once it ended
     # across attempts and migrations
     seed: int | None = None             # the seed of the reservation whose stream gave the first token
@@ -63,6 +68,16 @@ class Choice:
     def need_tokens(self) -> int:
         """KV tokens a decode worker reserves for it: prompt + max_tokens, migrated or not."""
         return len(self.prompt_ids) + self.params.max_tokens
+
+    @property
+    def awaits_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and has not got them yet."""
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
+
+    def keep_prompt_logprobs(self, entries: wpb.PromptLogprobs) -> None:
+        """The prompt logprobs one attempt's prefill computed (the first that came are kept)."""
+        if self.awaits_prompt_logprobs:
+            self.prompt_logprobs = list(entries.logprobs)
 
     def keep_reservation(self, reservation: wpb.Reservation) -> None:
         """The reservation whose stream gives the first token: its seed (a migrated choice

@@ -26,7 +26,7 @@ from gateway.fields import IGNORED_HEADER
 from gateway.forward import forward
 from gateway.openai_format import Formatter, prompt_tokens
 from gateway.planner import Body, RequestPlanner
-from gateway.protocol import ChatCompletionRequest
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.route import Route
 from gateway.streaming import DoneEvent, ErrorEvent, Event, EventStream, Generation, TokensEvent, sse
 
@@ -90,7 +90,8 @@ class CompletionHandler(RequestPlanner):
         so = body.stream_options
         return Formatter("chat" if isinstance(body, ChatCompletionRequest) else "text",
                          self.gw.config.served_model_name, self.gw.tokenizer, body.logprobs_n, body.return_token_ids,
-                         continuous_usage=bool(body.stream and so and so.include_usage and so.continuous_usage_stats))
+                         continuous_usage=bool(body.stream and so and so.include_usage and so.continuous_usage_stats),
+                         prompt_logprobs=isinstance(body, CompletionRequest) and body.prompt_logprobs is not None)
 
     def _start(self, choices: list[Choice], fmt: Formatter, tenant: str, slot: AsyncExitStack,
                request: Request) -> Running:

@@ -39,6 +39,7 @@ VENDOR_EXTENSIONS: dict[str, str] = {
     "json_schema": "SGLang: a JSON schema (as text or an object)",
     "regex": "SGLang: a regular expression the whole output matches",
     "ebnf": "SGLang: a GBNF grammar",
+    "prompt_logprobs (on /v1/completions)": "vLLM: each prompt token's logprob and its top N alternatives",
 }
 # Fields defined by OpenAI, vLLM or SGLang that Tandem cannot honour: sent with any value but
 # the neutral ones listed (what leaving them out means), they are refused with 400 naming them.
@@ -60,13 +61,12 @@ UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
                                    "no_stop_trim=true"),
     "skip_special_tokens": ((None, True), "skip_special_tokens=false is not supported"),
     "spaces_between_special_tokens": ((None, True), "spaces_between_special_tokens=false is not supported"),
-    "prompt_logprobs": ((None,), "prompt_logprobs is not supported"),
     "allowed_token_ids": ((None,), "allowed_token_ids is not supported: send a choice, regex or grammar"),
     "bad_words": ((None, []), "bad_words is not supported"),
     "truncate_prompt_tokens": ((None,), "truncate_prompt_tokens is not supported"),
     "logits_processors": ((None, []), "logits_processors is not supported"),
     "custom_logit_processor": ((None,), "custom_logit_processor is not supported"),
-    "echo": ((None, False), "echo is not supported"),
+    "echo": ((None, False), "echo is supported on /v1/completions only"),
     "add_generation_prompt": ((None, True), "add_generation_prompt=false is not supported"),
     "continue_final_message": ((None, False), "continue_final_message is not supported"),
     "chat_template": ((None,), "chat_template is not supported: the checkpoint's template is used"),

@@ -23,6 +23,7 @@ from gateway.choice import Choice
 from gateway.errors import ForwardError, Next
 from gateway.migration import migrate, resume_failed
 from gateway.outcome import Broken, Failed, Retry
+from gateway.prefill_only import PrefillOnlyAttempt
 from gateway.route import Route
 from gateway.routing import Worker
 from proto import worker_pb2 as wpb
@@ -63,11 +64,13 @@ async def forward(choice: Choice, route: Route) -> AsyncIterator[wpb.Tokens]:
             return                                    # Finished
 
 
-async def _next_attempt(picker: Picker, resuming: bool) -> Attempt:
+async def _next_attempt(picker: Picker, resuming: bool) -> Attempt | PrefillOnlyAttempt:
     """The next attempt of the stream; raises ForwardError when none may succeed (after a
     migration, as MIGRATION_FAILED unless the request's own end)."""
     try:
         decode, prefill = await picker.pair()
+        if decode.role == Role.PREFILL:           # a prefill-only choice on a prefill worker
+            return PrefillOnlyAttempt(picker.choice, picker.route, decode, picker.route.remaining_s())
         return Attempt(picker.choice, picker.route, decode, prefill, picker.route.remaining_s())
     except ForwardError as e:
         if not resuming:
@@ -129,12 +132,17 @@ class Picker:
 
     def _pick(self) -> tuple[Worker | None, Worker | None]:
         """A decode worker and (unless it is colocated) a prefill worker, or (None, None) and
-        `last` says why."""
+        `last` says why.  A prefill-only choice: a prefill worker alone (as the first), or a
+        colocated worker."""
         c, pool = self.choice, self.route.pool
+        prompt_tokens = len(c.prompt_ids) + len(c.token_ids)
+        if c.params.prefill_only:                # a prefill worker alone, else a colocated one
+            alone = pool.pick_prefill(self.tried, c.prompt.keys, prompt_tokens)
+            if alone is not None:
+                return alone, None
         decode = pool.pick_decode(c.need_tokens, self.tried, c.prompt.keys)
         if decode is None or decode.role != Role.DECODE:
             return decode, None
-        prompt_tokens = len(c.prompt_ids) + len(c.token_ids)
         prefill = (pool.pick_prefill(self.tried | self.last_resort, c.prompt.keys, prompt_tokens)
                    or pool.pick_prefill(self.tried, c.prompt.keys, prompt_tokens))
         if prefill is None:                      # none up (one restarting?): wait, as for KV room

@@ -44,23 +44,48 @@ def chat_logprobs(tok: Tokenizer, entries: list[wpb.TokenLogprobs], n: int) -> d
                          "top_logprobs": [one(t, lp) for t, lp in _top(e, n)]} for e in entries]}
 
 
-def completion_logprobs(tok: Tokenizer, entries: list[wpb.TokenLogprobs], n: int, offset: int) -> dict[str, Any]:
-    tokens = [_token(tok, e.token_id) for e in entries]
+def completion_logprobs(tok: Tokenizer, entries: list[wpb.TokenLogprobs], n: int, offset: int,
+                        prompt: tuple[list[int], list[wpb.PromptLogprob]] | None = None) -> dict[str, Any]:
+    """The legacy completions' logprobs of `entries` from text offset `offset`; with `prompt`
+    (echo: the prompt's ids and their entries) the prompt's tokens come first, from offset 0, the
+    first of them with null logprobs (nothing precedes it)."""
+    tokens, logprobs, tops = [], [], []
+    if prompt is not None:
+        ids, scored = prompt
+        tokens = [_token(tok, t) for t in ids]
+        logprobs = [None] + [e.logprob for e in scored]
+        tops = [None] + [{_token(tok, t): lp for t, lp in _top(e, n)} for e in scored]
+        offset = 0
+    tokens += [_token(tok, e.token_id) for e in entries]
+    logprobs += [e.logprob for e in entries]
+    tops += [{_token(tok, t): lp for t, lp in _top(e, n)} for e in entries]
     offsets = []
     for s in tokens:
         offsets.append(offset)
         offset += len(s)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{_token(tok, t): lp for t, lp in _top(e, n)} for e in entries],
-            "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(tok: Tokenizer, entries: list[wpb.PromptLogprob]) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs: per prompt token (null for the first), {token id: {logprob, rank,
+    decoded_token}} for the token itself and its top alternatives."""
+    out: list[dict[str, Any] | None] = [None]
+    for e in entries:
+        entry = {str(t.token_id): {"logprob": t.logprob, "rank": r, "decoded_token": _token(tok, t.token_id)}
+                 for r, t in enumerate(e.top, 1)}
+        entry.setdefault(str(e.token_id), {"logprob": e.logprob, "rank": e.rank,
+                                           "decoded_token": _token(tok, e.token_id)})
+        out.append(entry)
+    return out
 
 
 class Formatter:
     """Builds the bodies of one response (one id, one created time, one model name)."""
 
     def __init__(self, kind: str, model: str, tok: Tokenizer, logprobs_n: int | None,
-                 token_ids: bool = False, continuous_usage: bool = False):
+                 token_ids: bool = False, continuous_usage: bool = False, prompt_logprobs: bool = False):
         self.kind, self.model, self.tok, self.logprobs_n = kind, model, tok, logprobs_n
+        self.prompt_logprobs = prompt_logprobs     # vLLM's prompt_logprobs field: each choice carries them
         self.token_ids = token_ids
         # vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so
         # far (the prompt, and the tokens of this and the earlier chunks of that choice)
@@ -69,25 +94,36 @@ class Formatter:
         self.id = new_id("chatcmpl" if kind == "chat" else "cmpl")
         self.created = int(time.time())
 
-    def _logprobs(self, entries: list[wpb.TokenLogprobs], offset: int = 0) -> dict[str, Any] | None:
+    def _logprobs(self, entries: list[wpb.TokenLogprobs], offset: int = 0,
+                  echo: Choice | None = None) -> dict[str, Any] | None:
+        """The logprobs of `entries` (from text offset `offset`); `echo`: the choice whose prompt
+        comes first (its echo)."""
         if self.logprobs_n is None:
             return None
         if self.kind == "chat":
             return chat_logprobs(self.tok, entries, self.logprobs_n)
-        return completion_logprobs(self.tok, entries, self.logprobs_n, offset)
+        prompt = (echo.prompt_ids, echo.prompt_logprobs or []) if echo is not None else None
+        return completion_logprobs(self.tok, entries, self.logprobs_n, offset, prompt)
+
+    def _prompt_fields(self, c: Choice, body: dict[str, Any]) -> None:
+        """vLLM's prompt_logprobs (and its prompt_token_ids with return_token_ids), when asked."""
+        if self.prompt_logprobs:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(self.tok, c.prompt_logprobs or [])
 
     def response(self, choices: list[Choice]) -> dict[str, Any]:
         out = []
         for c in choices:
             if c.reader is not None:
                 c.reader.finish()
-            body: dict[str, Any] = {"index": c.index, "logprobs": self._logprobs(c.logprobs),
+            echo = c if c.echo is not None else None
+            body: dict[str, Any] = {"index": c.index, "logprobs": self._logprobs(c.logprobs, echo=echo),
                                     "finish_reason": c.finish_reason, "matched_stop": c.matched_stop}
             if self.kind == "chat":
                 body["message"] = c.reader.message() if c.reader is not None else \
                     {"role": "assistant", "content": c.text}
             else:
-                body["text"] = c.text
+                body["text"] = (c.echo or "") + c.text
+                self._prompt_fields(c, body)
             if self.token_ids:
                 body["token_ids"] = c.token_ids
             out.append(body)
@@ -103,8 +139,11 @@ class Formatter:
         reader's `delta`), the logprobs `entries` and token `ids` it came with; the `last` one
         carries the finish reason (a choice may have ended before its earlier chunks are sent)."""
         finish = c.finish if last else None
-        body: dict[str, Any] = {"index": c.index, "logprobs": self._logprobs(entries, offset) if entries else None,
-                                "finish_reason": c.finish_reason if finish is not None else None}
+        echo = c if first and c.echo is not None and self.kind == "text" else None
+        if c.echo is not None:
+            offset += len(c.echo)           # the echoed prompt came first
+        body: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason if finish is not None else None,
+                                "logprobs": self._logprobs(entries, offset, echo) if entries or echo else None}
         if finish is not None:
             body["matched_stop"] = c.matched_stop
         if self.kind == "chat" and delta is not None:
@@ -113,7 +152,9 @@ class Formatter:
             body["delta"] = ({"role": "assistant", "content": text} if first else {"content": text}) \
                 if (text or first) else {}
         else:
-            body["text"] = text
+            body["text"] = (echo.echo or "") + text if echo is not None else text
+            if first:
+                self._prompt_fields(c, body)
         if self.token_ids:
             body["token_ids"] = ids or []
         kind = "chat.completion.chunk" if self.kind == "chat" else "text_completion"

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 import jinja2
 
 from engine.constraint import Constraint
+from engine.errors import RequestError
+from engine.validate import check_prompt_logprobs
 from gateway.admission import InvalidField, Rejected
 from gateway.cache_view import PrefixKeys
 from gateway.chat import chat_prompt
@@ -137,8 +139,14 @@ class RequestPlanner:
             raise Rejected("too_many_choices", f"{len(prompts)} prompt(s) x n={body.n} choices exceeds "
                            f"the limit of {gw.config.max_n} per request")
         choices: list[Choice] = []
+        echoes = self._echoes(body, prompts)
         for group, ids in enumerate(prompts):
             self._check_ids(ids)
+            try:
+                check_prompt_logprobs(len(ids), body.prompt_logprobs_n)
+            except RequestError as e:
+                raise InvalidField("prompt_logprobs" if isinstance(body, CompletionRequest) and body.prompt_logprobs
+                                   is not None else "logprobs", str(e)) from None
             max_tokens = self._max_tokens(body, len(ids), context, capacity)
             prompt = self._prompt(body, tenant, ids, page_sizes)
             for j in range(body.n):
@@ -150,8 +158,21 @@ class RequestPlanner:
                 # one fresh reader per choice: its reasoning, content and tool calls (gateway/reader.py)
                 reader = choice_reader(gw.output_settings, body) if isinstance(body, ChatCompletionRequest) \
                     else None
-                choices.append(Choice(len(choices), ids, params, prompt, prompt_group=group, reader=reader))
+                choices.append(Choice(len(choices), ids, params, prompt, prompt_group=group, reader=reader,
+                                      echo=echoes[group]))
         return choices
+
+    def _echoes(self, body: Body, prompts: list[list[int]]) -> list[str | None]:
+        """Each prompt's text as /v1/completions' echo returns it (a text prompt as sent, token
+        ids decoded); None for each without echo."""
+        if not isinstance(body, CompletionRequest) or not body.echo:
+            return [None] * len(prompts)
+        p = body.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, str) for x in p):
+            return [x for x in p if isinstance(x, str)]
+        return [self.gw.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
 
     def _prompt(self, body: Body, tenant: str, ids: list[int], page_sizes: frozenset[int]) -> Prompt:
         """The prompt's cache salt, and its page keys when routing follows the workers' caches."""

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.constraint import Constraint
-from engine.params import MAX_LOGPROBS, SamplingParams
+from engine.params import MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, SamplingParams
 from gateway.chat import ChatMessage, Tool
 from gateway.errors import shown
 from gateway.fields import MESSAGE_NO_EFFECT, NO_EFFECT, UNHONOURED, neutral
@@ -95,6 +95,8 @@ class _Common(BaseModel):
         if self.cache_salt is not None and len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
             return "cache_salt", (f"cache_salt has {len(self.cache_salt)} characters; at most "
                                   f"{MAX_CACHE_SALT_CHARS} are allowed")
+        if (bad := self._bad_logit_bias(vocab_size)) is not None:
+            return "logit_bias", bad
         for i, t in enumerate(self.stop_token_ids or ()):
             if not 0 <= t < vocab_size:
                 return "stop_token_ids", (f"stop_token_ids[{i}]={_show(t)} is not a token of this model's "
@@ -105,12 +107,34 @@ class _Common(BaseModel):
         """Field -> (lowest, highest) accepted."""
         return dict(INT_RANGES)
 
+    def _bad_logit_bias(self, vocab_size: int) -> str | None:
+        """What is wrong with logit_bias (keys: token ids as strings, values -100..100), or None."""
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+            return f"logit_bias has {len(bias)} tokens; at most {MAX_LOGIT_BIAS_TOKENS} are allowed"
+        for key, value in bias.items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < vocab_size):
+                return (f"logit_bias key {shown(key)} is not a token id of this model's vocabulary "
+                        f"(0..{vocab_size - 1})")
+            if not -100 <= value <= 100:
+                return f"logit_bias[{key!r}]={value!r} is out of range: a bias must be in -100..100"
+        return None
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs (checked by `out_of_range` first)."""
+        return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+
+    @property
+    def prompt_logprobs_n(self) -> int | None:
+        """Prompt logprobs wanted per prompt token (None: none): /v1/completions' echo with
+        logprobs, or vLLM's prompt_logprobs, the larger."""
+        return None
+
     def unsupported(self) -> str | None:
         """A request option this server cannot honour, named (answered with 400)."""
         if self.presence_penalty or self.frequency_penalty:
             return "presence_penalty and frequency_penalty are not supported (use 0)"
-        if self.logit_bias:
-            return "logit_bias is not supported"
         for name, value in (self.model_extra or {}).items():
             if name in UNHONOURED and not neutral(value, UNHONOURED[name][0]):
                 return UNHONOURED[name][1]
@@ -141,6 +165,8 @@ class ChatCompletionRequest(_Common):
     reasoning_effort: str | None = None      # OpenAI's; gpt-oss's template reads it
 
     def unsupported(self) -> str | None:
+        if (self.model_extra or {}).get("prompt_logprobs") is not None:
+            return "prompt_logprobs is supported on /v1/completions only"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs needs logprobs=true"
         for i, m in enumerate(self.messages):
@@ -189,13 +215,14 @@ class ChatCompletionRequest(_Common):
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False               # the prompt comes back before the completion (its logprobs too)
+    prompt_logprobs: int | None = None   # vLLM's: the prompt tokens' logprobs, top N each
     suffix: str | None = None
     best_of: int | None = None
 
     def unsupported(self) -> str | None:
-        if self.echo:
-            return "echo is not supported"
+        if self.max_tokens == 0 and self.prompt_logprobs_n is None and not self.echo:
+            return "max_tokens=0 generates nothing: it is accepted with echo=true or prompt_logprobs"
         if self.suffix:
             return "suffix is not supported"
         if self.best_of is not None and self.best_of != self.n:
@@ -207,17 +234,27 @@ class CompletionRequest(_Common):
         return self.max_tokens
 
     def int_ranges(self) -> dict[str, tuple[int, int]]:
-        return {**INT_RANGES, "logprobs": (0, MAX_COMPLETION_LOGPROBS)}
+        # max_tokens 0: the prompt only (echo, prompt_logprobs), prefilled and nothing generated
+        return {**INT_RANGES, "max_tokens": (0, UINT32_MAX), "logprobs": (0, MAX_COMPLETION_LOGPROBS),
+                "prompt_logprobs": (0, MAX_LOGPROBS)}
 
     @property
     def logprobs_n(self) -> int | None:
         return self.logprobs
 
+    @property
+    def prompt_logprobs_n(self) -> int | None:
+        wanted = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None]
+        if not wanted:
+            return 0 if self.echo and self.max_tokens == 0 else None   # echo only: prefill for nothing else
+        return max(wanted)
+
 
 # SamplingParams fields the request does not carry under the same name: the caller decides the
-# first two per choice, and each endpoint spells logprobs its own way (`logprobs_n`).  Every other
+# first two per choice, each endpoint spells logprobs its own way (`logprobs_n`,
+# `prompt_logprobs_n`), and logit_bias comes as {"token id": bias}.  Every other
 # field is read from the request field of the same name (tests/test_convert.py checks they exist).
-PER_CHOICE = ("max_tokens", "seed", "logprobs", "constraint")
+PER_CHOICE = ("max_tokens", "seed", "logprobs", "constraint", "prompt_logprobs", "logit_bias")
 
 
 def _show(value: int) -> str:
@@ -233,4 +270,5 @@ def sampling_params(req: _Common, max_tokens: int, seed: int | None,
     same: dict[str, Any] = {f.name: getattr(req, f.name) for f in fields(SamplingParams) if f.name not in PER_CHOICE}
     # SamplingParams takes a str or list for stop / stop_regex, None for "none"
     return SamplingParams(**same, max_tokens=max_tokens, seed=seed, logprobs=req.logprobs_n,
-                          constraint=constraint)
+                          constraint=constraint, prompt_logprobs=req.prompt_logprobs_n,
+                          logit_bias=req.logit_bias_pairs)

@@ -133,6 +133,11 @@ class PrefillEngine(RoleEngine[Pushed | CancelJob]):
         """Raises WorkerError (INVALID_REQUEST, UNKNOWN_PEER) for a bad request id, a decode
         endpoint not of this deployment, or an order without the reservation's seed."""
         check_request_id(order.request_id)
+        if order.params.prefill_only:       # the prompt's logprobs only: nothing is pushed anywhere
+            if order.decode_endpoint or order.transfer_id or order.generated_token_ids:
+                raise WorkerError(ErrorCode.INVALID_REQUEST, "a prefill-only order (max_tokens 0) has no decode "
+                                  "endpoint, transfer or generated tokens")
+            return
         endpoint = order.decode_endpoint
         if not self.peers(endpoint):
             self.counts["unknown_peer"] += 1
@@ -186,7 +191,8 @@ class PrefillEngine(RoleEngine[Pushed | CancelJob]):
     def before_run(self, batch: ScheduledBatch) -> LayerHook | None:
         """Start the push of every job whose last prompt chunk is in this batch."""
         last = [self.jobs[r.request_id] for r, s in zip(batch.requests, batch.samples())
-                if s and r.request_id in self.jobs and self.jobs[r.request_id].req is r]
+                if s and r.request_id in self.jobs and self.jobs[r.request_id].req is r
+                and not r.params.prefill_only]
         for job in last:
             self._start_push(job)
         if not last:
@@ -195,10 +201,16 @@ class PrefillEngine(RoleEngine[Pushed | CancelJob]):
                               len(self.core.model.layers), self.pool.kv.device)
 
     def after_run(self, events: list[TokenEvent]) -> None:
-        """The first token of a finished prompt: the pusher commits with it."""
+        """The first token of a finished prompt: the pusher commits with it (a prefill-only order
+        ends here: its pages go back)."""
         for event in events:
             job = self.jobs.get(event.req.request_id)
-            if job is None or job.req is not event.req or job.pusher is None:
+            if job is None or job.req is not event.req:
+                continue
+            if event.token < 0:                  # a prefill-only order: its prompt is computed
+                self._finish(job, None)
+                continue
+            if job.pusher is None:
                 continue
             job.first_token = event.token
             lp = event.logprobs
@@ -254,7 +266,7 @@ class PrefillEngine(RoleEngine[Pushed | CancelJob]):
             self.jobs.pop(job.req.request_id, None)
         job.error = error
         if error is None:
-            self.counts["pushed"] += 1
+            self.counts["prefilled_only" if job.req.params.prefill_only else "pushed"] += 1
         else:
             self._count_failed(error)
         job.done.set()

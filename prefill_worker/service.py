@@ -12,6 +12,7 @@ from prefill_worker.engine import PrefillEngine
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from worker.cache_events import CacheEventStreams
+from worker.convert import prompt_logprobs_to_proto
 from worker.drain import drain_reply
 from worker.handoff import PrefillOrder
 from worker.stats import LoopWatch, health, stats
@@ -29,7 +30,8 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
 
     def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillReply:
         """Prefill, push the pages and the commit to the decode worker; reply once the push was
-        acknowledged, or with a coded error."""
+        acknowledged (with the prompt's logprobs when asked), or with a coded error.  A
+        prefill-only order (max_tokens 0) pushes nothing: the reply carries its logprobs."""
         try:
             job = self.engine.submit(PrefillOrder.from_proto(request))
         except WorkerError as e:
@@ -42,8 +44,11 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
                                                                     message="cancelled"))
         if job.error is not None:
             return wpb.PrefillReply(ok=False, error=job.error.to_proto(), frames=job.frames)
-        return wpb.PrefillReply(ok=True, first_token_id=job.first_token, first_logprob=job.first_logprob,
-                                frames=job.frames, cached_tokens=job.req.num_cached_tokens)
+        reply = wpb.PrefillReply(ok=True, first_token_id=job.first_token, first_logprob=job.first_logprob,
+                                 frames=job.frames, cached_tokens=job.req.num_cached_tokens)
+        if job.req.params.prompt_logprobs is not None:
+            reply.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(job.req.prompt_logprobs))
+        return reply
 
     def Health(self, request: wpb.HealthRequest, context: grpc.ServicerContext) -> wpb.HealthReply:
         """Not ready while the worker loop has not finished a step within its deadline."""
@@ -55,7 +60,7 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
         s = e.core.scheduler
         return stats(e.core, Role.PREFILL, running=len(s.running), waiting=len(s.waiting),
                      waiting_tokens=e.queued_tokens, accepted=e.counts["pushed"],
-                     finished=e.counts["pushed"], failed=e.counts["failed"],
+                     finished=e.counts["pushed"] + e.counts["prefilled_only"], failed=e.counts["failed"],
                      unauthenticated=self.auth.refused if self.auth else 0, cache=e.cache,
                      draining=e.draining, drained=e.counts["drained"])
 

@@ -3,12 +3,14 @@ included: this module imports no torch)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from engine.constraint import Constraint
 from engine.errors import ErrorCode
 from engine.params import SamplingParams
+from engine.prompt_entry import PromptLogprob
 from proto import worker_pb2 as wpb
 from worker.types import WorkerError
 
@@ -30,6 +32,11 @@ SPECIAL_FIELDS: dict[str, WireField] = {
                       lambda m: m.seed if m.has_seed else None),
     "logprobs": WireField(("logprobs",), lambda v: {"logprobs": -1 if v is None else v},
                           lambda m: None if m.logprobs < 0 else m.logprobs),
+    "prompt_logprobs": WireField(("prompt_logprobs",), lambda v: {"prompt_logprobs": -1 if v is None else v},
+                                 lambda m: None if m.prompt_logprobs < 0 else m.prompt_logprobs),
+    "logit_bias": WireField(("logit_bias",), lambda v: {"logit_bias": [wpb.LogitBias(token_id=t, bias=b)
+                                                                       for t, b in v]},
+                            lambda m: tuple((b.token_id, b.bias) for b in m.logit_bias)),
     "constraint": WireField(("constraint",), lambda v: {} if v is None else {"constraint": wpb.Constraint(
                                 kind=v.kind, spec=v.spec, after=v.after)},
                             lambda m: _constraint(m.constraint) if m.HasField("constraint") else None),
@@ -70,6 +77,12 @@ def logprobs_to_proto(token: int, entry: dict[int, float] | None) -> wpb.TokenLo
         return None
     return wpb.TokenLogprobs(token_id=token, logprob=entry[token],
                              top=[wpb.TopLogprob(token_id=t, logprob=v) for t, v in entry.items()])
+
+
+def prompt_logprobs_to_proto(entries: Sequence[PromptLogprob]) -> wpb.PromptLogprobs:
+    return wpb.PromptLogprobs(logprobs=[
+        wpb.PromptLogprob(token_id=e.token, logprob=e.logprob, rank=e.rank,
+                          top=[wpb.TopLogprob(token_id=t, logprob=v) for t, v in e.top]) for e in entries])
 
 
 def finish_to_proto(reason: str, matched: str | int | None, prompt_tokens: int,

@@ -97,6 +97,13 @@ class GenerateOrder:
                                    params=params_to_proto(self.params), cache_salt=self.cache_salt,
                                    timeout_s=self.timeout_s or 0.0)
 
+    def prefill_only_order(self) -> PrefillOrder:
+        """This order as a prefill-only one (params.max_tokens 0: the prompt's logprobs, no
+        reservation, nothing pushed)."""
+        return PrefillOrder(request_id=self.request_id, tenant=self.tenant, prompt_token_ids=self.prompt_token_ids,
+                            generated_token_ids=(), params=self.params, cache_salt=self.cache_salt,
+                            transfer_id=b"", decode_endpoint="", cached_tokens=0)
+
     def with_seed(self, seed: int) -> GenerateOrder:
         """The order with `params.seed` set (the seed its reservation chose); itself when its
         params already carry that seed (they are not checked again)."""
