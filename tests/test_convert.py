@@ -24,7 +24,8 @@ PROTO_FIELDS = {f.name for f in wpb.SamplingParams.DESCRIPTOR.fields}
 NON_DEFAULT = SamplingParams(max_tokens=40, temperature=0.5, top_p=0.75, top_k=7, seed=2**40 + 3,
                              stop=("\n\n", "def "), stop_token_ids=(0, 5), ignore_eos=True, logprobs=3,
                              min_tokens=2, stop_regex=(r"\d+:",), no_stop_trim=True,
-                             constraint=Constraint.json_schema({"type": "integer"}, after="</think>"))
+                             constraint=Constraint.json_schema({"type": "integer"}, after="</think>"),
+                             prompt_logprobs=2, logit_bias=((5, -1.5), (9, 100.0)))
 
 
 def test_every_field_has_a_wire_spelling_and_every_wire_field_a_param():

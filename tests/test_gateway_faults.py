@@ -50,7 +50,9 @@ VALUES = {
     "stop_regex": st.one_of(short_text, st.lists(short_text, max_size=2)),
     "no_stop_trim": st.booleans(), "ignore_eos": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
-    "presence_penalty": st.sampled_from([0, 0.5]), "echo": st.booleans(),
+    "presence_penalty": st.sampled_from([0, 0.5]), "echo": st.booleans(), "prompt_logprobs": ints(-1, 25),
+    "logit_bias": st.dictionaries(st.sampled_from(["1", "77", "x", "99999", "-1", "00"]), st.floats(-200, 200),
+                                  max_size=3),
 }
 message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "robot"]),
                                  "content": st.text(max_size=20)})

@@ -40,7 +40,8 @@ def cluster() -> Iterator[tuple[object, FakeWorker]]:
     ({"web_search_options": {}}, "web_search_options"),
     ({"store": True}, "store"),
     ({"service_tier": "flex"}, "service_tier"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"echo": True}, "echo"),
+    ({"prompt_logprobs": 2}, "prompt_logprobs"),
     # vendor extensions Tandem does not implement
     ({"min_p": 0.1}, "min_p"),
     ({"repetition_penalty": 1.2}, "repetition_penalty"),
