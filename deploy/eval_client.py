@@ -101,9 +101,10 @@ class Endpoint:
             out = self.complete({"prompt": prompt + choice, "echo": True, "logprobs": 1, "max_tokens": 0,
                                  "temperature": 0})
         except EvalError as e:
-            if " answered 400 " in str(e) and "echo" in str(e).lower():
-                raise EvalError(f"{e}: this endpoint does not support echo, which multiple-choice items need "
-                                f"(/v1/completions with echo=true, logprobs and max_tokens=0)") from None
+            if " answered 400 " in str(e):
+                what = "does not support echo" if "echo" in str(e).lower() else "refused a scoring request"
+                raise EvalError(f"{e}: this endpoint {what}, and multiple-choice items need /v1/completions with "
+                                f"echo=true, logprobs=1 and max_tokens=0") from None
             raise
         tokens, offsets, logprobs = _logprobs(out, self.url, ("tokens", "text_offset", "token_logprobs"))
         scored = [i for i, o in enumerate(offsets) if o >= len(prompt)]

@@ -177,7 +177,8 @@ def test_a_server_without_echo_is_reported_clearly(capsys, task):
         status = main([str(task), "--url", a.url, "--concurrency", "1"])
     out = capsys.readouterr().out
     assert status == 1
-    assert "answered 400 to /completions: echo is not supported: this endpoint does not support echo" in out
+    assert "answered 400 to /completions: echo is not supported: this endpoint does not support echo, and " \
+        "multiple-choice items need /v1/completions with echo=true, logprobs=1 and max_tokens=0" in out
     assert "FAIL: a request failed: item 'short-wins'" in out and len(a.bodies) <= 2    # it stopped at once
 
 
