@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def evaluate(args: argparse.Namespace, task: str, items: list[Item]) -> dict[str, object]:
-    """Run every item on each server, compare them, judge; the report (gateway-independent)."""
+    """Every item run on each server (the second only once the first has answered them all),
+    the two compared and judged; the report (`ok` false on any failure)."""
     key = args.api_key or env.openai_api_key()
     rows: list[tuple[str, str, Accuracy]] = []
     answers: list[list[Answer]] = []

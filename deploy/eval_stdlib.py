@@ -12,9 +12,10 @@ The output is committed, not made at test time: the standard library differs bet
 versions, and the file must be the same on every machine.  Each prompt ends in a character
 that is not white space and each choice starts with a newline, so the byte-level tokenizer
 never joins the two across the boundary; the shipped tokenizer checks that for every item.
-Greedy on the shipped model (fp32, CPU) picks 10 of the 24 multiple-choice answers (chance:
-6) and completes 4 of the 24 lines exactly: a smoke test compares two endpoints on it, the
-accuracy itself is low because the model is small.
+The shipped model in fp32 picks 10 of the 24 multiple-choice answers (chance: 6; scored with
+transformers' forward, the suite's parity reference) and completes 4 of the 24 lines exactly
+(the engine, greedy): the accuracy is low because the model is small, the task is there to
+compare two servers.
 """
 
 from __future__ import annotations
