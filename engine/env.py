@@ -5,6 +5,7 @@
     api_keys()          TANDEM_API_KEYS      tandem serve's API keys, KEY[:TENANT],...
     admin_keys()        TANDEM_ADMIN_KEYS    tandem serve's admin keys, KEY,...
     ray_auth_mode()     RAY_AUTH_MODE        whether Ray runs with token authentication
+    openai_api_key()    OPENAI_API_KEY       tandem eval's API key when --api-key is not given
 
 Secrets come from here rather than from flags, which `ps` shows.  (The compile cache's
 directories, TANDEM_CACHE_DIR and torch's own, are read and set where the cache is made,
@@ -14,14 +15,15 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["ADMIN_KEYS", "API_KEYS", "CLUSTER_SECRET", "COMPILE", "RAY_AUTH_MODE", "admin_keys", "api_keys",
-           "cluster_secret", "compile_default", "ray_auth_mode"]
+__all__ = ["ADMIN_KEYS", "API_KEYS", "CLUSTER_SECRET", "COMPILE", "OPENAI_API_KEY", "RAY_AUTH_MODE", "admin_keys",
+           "api_keys", "cluster_secret", "compile_default", "openai_api_key", "ray_auth_mode"]
 
 COMPILE = "TANDEM_COMPILE"               # "0" makes eager the default (the test suite sets it)
 CLUSTER_SECRET = "TANDEM_CLUSTER_SECRET"
 API_KEYS = "TANDEM_API_KEYS"             # not shown by `ps`, unlike --api-key
 ADMIN_KEYS = "TANDEM_ADMIN_KEYS"         # what /metrics and /v1/server_info require
 RAY_AUTH_MODE = "RAY_AUTH_MODE"
+OPENAI_API_KEY = "OPENAI_API_KEY"        # what OpenAI's own clients read too
 
 
 def compile_default() -> bool:
@@ -55,3 +57,8 @@ def admin_keys() -> str | None:
 def ray_auth_mode() -> str | None:
     """RAY_AUTH_MODE as it is, or None when unset."""
     return os.environ.get(RAY_AUTH_MODE)
+
+
+def openai_api_key() -> str | None:
+    """OPENAI_API_KEY as it is, or None when unset or empty."""
+    return os.environ.get(OPENAI_API_KEY) or None

@@ -37,6 +37,7 @@ from gateway.prompts import PromptEncoder
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routing import Worker, WorkerPool
 from gateway.structured import StructuredOutputs
+from gateway.tokenize import DetokenizeRequest, TokenizeRequest, add_routes
 from worker.types import Role
 
 log = logging.getLogger("tandem.gateway")
@@ -184,6 +185,8 @@ def create_app(config: GatewayConfig, discover: Discover | None = None) -> FastA
     async def completions(body: CompletionRequest, request: Request, tenant: str = Depends(tenant)) -> Response:
         return await gw.completions.serve(body, request, tenant)
 
+    add_routes(app, gw, tenant)      # /tokenize and /detokenize (gateway/tokenize.py)
+
     def model_card() -> dict[str, Any]:
         return {"id": config.served_model_name, "object": "model", "created": 0, "owned_by": "tandem",
                 "max_model_len": gw.context_len()}
@@ -260,7 +263,8 @@ def cache_info(w: Worker) -> dict[str, Any] | None:
 
 
 BODY_MODELS: dict[str, type[BaseModel]] = {"/v1/chat/completions": ChatCompletionRequest,
-                                           "/v1/completions": CompletionRequest}
+                                           "/v1/completions": CompletionRequest,
+                                           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
 
 def _rejected(gw: Gateway, e: Rejected) -> JSONResponse:

@@ -40,6 +40,7 @@ def test_the_wheel_carries_the_checkpoint_and_not_the_models_scripts(wheel: Path
     for f in CHECKPOINT_FILES:
         assert f"engine/tiny-moe/{f}" in names
     assert "engine/corpus.py" in names and "worker/convert.py" in names
+    assert "deploy/tasks/stdlib-heldout.jsonl" in names          # `tandem eval stdlib`
     assert not any(n.startswith("models/") for n in names)
 
 
