@@ -35,6 +35,8 @@ from gateway.limits import ABORT, BodyLimit, SendDeadline, connection_abort, qui
 from gateway.metrics import Metrics
 from gateway.prompts import PromptEncoder
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.responses import ResponsesHandler
+from gateway.responses_request import NOT_STORED, ResponsesRequest
 from gateway.routing import Worker, WorkerPool
 from gateway.structured import StructuredOutputs
 from gateway.tokenize import DetokenizeRequest, TokenizeRequest, add_routes
@@ -73,6 +75,7 @@ class Gateway:
                                             max_pending=config.grammar_max_pending,
                                             tenant_max_pending=config.grammar_tenant_max_pending)
         self.completions = CompletionHandler(self)
+        self.responses = ResponsesHandler(self)
         self.keys = KeyTable(config.api_keys)
         self.admin_keys = KeyTable({k: "admin" for k in config.admin_keys})
 
@@ -187,6 +190,16 @@ def create_app(config: GatewayConfig, discover: Discover | None = None) -> FastA
 
     add_routes(app, gw, tenant)      # /tokenize and /detokenize (gateway/tokenize.py)
 
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request, tenant: str = Depends(tenant)) -> Response:
+        return await gw.responses.respond(body, request, tenant)
+
+    @app.api_route("/v1/responses/{path:path}", methods=["GET", "POST", "DELETE"], response_model=None)
+    async def stored_response(path: str, tenant: str = Depends(tenant)) -> Response:
+        """Retrieving, deleting, cancelling a response or listing its input items: none is kept."""
+        raise Rejected("not_found", f"{NOT_STORED} (every response says store: false), so there is none to "
+                       "retrieve, delete, cancel or list; this server serves POST /v1/responses only")
+
     def model_card() -> dict[str, Any]:
         return {"id": config.served_model_name, "object": "model", "created": 0, "owned_by": "tandem",
                 "max_model_len": gw.context_len()}
@@ -263,7 +276,7 @@ def cache_info(w: Worker) -> dict[str, Any] | None:
 
 
 BODY_MODELS: dict[str, type[BaseModel]] = {"/v1/chat/completions": ChatCompletionRequest,
-                                           "/v1/completions": CompletionRequest,
+                                           "/v1/completions": CompletionRequest, "/v1/responses": ResponsesRequest,
                                            "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
 
