@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -117,10 +118,14 @@ class CompletionHandler(RequestPlanner):
         if isinstance(first, ErrorEvent) and first.choice is None:     # failed before any token
             await run.generation.close()
             return self._error(first.error, fmt.id)
+        return EventStream(self._events(body, run, first), on_close=run.generation.close)
+
+    def _events(self, body: Body, run: Running, first: Event) -> AsyncIterator[str]:
+        """The server-sent events of an admitted stream whose first event is `first`: OpenAI's
+        chunks (an endpoint that answers in another shape overrides this)."""
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = sse(fmt, run.choices, run.events, first, include_usage, lambda e: self._error_body(e, fmt.id),
-                     lambda: self._count(run.choices, "ok"))
-        return EventStream(stream, on_close=run.generation.close)
+        return sse(run.fmt, run.choices, run.events, first, include_usage,
+                   lambda e: self._error_body(e, run.fmt.id), lambda: self._count(run.choices, "ok"))
 
     async def _collected(self, run: Running) -> Response:
         """The JSON answer once every choice is done, or the first error."""
