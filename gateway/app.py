@@ -32,6 +32,9 @@ from gateway.errors import HTTP_CODES, error_body, public, shown
 from gateway.fairness import ClusterKv
 from gateway.fields import IGNORED_HEADER
 from gateway.limits import ABORT, BodyLimit, SendDeadline, connection_abort, quiet_idle_closes
+from gateway.messages import MessagesHandler
+from gateway.messages_format import error_body as messages_error_body
+from gateway.messages_request import MessagesRequest
 from gateway.metrics import Metrics
 from gateway.prompts import PromptEncoder
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -72,6 +75,7 @@ class Gateway:
                                             max_pending=config.grammar_max_pending,
                                             tenant_max_pending=config.grammar_tenant_max_pending)
         self.completions = CompletionHandler(self)
+        self.messages = MessagesHandler(self)
         self.keys = KeyTable(config.api_keys)
         self.admin_keys = KeyTable({k: "admin" for k in config.admin_keys})
 
@@ -81,9 +85,9 @@ class Gateway:
 
     def admin(self, request: Request) -> None:
         """Raises Rejected 401 unless admin keys are configured and the request bears one."""
-        if self.admin_keys.tenant(_bearer(request)) is None:
+        if self.admin_keys.tenant(_api_key(request)) is None:
             raise Rejected("invalid_admin_key", "this endpoint needs an admin key "
-                           "(send Authorization: Bearer ADMIN_KEY)")
+                           "(send Authorization: Bearer ADMIN_KEY or x-api-key: ADMIN_KEY)")
 
     def context_len(self) -> int:
         """The context of the workers (their --max-model-len), else the model's."""
@@ -94,11 +98,10 @@ class Gateway:
     def tenant(self, request: Request) -> str:
         if not self.keys:
             return "default"
-        auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        tenant = self.keys.tenant(key)
+        tenant = self.keys.tenant(_api_key(request))
         if tenant is None:
-            raise Rejected("invalid_api_key", "missing or unknown API key (send Authorization: Bearer KEY)")
+            raise Rejected("invalid_api_key", "missing or unknown API key (send Authorization: Bearer KEY "
+                           "or x-api-key: KEY)")
         return tenant
 
     async def refresh_forever(self) -> None:
@@ -138,13 +141,14 @@ def create_app(config: GatewayConfig, discover: Discover | None = None) -> FastA
         gw.metrics.requests.labels("rejected").inc()
 
     # outermost last: the deadline covers every send, the body limit comes before everything else
-    app.add_middleware(BodyLimit, limit=config.max_body_bytes, on_refusal=refused_body)
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes, on_refusal=refused_body,
+                       body_for=lambda path, message: _error_shape(path)("body_too_large", message))
     app.add_middleware(SendDeadline, timeout_s=config.stream_idle_timeout_s, registry=gw.metrics.registry)
     quiet_idle_closes()
 
     @app.exception_handler(Rejected)
     async def rejected(request: Request, e: Rejected) -> Response:
-        response = _rejected(gw, e)
+        response = _rejected(gw, e, request.url.path)
         if ignored := getattr(request.state, "ignored_fields", ""):
             response.headers[IGNORED_HEADER] = ignored
         return response
@@ -157,20 +161,21 @@ def create_app(config: GatewayConfig, discover: Discover | None = None) -> FastA
                                        union_fields(model) if model is not None else frozenset())
         refused = Rejected(code, message)
         refused.param = param
-        return _rejected(gw, refused)
+        return _rejected(gw, refused, request.url.path)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> Response:
-        # the framework's own refusals (no such route, a body it could not read) in the OpenAI shape
+        # the framework's own refusals (no such route, a body it could not read) in the path's error shape
         code = HTTP_CODES.get(e.status_code, "invalid_request" if e.status_code < 500 else "internal")
-        return JSONResponse(error_body(code, str(e.detail), status=e.status_code), status_code=e.status_code,
-                            headers=e.headers)
+        body = _error_shape(request.url.path)(code, str(e.detail), status=e.status_code)
+        return JSONResponse(body, status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, e: Exception) -> Response:
         error_id = uuid.uuid4().hex
         log.exception("unhandled error %s in %s %s", error_id, request.method, request.url.path)
-        body = error_body(ErrorCode.INTERNAL, f"internal error in the gateway (error id {error_id})")
+        shape = _error_shape(request.url.path)
+        body = shape(ErrorCode.INTERNAL, f"internal error in the gateway (error id {error_id})")
         return JSONResponse(body, status_code=500)
 
     def tenant(request: Request) -> str:
@@ -183,6 +188,11 @@ def create_app(config: GatewayConfig, discover: Discover | None = None) -> FastA
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request, tenant: str = Depends(tenant)) -> Response:
         return await gw.completions.serve(body, request, tenant)
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request, tenant: str = Depends(tenant)) -> Response:
+        """Anthropic's Messages API (gateway/messages.py); the anthropic-version header changes nothing."""
+        return await gw.messages.serve_messages(body, request, tenant)
 
     def model_card() -> dict[str, Any]:
         return {"id": config.served_model_name, "object": "model", "created": 0, "owned_by": "tandem",
@@ -260,19 +270,35 @@ def cache_info(w: Worker) -> dict[str, Any] | None:
 
 
 BODY_MODELS: dict[str, type[BaseModel]] = {"/v1/chat/completions": ChatCompletionRequest,
-                                           "/v1/completions": CompletionRequest}
+                                           "/v1/completions": CompletionRequest, "/v1/messages": MessagesRequest}
+# the error body of each path whose API has its own shape (every other path answers OpenAI's);
+# each reads its code, status and type from the same table (gateway/errors.py)
+ERROR_SHAPES: dict[str, Callable[..., dict[str, Any]]] = {"/v1/messages": messages_error_body}
 
 
-def _rejected(gw: Gateway, e: Rejected) -> JSONResponse:
-    """The answer to a refusal: its code's spelling and type from the error table
-    (gateway/errors.py), a retryable one with Retry-After (unless the refusal sets its own)."""
+def _error_shape(path: str) -> Callable[..., dict[str, Any]]:
+    """`error_body(code, message, param=None, status=None)` for a request to `path`."""
+    return ERROR_SHAPES.get(path, error_body)
+
+
+def _rejected(gw: Gateway, e: Rejected, path: str) -> JSONResponse:
+    """The answer to a refusal of a request to `path`: its code's spelling and type from the error
+    table (gateway/errors.py), a retryable one with Retry-After (unless the refusal sets its own)."""
     gw.metrics.rejected.labels(e.reason).inc()
     gw.metrics.requests.labels("rejected").inc()
     entry = public(e.reason, e.status)
-    return JSONResponse(error_body(e.reason, e.message, e.param, e.status), status_code=e.status,
+    return JSONResponse(_error_shape(path)(e.reason, e.message, e.param, e.status), status_code=e.status,
                         headers=e.headers or entry.headers())
 
 
-def _bearer(request: Request) -> str:
-    auth = request.headers.get("authorization", "")
-    return auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+def _api_key(request: Request) -> str:
+    """The API key a request presents, as `Authorization: Bearer KEY` or as `x-api-key: KEY`
+    (Anthropic's header), on every API endpoint ("" for none).  Raises Rejected 401 when it
+    presents two different keys (both headers, or one twice): the gateway never picks one."""
+    keys = {a[7:].strip() for a in request.headers.getlist("authorization") if a.lower().startswith("bearer ")}
+    keys |= {k.strip() for k in request.headers.getlist("x-api-key")}
+    keys.discard("")
+    if len(keys) > 1:
+        raise Rejected("invalid_api_key", "the request presents more than one API key (Authorization: Bearer and "
+                       "x-api-key differ); send one")
+    return next(iter(keys), "")
