@@ -82,7 +82,7 @@ def _turns(body: MessagesRequest) -> Iterator[tuple[str, list[Block]]]:
         yield role, blocks
 
 
-def _blocks(content: str | list[dict[str, Any]], where: str) -> list[Block]:
+def _blocks(content: str | list[Any], where: str) -> list[Block]:
     if isinstance(content, str):
         return [(where, {"type": "text", "text": content})]
     return [(f"{where}[{j}]", b) for j, b in enumerate(content)]
@@ -90,6 +90,8 @@ def _blocks(content: str | list[dict[str, Any]], where: str) -> list[Block]:
 
 def _kind(where: str, block: dict[str, Any], allowed: tuple[str, ...]) -> str:
     """The block's type, once it is one `allowed` here; raises for any other."""
+    if not isinstance(block, dict):         # a tool result's blocks are not typed by the model
+        raise InvalidField(where, f"{where} must be a content block (an object)", "schema")
     kind = block.get("type")
     if not isinstance(kind, str):
         raise InvalidField(f"{where}.type", f"{where}: a content block needs a type (a string)", "schema")

@@ -308,6 +308,8 @@ def test_the_conversation_translates_turn_by_turn() -> None:
     ({"service_tier": "priority"}, "service_tier"),
     ({"stop_sequences": ["s"] * 17}, "stop_sequences"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 9}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [3]}]}]},
+     "messages[0].content[0].content[0]"),
 ])
 def test_what_cannot_be_honoured_or_is_past_a_bound_is_refused_naming_it(fields, param) -> None:
     with pytest.raises(Rejected) as e:
