@@ -16,7 +16,6 @@ from typing import Any, TypeVar
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -28,18 +27,17 @@ from gateway.body_errors import refusal, union_fields
 from gateway.chat import output_settings
 from gateway.completions import CompletionHandler
 from gateway.config import GatewayConfig, KeyTable
-from gateway.errors import HTTP_CODES, error_body, public, shown
+from gateway.errors import HTTP_CODES, public, shown
 from gateway.fairness import ClusterKv
 from gateway.fields import IGNORED_HEADER
 from gateway.limits import ABORT, BodyLimit, SendDeadline, connection_abort, quiet_idle_closes
+from gateway.messages import MessagesHandler
 from gateway.metrics import Metrics
 from gateway.prompts import PromptEncoder
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.responses import ResponsesHandler
-from gateway.responses_request import NOT_STORED, ResponsesRequest
+from gateway.routes import BODY_MODELS, add_api_routes, error_shape
 from gateway.routing import Worker, WorkerPool
 from gateway.structured import StructuredOutputs
-from gateway.tokenize import DetokenizeRequest, TokenizeRequest, add_routes
 from worker.types import Role
 
 log = logging.getLogger("tandem.gateway")
@@ -76,6 +74,7 @@ class Gateway:
                                             tenant_max_pending=config.grammar_tenant_max_pending)
         self.completions = CompletionHandler(self)
         self.responses = ResponsesHandler(self)
+        self.messages = MessagesHandler(self)
         self.keys = KeyTable(config.api_keys)
         self.admin_keys = KeyTable({k: "admin" for k in config.admin_keys})
 
@@ -85,9 +84,9 @@ class Gateway:
 
     def admin(self, request: Request) -> None:
         """Raises Rejected 401 unless admin keys are configured and the request bears one."""
-        if self.admin_keys.tenant(_bearer(request)) is None:
+        if self.admin_keys.tenant(_api_key(request)) is None:
             raise Rejected("invalid_admin_key", "this endpoint needs an admin key "
-                           "(send Authorization: Bearer ADMIN_KEY)")
+                           "(send Authorization: Bearer ADMIN_KEY or x-api-key: ADMIN_KEY)")
 
     def context_len(self) -> int:
         """The context of the workers (their --max-model-len), else the model's."""
@@ -98,11 +97,10 @@ class Gateway:
     def tenant(self, request: Request) -> str:
         if not self.keys:
             return "default"
-        auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        tenant = self.keys.tenant(key)
+        tenant = self.keys.tenant(_api_key(request))
         if tenant is None:
-            raise Rejected("invalid_api_key", "missing or unknown API key (send Authorization: Bearer KEY)")
+            raise Rejected("invalid_api_key", "missing or unknown API key (send Authorization: Bearer KEY "
+                           "or x-api-key: KEY)")
         return tenant
 
     async def refresh_forever(self) -> None:
@@ -142,13 +140,14 @@ def create_app(config: GatewayConfig, discover: Discover | None = None) -> FastA
         gw.metrics.requests.labels("rejected").inc()
 
     # outermost last: the deadline covers every send, the body limit comes before everything else
-    app.add_middleware(BodyLimit, limit=config.max_body_bytes, on_refusal=refused_body)
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes, on_refusal=refused_body,
+                       body_for=lambda path, message: error_shape(path)("body_too_large", message))
     app.add_middleware(SendDeadline, timeout_s=config.stream_idle_timeout_s, registry=gw.metrics.registry)
     quiet_idle_closes()
 
     @app.exception_handler(Rejected)
     async def rejected(request: Request, e: Rejected) -> Response:
-        response = _rejected(gw, e)
+        response = _rejected(gw, e, request.url.path)
         if ignored := getattr(request.state, "ignored_fields", ""):
             response.headers[IGNORED_HEADER] = ignored
         return response
@@ -161,44 +160,27 @@ def create_app(config: GatewayConfig, discover: Discover | None = None) -> FastA
                                        union_fields(model) if model is not None else frozenset())
         refused = Rejected(code, message)
         refused.param = param
-        return _rejected(gw, refused)
+        return _rejected(gw, refused, request.url.path)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> Response:
-        # the framework's own refusals (no such route, a body it could not read) in the OpenAI shape
+        # the framework's own refusals (no such route, a body it could not read) in the path's error shape
         code = HTTP_CODES.get(e.status_code, "invalid_request" if e.status_code < 500 else "internal")
-        return JSONResponse(error_body(code, str(e.detail), status=e.status_code), status_code=e.status_code,
-                            headers=e.headers)
+        body = error_shape(request.url.path)(code, str(e.detail), status=e.status_code)
+        return JSONResponse(body, status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, e: Exception) -> Response:
         error_id = uuid.uuid4().hex
         log.exception("unhandled error %s in %s %s", error_id, request.method, request.url.path)
-        body = error_body(ErrorCode.INTERNAL, f"internal error in the gateway (error id {error_id})")
+        shape = error_shape(request.url.path)
+        body = shape(ErrorCode.INTERNAL, f"internal error in the gateway (error id {error_id})")
         return JSONResponse(body, status_code=500)
 
     def tenant(request: Request) -> str:
         return gw.tenant(request)
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request, tenant: str = Depends(tenant)) -> Response:
-        return await gw.completions.serve(body, request, tenant)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request, tenant: str = Depends(tenant)) -> Response:
-        return await gw.completions.serve(body, request, tenant)
-
-    add_routes(app, gw, tenant)      # /tokenize and /detokenize (gateway/tokenize.py)
-
-    @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest, request: Request, tenant: str = Depends(tenant)) -> Response:
-        return await gw.responses.respond(body, request, tenant)
-
-    @app.api_route("/v1/responses/{path:path}", methods=["GET", "POST", "DELETE"], response_model=None)
-    async def stored_response(path: str, tenant: str = Depends(tenant)) -> Response:
-        """Retrieving, deleting, cancelling a response or listing its input items: none is kept."""
-        raise Rejected("not_found", f"{NOT_STORED} (every response says store: false), so there is none to "
-                       "retrieve, delete, cancel or list; this server serves POST /v1/responses only")
+    add_api_routes(app, gw, tenant)  # chat, completions, responses, messages, tokenize (gateway/routes.py)
 
     def model_card() -> dict[str, Any]:
         return {"id": config.served_model_name, "object": "model", "created": 0, "owned_by": "tandem",
@@ -275,21 +257,24 @@ def cache_info(w: Worker) -> dict[str, Any] | None:
     return info
 
 
-BODY_MODELS: dict[str, type[BaseModel]] = {"/v1/chat/completions": ChatCompletionRequest,
-                                           "/v1/completions": CompletionRequest, "/v1/responses": ResponsesRequest,
-                                           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
-
-
-def _rejected(gw: Gateway, e: Rejected) -> JSONResponse:
-    """The answer to a refusal: its code's spelling and type from the error table
-    (gateway/errors.py), a retryable one with Retry-After (unless the refusal sets its own)."""
+def _rejected(gw: Gateway, e: Rejected, path: str) -> JSONResponse:
+    """The answer to a refusal of a request to `path`: its code's spelling and type from the error
+    table (gateway/errors.py), a retryable one with Retry-After (unless the refusal sets its own)."""
     gw.metrics.rejected.labels(e.reason).inc()
     gw.metrics.requests.labels("rejected").inc()
     entry = public(e.reason, e.status)
-    return JSONResponse(error_body(e.reason, e.message, e.param, e.status), status_code=e.status,
+    return JSONResponse(error_shape(path)(e.reason, e.message, e.param, e.status), status_code=e.status,
                         headers=e.headers or entry.headers())
 
 
-def _bearer(request: Request) -> str:
-    auth = request.headers.get("authorization", "")
-    return auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+def _api_key(request: Request) -> str:
+    """The API key a request presents, as `Authorization: Bearer KEY` or as `x-api-key: KEY`
+    (Anthropic's header), on every API endpoint ("" for none).  Raises Rejected 401 when it
+    presents two different keys (both headers, or one twice): the gateway never picks one."""
+    keys = {a[7:].strip() for a in request.headers.getlist("authorization") if a.lower().startswith("bearer ")}
+    keys |= {k.strip() for k in request.headers.getlist("x-api-key")}
+    keys.discard("")
+    if len(keys) > 1:
+        raise Rejected("invalid_api_key", "the request presents more than one API key (Authorization: Bearer and "
+                       "x-api-key differ); send one")
+    return next(iter(keys), "")

@@ -119,15 +119,14 @@ class CompletionHandler(RequestPlanner):
         if isinstance(first, ErrorEvent) and first.choice is None:     # failed before any token
             await run.generation.close()
             return self._error(first.error, fmt.id)
-        return EventStream(self._stream(body, run, first), on_close=run.generation.close)
+        return EventStream(self._events(body, run, first), on_close=run.generation.close)
 
-    def _stream(self, body: Body, run: Running, first: Event) -> AsyncIterator[str]:
-        """The server-sent events of an admitted request whose first event is `first` (an
-        endpoint with events of its own, gateway/responses.py, overrides it)."""
-        fmt = run.fmt
+    def _events(self, body: Body, run: Running, first: Event) -> AsyncIterator[str]:
+        """The server-sent events of an admitted stream whose first event is `first`: OpenAI's
+        chunks (an endpoint that answers in another shape overrides this)."""
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse(fmt, run.choices, run.events, first, include_usage, lambda e: self._error_body(e, fmt.id),
-                   lambda: self._count(run.choices, "ok"))
+        return sse(run.fmt, run.choices, run.events, first, include_usage,
+                   lambda e: self._error_body(e, run.fmt.id), lambda: self._count(run.choices, "ok"))
 
     async def _collected(self, run: Running) -> Response:
         """The JSON answer once every choice is done, or the first error."""

@@ -27,6 +27,7 @@ import logging
 import socket
 import struct
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -61,13 +62,15 @@ def connection_abort(send: Send) -> Callable[[], None] | None:
 
 
 class BodyLimit:
-    """Answers 413 (OpenAI error body, `body_too_large`, naming the limit) to a request whose
+    """Answers 413 (OpenAI error body, `body_too_large`, naming the limit; or the body
+    `body_for(path, message)` makes, for a path whose API has another shape) to a request whose
     body passes `limit` bytes: without handing the app any of it when Content-Length says so,
     else as soon as the bytes received pass it.  `received` counts the body bytes read, in all
     (for tests and measurements)."""
 
-    def __init__(self, app: ASGIApp, limit: int, on_refusal: Callable[[], None] | None = None) -> None:
-        self.app, self.limit, self.on_refusal = app, limit, on_refusal
+    def __init__(self, app: ASGIApp, limit: int, on_refusal: Callable[[], None] | None = None,
+                 body_for: Callable[[str, str], dict[str, Any]] | None = None) -> None:
+        self.app, self.limit, self.on_refusal, self.body_for = app, limit, on_refusal, body_for
         self.received = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -77,7 +80,7 @@ class BodyLimit:
         announced = dict(scope.get("headers") or []).get(b"content-length", b"")
         if announced.isdigit() and int(announced) > self.limit:
             await self._drain(receive)
-            await self._refuse(send, f"request body of {int(announced)} bytes exceeds the limit of "
+            await self._refuse(scope, send, f"request body of {int(announced)} bytes exceeds the limit of "
                                      f"{self.limit} bytes")
             return
         seen, answered = 0, False
@@ -93,7 +96,7 @@ class BodyLimit:
                     answered = True
                     if message.get("more_body", False):
                         await self._drain(receive)
-                    await self._refuse(send, f"request body exceeds the limit of {self.limit} bytes")
+                    await self._refuse(scope, send, f"request body exceeds the limit of {self.limit} bytes")
                     return {"type": "http.disconnect"}     # the app stops reading: the client is done
             return message
 
@@ -115,11 +118,12 @@ class BodyLimit:
             if not message.get("more_body", False):
                 return
 
-    async def _refuse(self, send: Send, message: str) -> None:
+    async def _refuse(self, scope: Scope, send: Send, message: str) -> None:
         if self.on_refusal is not None:
             self.on_refusal()
-        body = json.dumps({"error": {"message": message, "type": "invalid_request_error",
-                                     "param": None, "code": "body_too_large"}}).encode()
+        shaped = self.body_for(scope.get("path", ""), message) if self.body_for is not None else None
+        body = json.dumps(shaped or {"error": {"message": message, "type": "invalid_request_error",
+                                               "param": None, "code": "body_too_large"}}).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})     # the rest of the body is never read

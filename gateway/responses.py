@@ -175,10 +175,10 @@ class ResponsesHandler(CompletionHandler):
             return super()._formatter(body)
         return ResponsesFormatter(self.gw.config.served_model_name, self.gw.tokenizer, body.source)
 
-    def _stream(self, body: Body, run: Running, first: Event) -> AsyncIterator[str]:
+    def _events(self, body: Body, run: Running, first: Event) -> AsyncIterator[str]:
         fmt = run.fmt
         if not isinstance(fmt, ResponsesFormatter):
-            return super()._stream(body, run, first)
+            return super()._events(body, run, first)
         return response_events(fmt, run.choices[0], run.events, first, lambda e: self._error_body(e, fmt.id),
                                lambda: self._count(run.choices, "ok"))
 
