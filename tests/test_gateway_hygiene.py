@@ -49,7 +49,7 @@ def no_tracebacks(caplog) -> None:
     (False, {"stop_token_ids": [4096]}, "stop_token_ids"),        # one past the vocabulary
     (False, {"n": 0}, "n"),
     (True, {"n": -3}, "n"),
-    (False, {"max_tokens": 0}, "max_tokens"),
+    (False, {"max_tokens": -1}, "max_tokens"),         # 0 is the prompt alone (echo): tests/test_gateway_echo.py
     (False, {"max_tokens": 2**40}, "max_tokens"),
     (True, {"max_completion_tokens": 0}, "max_completion_tokens"),
     (False, {"seed": -1}, "seed"),
