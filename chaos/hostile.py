@@ -4,7 +4,8 @@ requests run:
     redos    catastrophic stop_regex patterns, patterns whose expansion is huge, stop lists
              over the caps and at them: each must end in a 400 naming the field and its limit,
              or an explicit error naming the stop-check budget, or (at the caps) a completion;
-             never a hang
+             never a hang; and the other costs a body can ask for (logit_bias entries, prompt
+             logprobs) over their caps and at them
     kv_hog   a flood of long chat requests without max_tokens (the default applies), more at
              once than the tenant may have in flight: the tenant's KV reserved must stay within
              its budget, the rest wait in its queue or are refused 429
@@ -21,6 +22,8 @@ from chaos.cluster import ChaosCluster
 from chaos.gauges import Peaks, gateway_setting
 from chaos.report import ScenarioResult
 from engine.params import (
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_PROMPT_LOGPROB_ENTRIES,
     MAX_STOP_REGEX_CHARS,
     MAX_STOP_REGEX_EXPANSION,
     MAX_STOP_REGEXES,
@@ -67,6 +70,18 @@ REDOS: tuple[tuple[str, dict[str, Any], str, tuple[str, ...]], ...] = (
     (f"{MAX_STOP_STRINGS} stop strings of {MAX_STOP_STRING_CHARS} chars, {MAX_STOP_TOKEN_IDS} stop ids (the caps)",
      {"stop": [f"{i:02d}" + "q" * (MAX_STOP_STRING_CHARS - 2) for i in range(MAX_STOP_STRINGS)],
       "stop_token_ids": list(range(4096 - MAX_STOP_TOKEN_IDS, 4096))}, "bounded", ()),
+    # the other per-request costs a body can ask for: logit_bias entries, prompt logprobs (issue 37)
+    (f"{MAX_LOGIT_BIAS_TOKENS + 1} logit_bias entries", {"logit_bias": {str(i): 1 for i in
+                                                                        range(MAX_LOGIT_BIAS_TOKENS + 1)}},
+     "refused", ("logit_bias", str(MAX_LOGIT_BIAS_TOKENS))),
+    (f"{MAX_LOGIT_BIAS_TOKENS} logit_bias entries (the cap)", {"logit_bias": {str(i): -1 for i in
+                                                                              range(MAX_LOGIT_BIAS_TOKENS)}},
+     "bounded", ()),
+    (f"prompt logprobs past {MAX_PROMPT_LOGPROB_ENTRIES} entries",
+     {"prompt": [5] * (MAX_PROMPT_LOGPROB_ENTRIES // 6 + 1), "echo": True, "logprobs": 5, "max_tokens": 0},
+     "refused", ("prompt logprobs", str(MAX_PROMPT_LOGPROB_ENTRIES))),
+    ("echo with 20 prompt logprobs a token, nothing generated",
+     {"echo": True, "logprobs": 5, "prompt_logprobs": 20, "max_tokens": 0}, "bounded", ()),
 )
 
 

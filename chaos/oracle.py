@@ -10,6 +10,9 @@
   response's token; any other difference is a corrupted response;
 - canaries: no response contains another request's canary (nor does anything a hostile
   scenario's attacker was sent).
+
+A request through an API whose answers carry no token ids (the Responses and Messages APIs)
+is judged by its text: the reference's text when complete, a prefix of it when cut short.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from chaos.prompts import CANARY
+from chaos.client import Outcome
+from chaos.prompts import CANARY, TEXT_ONLY
 from chaos.report import ScenarioResult
 from engine import LLM
 from engine.params import SamplingParams
@@ -33,19 +37,23 @@ class Reference:
 
     def __init__(self, model: str, max_model_len: int) -> None:
         self.llm = LLM(model, max_model_len=max_model_len, enable_prefix_cache=False)
-        # a prompt sent again is run once: (ids, max_tokens) -> (tokens, each step's top logprobs)
-        self._memo: dict[tuple[tuple[int, ...], int], tuple[list[int], list[dict[int, float]]]] = {}
+        # a prompt sent again is run once: (ids, max_tokens) -> (tokens, each step's top logprobs, text)
+        self._memo: dict[tuple[tuple[int, ...], int], tuple[list[int], list[dict[int, float]], str]] = {}
 
-    def _run(self, ids: list[int], max_tokens: int) -> tuple[list[int], list[dict[int, float]]]:
+    def _run(self, ids: list[int], max_tokens: int) -> tuple[list[int], list[dict[int, float]], str]:
         key = (tuple(ids), max_tokens)
         if key not in self._memo:
             out = self.llm.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=2))[0]
             self.llm.pool.check_integrity()
-            self._memo[key] = (list(out.token_ids), list(out.logprobs or []))
+            self._memo[key] = (list(out.token_ids), list(out.logprobs or []), out.text)
         return self._memo[key]
 
     def tokens(self, ids: list[int], max_tokens: int) -> list[int]:
         return self._run(ids, max_tokens)[0]
+
+    def text(self, ids: list[int], max_tokens: int) -> str:
+        """The output's text (stop handling applied), for an API whose answers carry no token ids."""
+        return self._run(ids, max_tokens)[2]
 
     def logprobs(self, ids: list[int], max_tokens: int) -> list[dict[int, float]]:
         """Per generated token: token id -> logprob of the chosen token and the top two."""
@@ -54,6 +62,8 @@ class Reference:
 
 class Greedy(Protocol):
     def tokens(self, ids: list[int], max_tokens: int) -> list[int]: ...
+
+    def text(self, ids: list[int], max_tokens: int) -> str: ...
 
     def logprobs(self, ids: list[int], max_tokens: int) -> list[dict[int, float]]: ...
 
@@ -103,6 +113,9 @@ def judge(results: list[ScenarioResult], reference: Greedy) -> None:
             if o.job.expect_reject or not (o.token_ids or o.text):
                 continue
             got = o.token_ids
+            if o.job.api in TEXT_ONLY:       # no token ids in the answer: its text against the reference's
+                _judge_text(r, o, reference, owner)
+                continue
             c = compare(got, o.job.ids, o.job.max_tokens, o.outcome == "ok", reference)
             if c.near_ties:
                 r.near_ties += 1
@@ -115,11 +128,25 @@ def judge(results: list[ScenarioResult], reference: Greedy) -> None:
                 want = reference.tokens(o.job.ids, o.job.max_tokens)
                 _say(r, f"request {o.job.index} ({o.outcome}): {c.wrong}; tokens {got[:12]} differ from the "
                         f"reference {want[:12]}")
-            foreign = [c for c in CANARY.findall(o.text) if c != o.job.canary and c in owner]
-            if foreign:
-                r.leaks += 1
-                _say(r, f"request {o.job.index} (tenant {o.job.tenant}) carries the canary of request "
-                        f"{owner[foreign[0]]}")
+            _judge_canary(r, o, owner)
+
+
+def _judge_canary(r: ScenarioResult, o: Outcome, owner: dict[str, int]) -> None:
+    foreign = [c for c in CANARY.findall(o.text) if c != o.job.canary and c in owner]
+    if foreign:
+        r.leaks += 1
+        _say(r, f"request {o.job.index} (tenant {o.job.tenant}) carries the canary of request {owner[foreign[0]]}")
+
+
+def _judge_text(r: ScenarioResult, o: Outcome, reference: Greedy, owner: dict[str, int]) -> None:
+    """A text-only answer (chaos/prompts.py TEXT_ONLY): the reference's text when complete, a
+    prefix of it when cut short; and no foreign canary."""
+    want = reference.text(o.job.ids, o.job.max_tokens)
+    if not (o.text == want if o.outcome == "ok" else want.startswith(o.text)):
+        r.corrupted += 1
+        _say(r, f"request {o.job.index} ({o.job.api}, {o.outcome}): its text {o.text[:60]!r} differs from the "
+                f"reference's {want[:60]!r}")
+    _judge_canary(r, o, owner)
 
 
 def _say(r: ScenarioResult, message: str) -> None:

@@ -21,6 +21,11 @@ TENANTS = ("acme", "globex", "initech", "umbrella")
 ATTACKER = "umbrella"           # the hostile scenarios' attacker; the other tenants are its victims
 VICTIMS = tuple(t for t in TENANTS if t != ATTACKER)
 CANARY = re.compile(r"canary [0-9a-f]{10}")
+# the APIs a request may come through (chaos/client.py speaks each): token-id completions, the same
+# with the prompt echoed and its logprobs computed on the prefill side (issue 37), and three
+# chat-shaped ones whose one user message is the prompt's text
+APIS = ("completions", "echo", "chat", "responses", "messages")
+TEXT_ONLY = ("responses", "messages")   # their answers carry no token ids: judged by text
 
 
 @dataclass
@@ -38,6 +43,8 @@ class Job:
     cache_salt: str | None = None           # the request's cache_salt (vLLM's field)
     usage: bool = False                     # ask for usage on a stream too (its cached_tokens)
     wave: int = 0                           # sent once the scenario's driver opens this wave (0: at once)
+    api: str = "completions"                # one of APIS
+    text: str | None = None                 # a chat-shaped API's user message (`ids` its templated ids)
 
 
 class PromptMaker:
@@ -68,6 +75,16 @@ class PromptMaker:
         """`length` token ids of held-out text from a random place (no canary)."""
         start = self.rng.randrange(0, len(self.text_ids) - length - 1)
         return self.text_ids[start:start + length]
+
+    def for_api(self, job: Job, api: str) -> Job:
+        """`job` sent through `api`: a chat-shaped one sends its prompt's text (canary first) as the
+        one user message, and `ids` become that conversation's ids as the gateway renders them."""
+        if api not in APIS:
+            raise ValueError(f"unknown api {api!r}: one of {APIS}")
+        if api in ("completions", "echo"):
+            return replace(job, api=api)
+        text = self.tok.decode(job.ids)
+        return replace(job, api=api, text=text, ids=self.tok.encode_chat([{"role": "user", "content": text}]))
 
     def again(self, job: Job) -> Job:
         """The same request (prompt, canary, tenant, behaviour) under a new index."""

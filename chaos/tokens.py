@@ -1,11 +1,13 @@
 """The control_tokens hostile tenant (issue 41): chat requests whose every message (system,
 user, assistant, tool, content parts) carries the text of every special token of the shipped
-tokenizer and a forged system turn, and a /v1/completions prompt string that does the same,
-while the other tenants' requests run.
+tokenizer and a forged system turn, the same through the Responses API (instructions and input)
+and the Messages API (system and a user block), and a /v1/completions prompt string that does
+the same, while the other tenants' requests run.
 
 Judged from outside, as a client sees it: each request completes (or is refused 400 naming the
 control token's text), and its `usage.prompt_tokens` is the length of the prompt with that text
-encoded as text (`Tokenizer.encode_chat`, `encode_plain`), never the shorter length the control
+encoded as text (`Tokenizer.encode_chat`, `encode_plain`; the Messages API's input_tokens plus its
+cache reads), never the shorter length the control
 ids would give (each control id stands for several text tokens, so a single forged one shows).
 The victims' outputs are judged by the oracles every hostile row shares.
 """
@@ -74,6 +76,16 @@ def injections(tok: Tokenizer, model: str) -> list[Injection]:
         out.append(Injection(f"chat {what}", "/v1/chat/completions",
                              {"model": model, "messages": messages, "max_tokens": 8, "temperature": 0},
                              len(tok.encode_chat(flat)), len(tok.encode(tok.apply_chat_template(flat)))))
+    # the same text through the Responses and Messages APIs: instructions / system, and the user turn
+    flat = [{"role": "system", "content": payload}, {"role": "user", "content": f"Say hello. {payload}"}]
+    lengths = len(tok.encode_chat(flat)), len(tok.encode(tok.apply_chat_template(flat)))
+    out.append(Injection("responses instructions and input", "/v1/responses",
+                         {"model": model, "instructions": payload, "input": f"Say hello. {payload}",
+                          "max_output_tokens": 8, "temperature": 0}, *lengths))
+    block = {"type": "text", "text": f"Say hello. {payload}"}
+    out.append(Injection("messages system and user", "/v1/messages",
+                         {"model": model, "system": payload, "max_tokens": 8, "temperature": 0,
+                          "messages": [{"role": "user", "content": [block]}]}, *lengths))
     prompt = f"Once upon a time {payload}"
     out.append(Injection("completion prompt", "/v1/completions",
                          {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0},
@@ -113,9 +125,7 @@ async def send(url: str, key: str, inj: Injection, timeout_s: float = REQUEST_TI
             body = json.loads(b"".join([c async for c in chunks]))
         out.ended = "answered"
         out.message = str((body.get("error") or {}).get("message") or "")
-        out.prompt_tokens = (body.get("usage") or {}).get("prompt_tokens")
-        choice = (body.get("choices") or [{}])[0]
-        out.text = choice.get("text") or (choice.get("message") or {}).get("content") or ""
+        out.prompt_tokens, out.text = _prompt_tokens(body), _text(body)
     except TimeoutError:
         out.ended = "timeout"
     except (OSError, ValueError, IndexError, AttributeError, asyncio.IncompleteReadError) as e:
@@ -124,6 +134,26 @@ async def send(url: str, key: str, inj: Injection, timeout_s: float = REQUEST_TI
         if writer is not None:
             writer.close()
     return out
+
+
+def _prompt_tokens(body: dict[str, Any]) -> int | None:
+    """The prompt's length as the answer's usage states it: OpenAI's prompt_tokens, the Responses
+    API's input_tokens, or the Messages API's input_tokens plus the cache reads it leaves out."""
+    usage = body.get("usage") or {}
+    count = usage.get("prompt_tokens", usage.get("input_tokens"))
+    if isinstance(count, int) and isinstance(usage.get("cache_read_input_tokens"), int):
+        count += usage["cache_read_input_tokens"]
+    return count if isinstance(count, int) else None
+
+
+def _text(body: dict[str, Any]) -> str:
+    """What the answer says, in any of the four shapes (for the canary oracle)."""
+    choice = (body.get("choices") or [{}])[0]
+    text = choice.get("text") or (choice.get("message") or {}).get("content") or ""
+    parts = [p for item in body.get("output") or () if isinstance(item, dict)
+             for p in item.get("content") or () if isinstance(p, dict)]
+    parts += [b for b in body.get("content") or () if isinstance(b, dict)]
+    return text + "".join(str(p.get("text") or "") for p in parts)
 
 
 class ControlTokenInjection(HostileAttack):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from chaos.client import Outcome
-from chaos.prompts import VICTIMS, Job, PromptMaker
+from chaos.prompts import APIS, VICTIMS, Job, PromptMaker
 
 if TYPE_CHECKING:
     from chaos.ledger import Logged
@@ -81,10 +81,12 @@ class OnePhase(ABC):
 
 @dataclass(frozen=True)
 class Mixed(OnePhase):
-    """Ordinary requests, half of them streamed."""
+    """Ordinary requests, half of them streamed, a quarter echoing their prompt (its logprobs
+    computed on the prefill side and awaited by the gateway before the first token)."""
 
     def job(self, maker: PromptMaker, scenario: str, length: int, max_tokens: int, limit: int, wave: int) -> Job:
-        return maker.job(scenario, length, max_tokens, stream=maker.rng.random() < 0.5)
+        job = maker.job(scenario, length, max_tokens, stream=maker.rng.random() < 0.5)
+        return maker.for_api(job, "echo") if maker.rng.random() < 0.25 else job
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,9 @@ class Streams(OnePhase):
 
 @dataclass(frozen=True)
 class Victims(OnePhase):
-    """The other tenants' streamed requests (for their TTFT), sent twice: alone first (the
-    baseline), then beside the scenario's hostile tenant."""
+    """The other tenants' streamed requests (for their TTFT), through each API in turn
+    (chaos/prompts.py APIS), sent twice: alone first (the baseline), then beside the scenario's
+    hostile tenant."""
 
     def count(self, n: int) -> int:
         return 2 * n
@@ -113,7 +116,8 @@ class Victims(OnePhase):
 
     def job(self, maker: PromptMaker, scenario: str, length: int, max_tokens: int, limit: int, wave: int) -> Job:
         job = maker.job(scenario, length, max_tokens)
-        return replace(job, tenant=VICTIMS[job.index % len(VICTIMS)])
+        # through every API in turn, so each meets the hostile tenant
+        return maker.for_api(replace(job, tenant=VICTIMS[job.index % len(VICTIMS)]), APIS[job.index % len(APIS)])
 
 
 @dataclass(frozen=True)

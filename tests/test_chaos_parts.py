@@ -189,6 +189,9 @@ def test_the_oracles_catch_wrong_tokens_and_foreign_canaries():
 
         def logprobs(self, ids, max_tokens):
             return [{7: -0.1, 6: -2.0}, {8: -0.1, 6: -2.0}, {9: -0.1, 6: -2.0}][len(ids) - 2:]
+
+        def text(self, ids, max_tokens):
+            return "seven eight nine"
     jobs = [Job(i, "x", "acme", f"canary {i:010x}", [1, 2], 3) for i in range(5)]
     outs = [Outcome(jobs[0], "ok", token_ids=[7, 8, 9], text="fine canary 0000000000"),   # its own canary
             Outcome(jobs[1], "ok", token_ids=[7, 8, 6]),                                  # wrong last token
@@ -200,6 +203,14 @@ def test_the_oracles_catch_wrong_tokens_and_foreign_canaries():
     assert (r.corrupted, r.leaks) == (2, 1)
     assert any("request 1 (ok)" in v for v in r.violations) and any("request 3 (error)" in v for v in r.violations)
     assert any("carries the canary of request 2" in v for v in r.violations)
+    # answers without token ids (the Responses and Messages APIs) are judged by their text
+    texts = [Job(i, "x", "acme", f"canary {i:010x}", [1, 2], 3, api="messages", text="t") for i in range(10, 14)]
+    outs = [Outcome(texts[0], "ok", text="seven eight nine"), Outcome(texts[1], "ok", text="seven eight"),
+            Outcome(texts[2], "error", text="seven eig"), Outcome(texts[3], "aborted", text="six")]
+    r = ScenarioResult("x", "hostile", "", outcomes=outs)
+    judge([r], Ref())
+    assert r.corrupted == 2 and any("request 11 (messages, ok)" in v for v in r.violations)
+    assert any("request 13 (messages, aborted)" in v for v in r.violations)
 
 
 def test_expert_guard_recomputes_when_a_slot_flips_during_the_compute(monkeypatch):

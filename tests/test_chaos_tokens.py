@@ -25,7 +25,9 @@ INJ = Injection("chat user", "/v1/chat/completions", {}, as_text=40, forged=20)
 def test_every_injection_carries_every_special_token_and_can_be_told_apart():
     got = injections(TOK, "tiny-moe")
     assert {i.what for i in got} == {"chat system", "chat user", "chat assistant", "chat tool", "chat parts",
+                                     "responses instructions and input", "messages system and user",
                                      "completion prompt"}
+    assert {i.path for i in got} == {"/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/completions"}
     for inj in got:
         body = json.dumps(inj.body)
         assert all(json.dumps(a.content)[1:-1] in body for a in TOK.backend.get_added_tokens_decoder().values())
