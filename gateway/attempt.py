@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any
 
 import grpc
 
 from engine.errors import ErrorCode
-from engine.params import SamplingParams
 from gateway.choice import Choice
 from gateway.errors import ForwardError, Next, call_error, policy
 from gateway.outcome import Broken, Failed, Finished, Outcome, Retry
@@ -44,7 +42,7 @@ class Attempt:
         order = GenerateOrder(
             request_id=f"{route.choice_id(choice)}.{choice.attempts}", tenant=route.tenant,
             prompt_token_ids=tuple(choice.prompt_ids), generated_token_ids=tuple(choice.token_ids),
-            params=_attempt_params(choice), cache_salt=choice.prompt.cache_salt, timeout_s=timeout_s)
+            params=choice.attempt_params(), cache_salt=choice.prompt.cache_salt, timeout_s=timeout_s)
         self.order = order if choice.seed is None else order.with_seed(choice.seed)
         self.streamed = False                    # a token arrived: the transfer committed, prefill is done
         self.prefill_error: ForwardError | None = None
@@ -287,15 +285,6 @@ class Attempt:
             self.exclude.add(prefill.address)
             self.choice.leaving.add(prefill.address)
         return err
-
-
-def _attempt_params(choice: Choice) -> SamplingParams:
-    """The choice's params for its next attempt: without prompt logprobs once an earlier attempt
-    brought them (a migration computes only what it must)."""
-    p = choice.params
-    if p.prompt_logprobs is None or choice.awaits_prompt_logprobs or p.prefill_only:
-        return p
-    return replace(p, prompt_logprobs=None)
 
 
 def cancelling() -> bool:

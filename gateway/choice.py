@@ -11,7 +11,7 @@ gateway/streaming.py) reads them.  Token ids are kept here only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from engine.params import SamplingParams
@@ -73,6 +73,14 @@ class Choice:
     def awaits_prompt_logprobs(self) -> bool:
         """It asked for prompt logprobs and has not got them yet."""
         return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
+
+    def attempt_params(self) -> SamplingParams:
+        """Its params for its next attempt: without prompt logprobs once an earlier attempt
+        brought them (a migration computes only what it must)."""
+        p = self.params
+        if p.prompt_logprobs is None or self.awaits_prompt_logprobs or p.prefill_only:
+            return p
+        return replace(p, prompt_logprobs=None)
 
     def keep_prompt_logprobs(self, entries: wpb.PromptLogprobs) -> None:
         """The prompt logprobs one attempt's prefill computed (the first that came are kept)."""

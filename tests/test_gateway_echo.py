@@ -119,3 +119,14 @@ def test_chat_refuses_echo_and_prompt_logprobs(gateway):
                                                                  "messages": [{"role": "user", "content": "hi"}],
                                                                  **extra})
         assert status == 400 and "/v1/completions only" in got["error"]["message"], got
+
+
+def test_a_migrated_choice_does_not_ask_for_the_prompt_logprobs_again():
+    from gateway.choice import Choice
+    from proto import worker_pb2 as wpb
+    c = Choice(0, [5, 6, 7], SamplingParams(max_tokens=4, prompt_logprobs=2))
+    assert c.awaits_prompt_logprobs and c.attempt_params().prompt_logprobs == 2
+    c.keep_prompt_logprobs(wpb.PromptLogprobs(logprobs=[wpb.PromptLogprob(token_id=6), wpb.PromptLogprob(token_id=7)]))
+    assert not c.awaits_prompt_logprobs and c.attempt_params().prompt_logprobs is None
+    c.keep_prompt_logprobs(wpb.PromptLogprobs())              # a later attempt's: the first ones stay
+    assert [e.token_id for e in c.prompt_logprobs or []] == [6, 7]
