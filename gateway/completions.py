@@ -179,6 +179,7 @@ class CompletionHandler(RequestPlanner):
         m.requests.labels(status).inc()
         m.prompt_tokens.inc(prompt_tokens(choices))
         m.generated.inc(sum(len(c.token_ids) for c in choices))
+        m.prompt_logprobs.inc(sum(len(e.top) + 1 for c in choices for e in c.prompt_logprobs or ()))
 
     def _error_body(self, err: ForwardError, rid: str) -> dict[str, Any]:
         """The client's view of a failed request, as a response or a stream's last event: its

@@ -37,6 +37,8 @@ class Metrics:
         self.running = Gauge("tandem_running_requests", "Requests forwarded to workers", registry=r)
         self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of completed requests", registry=r)
         self.generated = Counter("tandem_generation_tokens", "Generated tokens", registry=r)
+        self.prompt_logprobs = Counter("tandem_prompt_logprob_entries", "Prompt logprob entries returned (each "
+                                       "prompt token's, and each alternative of it)", registry=r)
         labels = ["worker", "role"]
         self.kv_used = Gauge("tandem_worker_kv_used_tokens", "KV tokens in use", labels, registry=r)
         self.kv_capacity = Gauge("tandem_worker_kv_capacity_tokens", "KV capacity in tokens", labels, registry=r)

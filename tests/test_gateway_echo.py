@@ -75,6 +75,8 @@ def test_max_tokens_0_echoes_the_prompt_only(gateway, shipped_llm):
     assert all(abs(a.logprob - b) <= EXACT for a, b in zip(ref.prompt_logprobs, lps[1:]))
     plain = complete(gateway, max_tokens=0, echo=True)["choices"][0]        # echo alone
     assert plain["text"] == PROMPT and plain["logprobs"] is None
+    metrics = gateway.app.state.gateway.metrics.render().decode()
+    assert "tandem_prompt_logprob_entries_total" in metrics and "tandem_prompt_logprob_entries_total 0.0" not in metrics
 
 
 def test_vllm_prompt_logprobs_and_a_stream(gateway, shipped_llm):
