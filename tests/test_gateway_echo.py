@@ -20,8 +20,8 @@ EXACT = 1e-5
 
 @pytest.fixture(scope="module", params=["split", "colocated"])
 def gateway(request):
-    if request.param == "split":
-        with gateway_cluster(config(), config()) as (gw, _, _):
+    if request.param == "split":      # the prefill worker prefills in chunks of 16 tokens
+        with gateway_cluster(config(), config(max_prefill_tokens=16)) as (gw, _, _):
             yield gw
         return
     worker = start_colocated_worker(config())
