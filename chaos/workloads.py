@@ -92,12 +92,16 @@ class Mixed(OnePhase):
 @dataclass(frozen=True)
 class Streams(OnePhase):
     """Requests of `max_tokens` each (long enough for a driver to act mid-way), three quarters
-    streamed (the rest migrate unseen), sent in `waves` waves."""
+    streamed (the rest migrate unseen), sent in `waves` waves; a quarter echo their prompt and a
+    quarter come through chat completions (both keep token ids, so migrations' near-ties are
+    told apart)."""
     max_tokens: int
     waves: int = 1
 
     def job(self, maker: PromptMaker, scenario: str, length: int, max_tokens: int, limit: int, wave: int) -> Job:
-        return maker.job(scenario, length, self.max_tokens, stream=maker.rng.random() < 0.75, wave=wave)
+        job = maker.job(scenario, length, self.max_tokens, stream=maker.rng.random() < 0.75, wave=wave)
+        # a migrated echo keeps the prompt logprobs its first attempt brought; a chat one is re-templated
+        return maker.for_api(job, maker.rng.choice(("completions", "completions", "echo", "chat")))
 
 
 @dataclass(frozen=True)
