@@ -24,7 +24,8 @@ CATASTROPHIC = r"(?:.|.)+(?!)"      # exponential backtracking: seconds at ~22 c
     ({"stop_token_ids": [2**33]}, "stop_token_ids must be non-negative integers <= 4294967295"),
     ({"seed": 2**64}, r"seed must be an integer in 0\.\.18446744073709551615"),
     ({"seed": -1}, "seed must be an integer in 0"),
-    ({"max_tokens": 2**32}, "max_tokens must be an integer >= 1 and <= 4294967295"),
+    ({"max_tokens": 2**32}, r"max_tokens must be an integer >= 1 \(0 only with prompt_logprobs: prefill only\) and "
+                            "<= 4294967295"),
     ({"max_tokens": True}, "max_tokens must be an integer"),
     ({"temperature": float("nan")}, "temperature must be >= 0 and finite"),
     ({"temperature": float("inf")}, "temperature must be >= 0 and finite"),
