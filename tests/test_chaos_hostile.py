@@ -9,6 +9,7 @@ import json
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 
 from chaos.attacker import Reply, _parse
 from chaos.bombs import ChunkedBomb, SlowReader
@@ -16,7 +17,7 @@ from chaos.client import Outcome
 from chaos.gauges import Peaks, metric, parse_metrics, percentile, server_sockets
 from chaos.hostile import REDOS, KvHog, judge_redos
 from chaos.oracle import judge
-from chaos.prompts import ATTACKER, VICTIMS, Job
+from chaos.prompts import APIS, ATTACKER, VICTIMS, Job
 from chaos.report import ScenarioResult
 from chaos.scenarios import BY_NAME
 from chaos.workloads import Victims
@@ -69,10 +70,13 @@ def test_victims_are_the_other_tenants_and_an_attackers_canary_is_a_leak():
         def job(self, scenario, length, max_tokens, **kw):
             self.n += 1
             return Job(self.n, scenario, "umbrella", f"canary {self.n:010x}", [1] * length, max_tokens, **kw)
-    jobs = Victims().jobs(Maker(), "kv_hog", 9, 512)     # type: ignore[arg-type]
+
+        def for_api(self, job, api):
+            return replace(job, api=api)
+    jobs = Victims().jobs(Maker(), "kv_hog", 10, 512)     # type: ignore[arg-type]
     assert BY_NAME["kv_hog"].workload == Victims() and BY_NAME["kv_hog"].sends(9) == 18   # and again, alone
     assert ATTACKER not in {j.tenant for j in jobs} and {j.tenant for j in jobs} == set(VICTIMS)
-    assert all(j.stream for j in jobs)
+    assert all(j.stream for j in jobs) and {j.api for j in jobs} == set(APIS)        # every API meets the attacker
     r = ScenarioResult("kv_hog", "hostile", "", outcomes=[Outcome(jobs[0], "ok", text=jobs[0].canary)],
                        other_texts=[f"... {jobs[0].canary} ..."])
 
