@@ -94,6 +94,25 @@ def gateway_cluster(decode_config, prefill_config, **gateway):
 
 
 @contextlib.contextmanager
+def colocated_gateway(worker_config, **gateway):
+    """A colocated worker and a ready gateway in front of it; yields (gateway, worker); at the
+    end its pool must be intact and fully free (I6)."""
+    from deploy.colocated import start_colocated_worker
+    from tests.workers import wait_idle
+    worker = start_colocated_worker(worker_config)
+    gw = start_gateway(colocated=[worker.address], **gateway)
+    try:
+        wait_ready(gw.url)
+        yield gw, worker
+    finally:
+        gw.stop()
+        try:
+            wait_idle(worker)
+        finally:
+            worker.stop()
+
+
+@contextlib.contextmanager
 def fake_cluster(**gateway):
     """A ready gateway in front of a scripted decode worker and its prefill peer (FakeWorker);
     yields (gateway, decode)."""

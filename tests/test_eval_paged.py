@@ -9,32 +9,19 @@ from collections.abc import Iterator
 
 import pytest
 
-from deploy.colocated import start_colocated_worker
 from deploy.eval_cli import main
 from engine.experts.slots import ExpertSlots
-from tests.gateway_helpers import API_KEY, start_gateway, wait_ready
-from tests.workers import config, wait_idle
+from tests.gateway_helpers import API_KEY, colocated_gateway
+from tests.workers import config
 
 QUANT = "models/tiny-moe-int4"     # `make install` writes it (deploy.cli quantize)
 
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[tuple[str, str, object]]:
-    paged = start_colocated_worker(config(model=QUANT, paged_experts_num_resident=16, compile=False))
-    full = start_colocated_worker(config(model=QUANT, compile=False))
-    gateways = [start_gateway(colocated=[w.address], model=QUANT) for w in (paged, full)]
-    try:
-        for g in gateways:
-            wait_ready(g.url)
-        yield gateways[0].url + "/v1", gateways[1].url + "/v1", paged
-    finally:
-        for g in gateways:
-            g.stop()
-        try:
-            wait_idle(paged, full)
-        finally:
-            paged.stop()
-            full.stop()
+    with colocated_gateway(config(model=QUANT, paged_experts_num_resident=16, compile=False), model=QUANT) as paged, \
+            colocated_gateway(config(model=QUANT, compile=False), model=QUANT) as full:
+        yield paged[0].url + "/v1", full[0].url + "/v1", paged[1]
 
 
 def evaluate(paged: str, full: str) -> int:

@@ -9,10 +9,9 @@ import json
 
 import pytest
 
-from deploy.colocated import start_colocated_worker
 from engine.params import MAX_PROMPT_LOGPROB_ENTRIES, SamplingParams
-from tests.gateway_helpers import gateway_cluster, post, start_gateway, wait_ready
-from tests.workers import config, wait_idle
+from tests.gateway_helpers import colocated_gateway, gateway_cluster, post
+from tests.workers import config
 
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n"
 EXACT = 1e-5
@@ -24,17 +23,8 @@ def gateway(request):
         with gateway_cluster(config(), config(max_prefill_tokens=16)) as (gw, _, _):
             yield gw
         return
-    worker = start_colocated_worker(config())
-    gw = start_gateway(colocated=[worker.address])
-    try:
-        wait_ready(gw.url)
+    with colocated_gateway(config()) as (gw, _):
         yield gw
-    finally:
-        gw.stop()
-        try:
-            wait_idle(worker)
-        finally:
-            worker.stop()
 
 
 def complete(gw, **body):

@@ -15,9 +15,8 @@ import openai
 import pydantic
 import pytest
 
-from deploy.colocated import start_colocated_worker
-from tests.gateway_helpers import API_KEY, start_gateway, wait_ready
-from tests.workers import config, wait_idle
+from tests.gateway_helpers import API_KEY, colocated_gateway
+from tests.workers import config
 
 MSG = [{"role": "user", "content": "Describe a user as JSON."}]
 SCHEMAS = {
@@ -45,17 +44,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[openai.OpenAI]:
-    worker = start_colocated_worker(config())
-    gw = start_gateway(colocated=[worker.address])
-    try:
-        wait_ready(gw.url)
+    with colocated_gateway(config()) as (gw, _):
         yield openai.OpenAI(base_url=gw.url + "/v1", api_key=API_KEY, max_retries=0)
-    finally:
-        gw.stop()
-        try:
-            wait_idle(worker)
-        finally:
-            worker.stop()
 
 
 def finished(choice) -> str:

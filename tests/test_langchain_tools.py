@@ -18,9 +18,8 @@ import pytest
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
-from deploy.colocated import start_colocated_worker
-from tests.gateway_helpers import API_KEY, start_gateway, wait_ready
-from tests.workers import config, wait_idle
+from tests.gateway_helpers import API_KEY, colocated_gateway
+from tests.workers import config
 
 ASK = "What is the weather in Paris for the next two days?"
 
@@ -39,17 +38,8 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    worker = start_colocated_worker(config(compile=False))
-    gw = start_gateway(colocated=[worker.address])
-    try:
-        wait_ready(gw.url)
+    with colocated_gateway(config(compile=False)) as (gw, _):
         yield gw.url + "/v1"
-    finally:
-        gw.stop()
-        try:
-            wait_idle(worker)
-        finally:
-            worker.stop()
 
 
 def chat(url: str, max_tokens: int) -> ChatOpenAI:
