@@ -221,7 +221,7 @@ class CompletionRequest(_Common):
     best_of: int | None = None
 
     def unsupported(self) -> str | None:
-        if self.max_tokens == 0 and self.prompt_logprobs_n is None and not self.echo:
+        if self.max_tokens == 0 and self.prompt_logprobs_n is None:     # echo alone counts (prompt_logprobs_n)
             return "max_tokens=0 generates nothing: it is accepted with echo=true or prompt_logprobs"
         if self.suffix:
             return "suffix is not supported"
