@@ -105,7 +105,12 @@ def header_bytes(h: pb.FrameHeader) -> bytes:
 
 def frame_checksum(h: pb.FrameHeader, payload_parts: list[Buffer]) -> int:
     """xxh3-64 over the header fields and the payload (given as its parts, in order)."""
-    x = xxhash.xxh3_64(header_bytes(h))
+    return checksum_of(header_bytes(h), payload_parts)
+
+
+def checksum_of(head: bytes, payload_parts: list[Buffer]) -> int:
+    """frame_checksum for a header whose canonical bytes (header_bytes) are already known."""
+    x = xxhash.xxh3_64(head)
     for part in payload_parts:
         x.update(part)
     return x.intdigest()

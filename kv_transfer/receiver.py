@@ -26,7 +26,8 @@ from kv_transfer.frame import (
     SUPPORTED_VERSIONS,
     Buffer,
     check_secret,
-    frame_checksum,
+    checksum_of,
+    header_bytes,
     new_transfer_id,
     ownership_tag,
     tags_equal,
@@ -145,49 +146,58 @@ class TransferReceiver:
 
     def receive(self, h: pb.FrameHeader, payload: Buffer) -> None:
         """Verify one frame and write it into its reserved page.  Raises TransferRefused
-        (having written nothing, and failing the transfer if it was open) on any refusal."""
+        (having written nothing, and failing the transfer if it was open) on any refusal.
+
+        One locked step admits the frame (tag, geometry, a new (page, layers), the page still
+        the reservation's) and claims its (page, layers), so `release` waits for it; the
+        checksum is then verified over the payload where the transport put it, and only a
+        verified payload of a transfer still open is copied into the page (I2).  The frame's
+        canonical header bytes are hashed once and kept with its record for the post-commit
+        re-check."""
         self.hooks.before_receive(h)
         with self._lock:
             res = self._checked(h)
 
-            def well_formed() -> None:
+            def admissible() -> None:
                 res.check_geometry(h, len(payload), self.pool)
                 res.check_uncached(h)
                 res.check_new(h)
-            self._guard(res, well_formed)
+                self._check_page(res, res.pages[h.page_index])
+            self._guard(res, admissible)
+            record = res.claim(h)
         t0 = perf_counter()
-        ok = frame_checksum(h, [payload]) == h.checksum
+        record.head = header_bytes(h)
+        ok = checksum_of(record.head, [payload]) == h.checksum
         self.checksum_s += perf_counter() - t0
-        if not ok:
-            with self._lock:
-                self._guard(res, lambda: self._raise(Refusal.BAD_CHECKSUM, f"frame seq {h.seq} page "
-                                                     f"{h.page_index}: header + payload do not match"))
-        ref = res.pages[h.page_index]
         with self._lock:
-            self._checked(h)
-
-            def still_new() -> None:
-                res.check_new(h)
-                self._check_page(res, ref)
-            self._guard(res, still_new)
-            res.claim(h)
+            try:
+                self._checked(h)              # no other frame failed the transfer meanwhile
+                if not ok:
+                    self._refuse(res, Refusal.BAD_CHECKSUM, f"frame seq {h.seq} page {h.page_index}: "
+                                 f"header + payload do not match")
+            except TransferRefused:
+                self._unclaim(res)
+                raise
         try:
-            if not self.hooks.skip_write(h, lambda: holds_block(self.pool, ref.page, h.layer_start, h.layer_end,
+            if not self.hooks.skip_write(h, lambda: holds_block(self.pool, record.page, h.layer_start, h.layer_end,
                                                                h.num_tokens, payload)):
-                write_payload(self.pool, ref.page, h.layer_start, h.layer_end, h.num_tokens, payload)
+                write_payload(self.pool, record.page, h.layer_start, h.layer_end, h.num_tokens, payload)
         except BaseException as e:
             with self._lock:
-                res.writers -= 1
-                self._lock.notify_all()
+                self._unclaim(res)
                 self._refuse(res, Refusal.TRANSPORT, f"writing frame seq {h.seq} failed: {e!r}")
         with self._lock:
-            res.writers -= 1
+            self._unclaim(res)
             if res.page_complete(h.page_index) and res.state == State.RECEIVING:
-                self.pool.mark_written(res.request_id, [ref.page])
+                self.pool.mark_written(res.request_id, [record.page])
             res.deadline = self._clock() + res.timeout_s
             self.accepted_frames += 1
             self.accepted_bytes += len(payload)
-            self._lock.notify_all()
+
+    def _unclaim(self, res: Reservation) -> None:
+        """A claimed write is over (written or refused): `release` may go on.  Lock held."""
+        res.writers -= 1
+        self._lock.notify_all()
 
     def stream_closed(self, transfer_id: bytes) -> None:
         """A transport's stream ended without `transfer_id`'s commit: fail the transfer.
@@ -211,8 +221,8 @@ class TransferReceiver:
             records = list(res.frames.values())
         t0 = perf_counter()
         bad = [r.header.seq for r in records
-               if frame_checksum(r.header, list[Buffer](block_parts(self.pool, r.page, r.header.layer_start,
-                                                                    r.header.layer_end, r.header.num_tokens)))
+               if checksum_of(r.head, list[Buffer](block_parts(self.pool, r.page, r.header.layer_start,
+                                                               r.header.layer_end, r.header.num_tokens)))
                != r.header.checksum]
         self.checksum_s += perf_counter() - t0
         with self._lock:

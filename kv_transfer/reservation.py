@@ -65,6 +65,7 @@ def prompt_pages(pool: PagePool, request_id: str, prompt_len: int, cached_tokens
 class FrameRecord:
     header: pb.FrameHeader
     page: int                 # physical page in the receiver's pool
+    head: bytes = b""         # kv_transfer.frame.header_bytes(header), hashed again at the re-check
 
 
 @dataclass
@@ -175,12 +176,14 @@ class Reservation:
         if commit_digest([self.frames[s].header.checksum for s in seqs]) != c.digest:
             raise TransferRefused(Refusal.BAD_DIGEST, "digest over frame checksums differs")
 
-    def claim(self, h: pb.FrameHeader) -> None:
-        for layer in range(h.layer_start, h.layer_end):
-            self.layers_done[h.page_index][layer] = 1
-        self.frames[h.seq] = FrameRecord(h, self.pages[h.page_index].page)
+    def claim(self, h: pb.FrameHeader) -> FrameRecord:
+        """Take (page, layers) and the seq for `h` and count a write in flight; returns its record."""
+        done = self.layers_done[h.page_index]
+        done[h.layer_start:h.layer_end] = b"\x01" * (h.layer_end - h.layer_start)
+        record = self.frames[h.seq] = FrameRecord(h, self.pages[h.page_index].page)
         self.writers += 1
         self.state = State.RECEIVING
+        return record
 
     def fail(self, reason: Refusal, detail: str) -> None:
         self.state, self.reason, self.detail = State.FAILED, reason, detail
