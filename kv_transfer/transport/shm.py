@@ -49,7 +49,7 @@ class _Channel:
         except OSError as e:
             self.sock.close()
             raise TransferRefused(Refusal.TRANSPORT, f"shm://{path}: {e}") from e
-        _check_server_uid(self.sock, path)
+        check_server_uid(self.sock, f"shm://{path}")
         self.shm = shared_memory.SharedMemory(name=f"tandem-kv-{secrets.token_hex(16)}", create=True,
                                               size=config.shm_bytes)
         self.ring: torch.Tensor | None = torch.frombuffer(self.shm.buf, dtype=torch.uint8)  # None once closed
@@ -89,7 +89,7 @@ class _Channel:
             pass                       # a payload view is still alive; the mapping goes with it
 
 
-def _check_server_uid(sock: socket.socket, path: str) -> None:
+def check_server_uid(sock: socket.socket, endpoint: str) -> None:
     """Refuse (and close `sock`) unless the listening process runs as this uid or root: the
     segment's name and every header go to it."""
     cred = struct.Struct("3i")
@@ -97,10 +97,10 @@ def _check_server_uid(sock: socket.socket, path: str) -> None:
         _, uid, _ = cred.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, cred.size))
     except OSError as e:
         sock.close()
-        raise TransferRefused(Refusal.TRANSPORT, f"shm://{path}: no peer credentials: {e}") from e
+        raise TransferRefused(Refusal.TRANSPORT, f"{endpoint}: no peer credentials: {e}") from e
     if uid not in (os.getuid(), 0):
         sock.close()
-        raise TransferRefused(Refusal.TRANSPORT, f"shm://{path}: the receiver runs as uid {uid}, "
+        raise TransferRefused(Refusal.TRANSPORT, f"{endpoint}: the receiver runs as uid {uid}, "
                               f"not {os.getuid()}")
 
 

@@ -1,5 +1,5 @@
-"""Length-prefixed protobuf messages over a stream socket (the shared-memory transport's
-control channel).  Never pickle."""
+"""Length-prefixed protobuf messages over a stream socket (the control channel of the
+shared-memory and NIXL transports).  Never pickle."""
 
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ def send_msg(sock: socket.socket, msg: Message) -> None:
     sock.sendall(_LEN.pack(len(body)) + body)
 
 
-def recv_msg(sock: socket.socket, cls: type[M]) -> M | None:
+def recv_msg(sock: socket.socket, cls: type[M], limit: int = MAX_CONTROL_MESSAGE) -> M | None:
     """The next message, or None when the peer closed the connection cleanly."""
     head = _recv_exact(sock, _LEN.size)
     if head is None:
         return None
     (n,) = _LEN.unpack(head)
-    if n > MAX_CONTROL_MESSAGE:
-        raise ConnectionError(f"control message of {n} bytes exceeds the limit {MAX_CONTROL_MESSAGE}")
+    if n > limit:
+        raise ConnectionError(f"control message of {n} bytes exceeds the limit {limit}")
     body = _recv_exact(sock, n)
     if body is None:
         raise ConnectionError("connection closed inside a message")
