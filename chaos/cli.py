@@ -15,6 +15,7 @@ from typing import Any
 from chaos.report import ScenarioResult, table
 from chaos.scenario import Scenario
 from chaos.scenarios import select, split
+from worker.config import TRANSFERS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=None, help="replays a run (default: a fresh one)")
     run.add_argument("--decode-workers", type=int, default=2)
     run.add_argument("--prefill-workers", type=int, default=1)
-    run.add_argument("--transfer", default="grpc", choices=["grpc", "shm"])
+    run.add_argument("--transfer", default="grpc", choices=list(TRANSFERS))
     run.add_argument("--no-expert-guard", action="store_true",
                      help="start the workers without --verify-experts (corrupt_expert should then fail)")
     run.add_argument("--json", action="store_true", help="print the JSON report instead of the table")

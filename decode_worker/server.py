@@ -47,7 +47,11 @@ def transfer_server(config: WorkerConfig, engine: DecodeEngine, auth: Verifier) 
     gRPC one checks every call's credentials with `auth` (over mutual TLS with `config.tls`);
     the shared-memory one is reached
     over a Unix socket in a private (0700) directory on the same node and accepts only peers
-    running as this worker's uid; `stop()` removes the directory."""
+    running as this worker's uid; `stop()` removes the directory.  The NIXL one is reached the
+    same way, its pages written one-sided (kv_transfer/transport/nixl_server.py)."""
+    if config.transfer == "nixl":
+        from kv_transfer.transport.nixl_server import NixlTransferServer
+        return NixlTransferServer(engine.receiver, on_refused=auth.count_refusal)
     if config.transfer == "shm":
         from kv_transfer.transport.shm_server import ShmTransferServer
         return ShmTransferServer(engine.receiver, on_refused=auth.count_refusal)

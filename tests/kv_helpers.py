@@ -130,7 +130,7 @@ def open_transfer(src: PagePool, dst: PagePool, recv: TransferReceiver, server, 
     src.allocate(rid, src.pages_for(prompt_len))
     dst.allocate(rid, dst.pages_for(prompt_len) + 1)
     res = recv.reserve(rid, "acme", prompt_len, digest_of(rid, prompt_len))
-    sender = TransferSender(connect(server.endpoint, res.transfer_id),
+    sender = TransferSender(connect(server.endpoint, res.transfer_id, secret=SECRET),
                             TransferTicket(res.transfer_id, rid, "acme", res.prompt_digest), SECRET, src,
                             src.page_table(rid), prompt_len, hooks=faults)
     return res, sender

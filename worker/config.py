@@ -33,7 +33,7 @@ STEP_DEADLINE_S = 30.0          # a loop iteration longer than this: Health says
 # budget (engine/grammar_check.py) when its EngineConfig sets none: twice the gateway's default
 # compile timeout, so what the gateway passed passes here
 GRAMMAR_CHECK_TIMEOUT_S = 2 * GRAMMAR_COMPILE_TIMEOUT_S
-TRANSFERS = ("grpc", "shm")
+TRANSFERS = ("grpc", "shm", "nixl")
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,8 @@ class WorkerSettings:
     mem_fraction: float | None = option(None, type=float, instead_of="kv_cache_tokens", says_default=True,
                                         help="size the KV pool as this share of free memory, instead of "
                                         "--kv-cache-tokens (default: not used)")
-    transfer: str = option("grpc", choices=TRANSFERS, help="how prefill reaches decode (shm: same node only)")
+    transfer: str = option("grpc", choices=TRANSFERS, help="how prefill reaches decode (shm, nixl: same node "
+                           "only; nixl needs the nixl extra: pip install 'tandem[nixl]')")
     transfer_timeout_s: float = option(TRANSFER_TIMEOUT_S, help="a reservation that receives nothing for this long "
                                        "ends, seconds")
     max_request_timeout_s: float = option(MAX_REQUEST_TIMEOUT_S, help="a Generate's timeout_s is clamped to this")
@@ -70,7 +71,7 @@ class WorkerSettings:
         if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
             raise ValueError(f"mem_fraction={self.mem_fraction} must be in (0, 1)")
         if self.transfer not in TRANSFERS:
-            raise ValueError(f"transfer={self.transfer!r}: choose grpc or shm")
+            raise ValueError(f"transfer={self.transfer!r}: choose one of {', '.join(TRANSFERS)}")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s={self.transfer_timeout_s} must be > 0")
         for name in ("max_request_timeout_s", "step_deadline_s"):

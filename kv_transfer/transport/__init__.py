@@ -3,6 +3,8 @@ a server that feeds a `TransferReceiver` on the receiving side.
 
     local://NAME          in-process (tests, the colocated worker)
     shm://PATH            same node: payloads in shared memory, headers over a Unix socket
+    nixl://PATH           same node: NIXL one-sided writes into the reserved pages, headers
+                          and commit over a Unix socket (the `nixl` extra)
     grpc://HOST:PORT      across nodes: gRPC client streaming
 
 `connect` picks the transport from the endpoint's scheme.
@@ -32,10 +34,13 @@ def connect(endpoint: str, transfer_id: bytes, config: TransportConfig | None = 
     if scheme == "shm":
         from kv_transfer.transport.shm import ShmStream
         return ShmStream(rest, transfer_id, config, sender)
+    if scheme == "nixl":
+        from kv_transfer.transport.nixl import NixlStream
+        return NixlStream(rest, transfer_id, config, sender)
     if scheme == "grpc":
         from kv_transfer.transport.grpc_stream import GrpcStream
         return GrpcStream(rest, transfer_id, config, secret, sender)
-    raise ValueError(f"transfer endpoint {endpoint!r}: scheme must be local://, shm:// or grpc://")
+    raise ValueError(f"transfer endpoint {endpoint!r}: scheme must be local://, shm://, nixl:// or grpc://")
 
 
 __all__ = ["TransportConfig", "connect"]
