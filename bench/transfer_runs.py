@@ -5,6 +5,7 @@ receiving pool must hash as the sender's."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import socket
@@ -16,11 +17,12 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import xxhash
 
 from bench.transfer_shape import KVShape
 from engine.kv_pool import PagePool
 from kv_transfer.frame import new_cluster_secret
-from kv_transfer.pages import read_block
+from kv_transfer.pages import as_bytes, read_block
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.sender import TransferSender, TransferTicket
 from kv_transfer.tls import ClusterCA
@@ -116,14 +118,34 @@ class Peer:
 
 
 def run_memcpy(payload: torch.Tensor, repeats: int, device: str = "cpu") -> list[float]:
-    """Host memcpy of the payload, or on a device a copy from device memory into pinned host memory."""
+    """Host memcpy of the payload on one thread (as a receiver copies), or on a device a copy
+    from device memory into pinned host memory."""
     a = payload.to(device)
     b = torch.empty(a.numel(), dtype=torch.uint8, pin_memory=a.is_cuda)
     b.copy_(a)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    times: list[float] = []
+    try:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            b.copy_(a)          # synchronous for a device source
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return times
+
+
+def run_checksum(payload: torch.Tensor, shape: KVShape, repeats: int) -> list[float]:
+    """xxh3-64 over the payload, frame by frame as the sender hashes it (without the header)."""
+    view = as_bytes(payload)
+    bounds = list(itertools.accumulate((shape.frame_nbytes(l0, l1, n) for l0, l1, _, n in shape.frames()),
+                                       initial=0))
     times: list[float] = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        b.copy_(a)          # synchronous for a device source
+        for start, end in itertools.pairwise(bounds):
+            xxhash.xxh3_64_intdigest(view[start:end])
         times.append(time.perf_counter() - t0)
     return times
 
