@@ -2,14 +2,18 @@
 memcpy, a raw loopback TCP socket and the checksum's rate, all measured in the same run.
 
     python -m bench.transfer [--json] [--repeats 7] [--message-kib 1024] [--device cuda]
+                             [--geometry qwen3-30b-a3b --tokens 8192]
 
-The shape (bench/transfer_shape.py) is a large model's cache: 32 layers, 8 KV heads, head
-dim 128, bf16, 16-token pages, 512 prompt tokens = 64 MiB.  Frames carry 4 layers of one
-page, sent layer group by layer group as prefill would produce them.  `local` runs in this
-process; `shm`, `grpc` and `tcp` cross to a second process (bench/transfer_peer.py), one at a
-time.  A transfer's time runs from opening the stream to the commit's acknowledgement, and its
-bytes are checked: the receiver's pages must hash as the sender's.  Each figure is the median
-of --repeats.
+The shape (bench/transfer_shape.py) is by default a large model's cache: 32 layers, 8 KV
+heads, head dim 128, bf16, 16-token pages, 512 prompt tokens = 64 MiB.  --geometry NAME takes
+the layers, KV heads and head dim of models/published/NAME/config.json instead (bf16, 16-token
+pages; MLA models are refused) for a prompt of --tokens, and adds `<t>_wire_s`: the median
+seconds of one whole transfer through each transport, the wire time of that prompt's KV.
+Frames carry 4 layers of one page, sent layer group by layer group as prefill would produce
+them.  `local` runs in this process; `shm`, `grpc` and `tcp` cross to a second process
+(bench/transfer_peer.py), one at a time.  A transfer's time runs from opening the stream to
+the commit's acknowledgement, and its bytes are checked: the receiver's pages must hash as
+the sender's.  Each figure is the median of --repeats (7, or 3 with --geometry).
 
 grpc_gbps is gRPC over one stream, grpc4_gbps over four (TransportConfig(streams=4), each on
 its own connection); grpc4_vs_grpc1 is their ratio.  grpc_tls_gbps: one stream over mutual TLS
@@ -96,7 +100,7 @@ PASSES: dict[str, dict[str, Any]] = {   # what each transport does to every payl
     "grpc_tls": {"sender": [*_GRPC_SEND[:-1], "TLS: encrypt", _GRPC_SEND[-1]],
                  "receiver": [_GRPC_RECV[0], "TLS: decrypt", *_GRPC_RECV[1:]]},
 }
-UNITS = {"*_gbps": "GB/s (1e9 bytes/s)", "payload_mib": "MiB (2^20 bytes)",
+UNITS = {"*_gbps": "GB/s (1e9 bytes/s)", "*_wire_s": "seconds", "payload_mib": "MiB (2^20 bytes)",
          "kib_per_token, frame_kib": "KiB (2^10 bytes)",
          "*_checksum_share, checksum_overhead*": "share of one transfer's wall time",
          "*_vs_*, shm_bound_vs_memcpy": "ratio of two rates"}
@@ -111,8 +115,9 @@ def machine() -> dict[str, Any]:
 
 
 def measure(device: str, repeats: int, config: TransportConfig, extras: bool = True,
-            shape: KVShape = KVShape()) -> dict[str, Any]:
-    """Every figure of the module doc for `shape` (`extras`: raw TCP and gRPC over TLS too)."""
+            shape: KVShape = KVShape(), geometry: str | None = None) -> dict[str, Any]:
+    """Every figure of the module doc for `shape` (`extras`: raw TCP and gRPC over TLS too;
+    `geometry`: the published model it was read from, and then the wire times)."""
     src = Source.build(shape, device)
     payload = src.payload()                          # [payload_bytes] uint8, frame after frame
     seconds = {"memcpy": run_memcpy(payload, repeats, device)}
@@ -130,7 +135,7 @@ def measure(device: str, repeats: int, config: TransportConfig, extras: bool = T
         transfers["grpc_tls"] = run_grpc_tls(src, one, repeats)
     seconds.update((name, t.seconds) for name, t in transfers.items())
     r: dict[str, Any] = {
-        "payload_mib": shape.payload_bytes / 2**20, "shape": dataclasses.asdict(shape),
+        "payload_mib": shape.payload_bytes / 2**20, "shape": dataclasses.asdict(shape), "geometry": geometry,
         "kib_per_token": shape.bytes_per_token / 1024, "frames": sum(1 for _ in shape.frames()),
         "frame_kib": max(shape.frame_nbytes(l0, l1, n) for l0, l1, _, n in shape.frames()) / 1024,
         "units": UNITS, "device": device, "machine": machine(), "message_kib": config.message_bytes >> 10,
@@ -139,6 +144,9 @@ def measure(device: str, repeats: int, config: TransportConfig, extras: bool = T
     r.update(checksum_shares(transfers))
     r["passes"] = PASSES
     r.update(shm_bound(r))
+    if geometry is not None:
+        r.update({f"{name}_wire_s": statistics.median(seconds[name]) for name in ("tcp", *transfers)
+                  if name in seconds})
     return r
 
 
@@ -174,13 +182,20 @@ def shm_bound(r: dict[str, Any]) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=None, help="transfers per figure (7, or 3 with --geometry)")
     ap.add_argument("--message-kib", type=int, default=TransportConfig.message_bytes >> 10)
     ap.add_argument("--device", default="cpu", help="where the sender's KV pool lives (cpu, cuda)")
+    ap.add_argument("--geometry", help="a published model's KV geometry: models/published/NAME/config.json")
+    ap.add_argument("--tokens", type=int, default=KVShape.tokens, help="prompt tokens (default %(default)s)")
     args = ap.parse_args()
+    try:
+        shape = KVShape.from_published(args.geometry, args.tokens) if args.geometry else KVShape(tokens=args.tokens)
+    except ValueError as e:
+        ap.error(str(e))
+    repeats = args.repeats or (3 if args.geometry else 7)
     torch.set_num_threads(1)
     config = TransportConfig(message_bytes=args.message_kib << 10)
-    emit(measure(args.device, args.repeats, config), args.json)
+    emit(measure(args.device, repeats, config, shape=shape, geometry=args.geometry), args.json)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 The default is a large model's cache, 64 MiB of it: 32 layers x 8 KV heads x head dim 128,
 bf16, 16-token pages: 2 MiB per page across all layers, so 64 MiB is a 512-token prompt (32
-pages).  Frames carry
+pages).  `KVShape.from_published(name, tokens)` takes the geometry of a published model
+instead (models/published/NAME/config.json, read as the engine reads it).  Frames carry
 `LAYER_GROUP` layers of one page (256 KiB by default), sent layer group by layer group as
 prefill would produce them.
 """
@@ -13,15 +14,18 @@ import dataclasses
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import xxhash
 
+from engine.config import ModelConfig
 from engine.kv_pool import PagePool
 from kv_transfer.frame import prompt_digest
 from kv_transfer.pages import DTYPES, block_parts
 
 LAYER_GROUP = 4
+PUBLISHED = Path(__file__).resolve().parents[1] / "models" / "published"
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,23 @@ class KVShape:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
+
+    @classmethod
+    def from_published(cls, name: str, tokens: int) -> KVShape:
+        """The KV geometry of models/published/NAME/config.json (bf16, 16-token pages), for a
+        prompt of `tokens`.  Raises ValueError for an unknown name or an MLA model."""
+        path = PUBLISHED / name
+        if not (path / "config.json").is_file():
+            known = sorted(p.name for p in PUBLISHED.iterdir() if (p / "config.json").is_file())
+            raise ValueError(f"no published config {name!r} (models/published/{name}/config.json); "
+                             f"known: {', '.join(known)}")
+        model = ModelConfig.from_path(path)
+        if model.is_mla:
+            raise ValueError(f"{name}: its attention is MLA (config.json has kv_lora_rank="
+                             f"{model.raw['kv_lora_rank']}), whose pages hold one latent row per token, "
+                             f"not K and V per KV head; bench.transfer moves K and V pages only")
+        return cls(layers=model.num_hidden_layers, kv_heads=model.num_key_value_heads,
+                   head_dim=model.head_dim, tokens=tokens)
 
     @classmethod
     def from_json(cls, text: str) -> KVShape:
