@@ -34,14 +34,16 @@ if TYPE_CHECKING:
     from kv_transfer.transport.shm_server import ShmTransferServer
 
 
-def tcp_sink(nbytes: int) -> int:
+def tcp_sink(buf: bytearray) -> int:
+    """Accept one connection and read len(buf) bytes of it into `buf` (allocated and zeroed by
+    the caller, so no page is faulted in while the transfer is timed); returns the port."""
+    nbytes = len(buf)
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
 
     def run() -> None:
         conn, _ = srv.accept()
-        buf = bytearray(nbytes)
         view, got = memoryview(buf), 0
         while got < nbytes:
             got += conn.recv_into(view[got:got + (1 << 20)])
@@ -74,6 +76,7 @@ def main() -> None:
         server = serve(kind, secret, config, recv, path)
     print(json.dumps({"endpoint": server.endpoint if server else None}), flush=True)
     res: dict[str, Reservation] = {}
+    sink = bytearray()                # raw TCP: one buffer for every sink
     out: dict[str, object]
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -90,7 +93,9 @@ def main() -> None:
             recv.checksum_s = 0.0
             out = {"ok": True}
         elif cmd["cmd"] == "sink":
-            out = {"port": tcp_sink(cmd["nbytes"])}
+            if len(sink) != cmd["nbytes"]:
+                sink = bytearray(cmd["nbytes"])
+            out = {"port": tcp_sink(sink)}
         else:
             break
         print(json.dumps(out), flush=True)
