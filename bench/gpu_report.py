@@ -46,7 +46,8 @@ LINES = {
                         f"{_num(f.get('engine_batch16_tok_s'))} tok/s ({f.get('attention_backend')})",
     "experts": _experts,
     "transfer": lambda f: f"local {_num(f.get('local_gbps'))} shm {_num(f.get('shm_gbps'))} grpc "
-                          f"{_num(f.get('grpc_gbps'))} GB/s, d2h {_num(f.get('memcpy_gbps'))} GB/s",
+                          f"{_num(f.get('grpc_gbps'))} (4 streams {_num(f.get('grpc4_gbps'))}) GB/s, "
+                          f"d2h {_num(f.get('memcpy_gbps'))} GB/s",
 }
 
 

@@ -114,7 +114,7 @@ def experts_speed(device: str, quick: bool) -> Figures:
 
 
 def transfer_speed(device: str, quick: bool) -> Figures:
-    """`bench.transfer --device`: 64 MiB from a pool on `device` through local, shm and gRPC."""
+    """`bench.transfer --device`: 64 MiB from a pool on `device` through local, shm and gRPC (1 and 4 streams)."""
     from bench.transfer import measure
     from kv_transfer.transport import TransportConfig
     return measure(device, 1 if small(device, quick) else 3, TransportConfig(), extras=False)

@@ -1,220 +1,202 @@
-"""KV transfer throughput: one 64 MiB transfer through each transport, against raw memcpy
-and a raw loopback TCP socket measured in the same run.
+"""KV transfer throughput: one transfer of a prompt's KV through each transport, against raw
+memcpy, a raw loopback TCP socket and the checksum's rate, all measured in the same run.
 
-    python -m bench.transfer [--json] [--repeats 7] [--streams 1] [--message-kib 1024] [--device cuda]
+    python -m bench.transfer [--json] [--repeats 7] [--message-kib 1024] [--device cuda]
+                             [--geometry qwen3-30b-a3b --tokens 8192]
 
-The shape is a large model's cache (bench/transfer_shape.py: 32 layers, 8 KV heads, head
-dim 128, bf16, 16-token pages, 512 prompt tokens = 64 MiB), sent in frames of 4 layers of
-one page as prefill would produce them.  `local` runs in this process; `shm`, `grpc` and
-`tcp` cross to a second process (bench/transfer_peer.py).  A transfer's time runs from
-opening the stream to the commit's acknowledgement, and its bytes are checked: the
-receiver's pages must hash as the sender's.  Each figure is the median of `--repeats`.
+The shape (bench/transfer_shape.py) is by default a large model's cache: 32 layers, 8 KV
+heads, head dim 128, bf16, 16-token pages, 512 prompt tokens = 64 MiB.  --geometry NAME takes
+the layers, KV heads and head dim of models/published/NAME/config.json instead (bf16, 16-token
+pages; MLA models are refused) for a prompt of --tokens, and adds `<t>_wire_s`: the median
+seconds of one whole transfer through each transport, the wire time of that prompt's KV.
+Frames carry 4 layers of one page, sent layer group by layer group as prefill would produce
+them.  `local` runs in this process; `shm`, `grpc` and `tcp` cross to a second process
+(bench/transfer_peer.py), one at a time.  A transfer's time runs from opening the stream to
+the commit's acknowledgement, and its bytes are checked: the receiver's pages must hash as
+the sender's.  Each figure is the median of --repeats (7, or 3 with --geometry).
+
+grpc_gbps is gRPC over one stream, grpc4_gbps over four (TransportConfig(streams=4), each on
+its own connection); grpc4_vs_grpc1 is their ratio.  grpc_tls_gbps: one stream over mutual TLS
+(both sides holding certificates of one cluster CA, as `tandem serve` runs across nodes);
+grpc_tls_vs_grpc is its rate over plaintext gRPC's.
+
+Checksums.  checksum_gbps is xxh3-64 (the frame checksum) over the payload on one core, frame
+by frame as the sender produces and hashes them.  <t>_checksum_share: the seconds the sender
+spent on checksums and the tag plus the seconds the receiver spent verifying frames and
+re-checksumming the destination pages, over the transfer's wall time.  For `local` one thread
+does both; across processes the two sides run at once, so the sum counts time that overlaps.
+checksum_overhead (and its _sender and _receiver halves) is gRPC's share, as earlier runs
+reported it.
+
+The bound.  `passes` lists the passes each transport makes over the payload bytes.  memcpy
+reads and writes each byte once.  An shm receiver serves a transfer on one thread and must make
+three passes, each required by the protocol: verify the frame's checksum where it lies in the
+shared ring, copy it into the pool, and after the commit checksum the destination pages again.
+The sender's gather and hash run at the same time on another core, and cost the receiver nothing
+while they keep ahead of it.  With
+
+    t_copy = nbytes / memcpy rate          t_hash = nbytes / checksum_gbps
+
+the receiving core spends at least t_copy + 2 t_hash on one transfer (its copy, a strided
+write into pages, is no faster than memcpy), so
+
+    shm_vs_memcpy = t_copy / t_shm  <=  t_copy / (t_copy + 2 t_hash)  =  shm_bound_vs_memcpy
+
+and shm_vs_bound is the share of that bound shm reaches.  (The verify reads the ring from the
+last-level cache, where xxh3 may run faster than checksum_gbps's pass over the payload in
+memory: the bound is, if anything, a little low.)
 
 --device cuda: the sender's pool (and the `local` receiver's) lives on the GPU, so every frame
 is staged through pinned host memory; `memcpy_gbps` is then the device-to-pinned-host copy of
-the payload.  The receiving processes keep their pools in host memory.
-
-grpc_tls_gbps: the same gRPC transfer over mutual TLS (both sides holding certificates of one
-cluster CA, as `tandem serve` runs across nodes); grpc_tls_vs_grpc is its rate over plaintext
-gRPC's, both measured in this run.
-
-checksum_overhead: time spent on checksums and tags (sender checksums + the receiver's
-verification and post-commit re-checksum, summed although the two processes run at the
-same time) as a share of the gRPC transfer's wall time.  Rates are GB/s (10^9 bytes/s).
+the payload, and `host_memcpy_gbps` the host copy the bound is computed from.  The receiving
+processes keep their pools in host memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import socket
+import platform
 import statistics
-import subprocess
-import sys
-import tempfile
-import time
 from typing import Any
 
 import torch
 
 from bench.report import emit
-from bench.transfer_shape import (
-    LAYER_GROUP,
-    PROMPT_TOKENS,
-    SHAPE,
-    bench_prompt_digest,
-    make_pool,
-    payload_bytes,
-    pool_digest,
+from bench.transfer_runs import (
+    Source,
+    Transfers,
+    run_checksum,
+    run_grpc_tls,
+    run_local,
+    run_memcpy,
+    run_remote,
+    run_shm,
+    run_tcp,
 )
-from engine.kv_pool import PagePool
-from kv_transfer.frame import new_cluster_secret
-from kv_transfer.receiver import TransferReceiver
-from kv_transfer.sender import TransferSender, TransferTicket
-from kv_transfer.tls import ClusterCA
-from kv_transfer.transport import TransportConfig, connect
-from kv_transfer.transport.local import LocalServer
+from bench.transfer_shape import KVShape
+from kv_transfer.transport import TransportConfig
+
+_GATHER = "gather: copy the frame out of the pool's pages"
+_HASH = "hash: xxh3 of the frame"
+_VERIFY = "verify: xxh3 of the frame where the transport left it"
+_WRITE = "write: copy the frame into the pool's pages"
+_RECHECK = "re-check: xxh3 of the destination pages after the commit"
+_GRPC_SEND = [f"{_GATHER}, into a new bytes object", _HASH, "join: copy a message's frames into one bytes object",
+              "gRPC: copy the message into its slices", "kernel: copy into the socket"]
+_GRPC_RECV = ["kernel: copy out of the socket", "gRPC: copy the message's slices into one bytes object",
+              _VERIFY, _WRITE, _RECHECK]
+PASSES: dict[str, dict[str, Any]] = {   # what each transport does to every payload byte, in order
+    "memcpy": {"copy": ["read and write each byte once"]},
+    "local": {"sender": [f"{_GATHER}, into a reused staging buffer", _HASH],
+              "receiver": [f"{_VERIFY} (the staging buffer)", _WRITE, _RECHECK],
+              "threads": "one: the sender's thread runs the receiver"},
+    "shm": {"sender": [f"{_GATHER}, into the shared ring", _HASH],
+            "receiver": [f"{_VERIFY} (the ring, mapped)", _WRITE, _RECHECK],
+            "threads": "one per side, in two processes"},
+    "grpc": {"sender": _GRPC_SEND, "receiver": _GRPC_RECV,
+             "threads": "the sender's, gRPC's own on both sides, the receiver's handler"},
+    "grpc_tls": {"sender": [*_GRPC_SEND[:-1], "TLS: encrypt", _GRPC_SEND[-1]],
+                 "receiver": [_GRPC_RECV[0], "TLS: decrypt", *_GRPC_RECV[1:]]},
+}
+UNITS = {"*_gbps": "GB/s (1e9 bytes/s)", "*_wire_s": "seconds", "payload_mib": "MiB (2^20 bytes)",
+         "kib_per_token, frame_kib": "KiB (2^10 bytes)",
+         "*_checksum_share, checksum_overhead*": "share of one transfer's wall time",
+         "*_vs_*, shm_bound_vs_memcpy": "ratio of two rates"}
 
 
-class Peer:
-    """The receiving process."""
-
-    def __init__(self, kind: str, secret: bytes, config: dict, path: str = "") -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.transfer_peer", kind, secret.hex(),
-                                      json.dumps(config), path], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
-        self.endpoint = self._read()["endpoint"]
-
-    def _read(self) -> dict:
-        assert self.proc.stdout is not None   # stdout=PIPE
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"transfer peer exited with {self.proc.wait()}")
-        return json.loads(line)
-
-    def ask(self, **cmd: object) -> dict:
-        assert self.proc.stdin is not None   # stdin=PIPE
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def stop(self) -> None:
-        assert self.proc.stdin is not None   # stdin=PIPE
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
+def machine() -> dict[str, Any]:
+    model = platform.processor()
+    if not model and os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    return {"cpus": os.cpu_count(), "processor": model or "unknown", "platform": platform.platform()}
 
 
-def push(src: PagePool, secret: bytes, endpoint: str, tid: bytes, rid: str,
-         config: TransportConfig) -> tuple[float, float]:
-    """One whole transfer; returns (seconds, sender checksum seconds)."""
-    t0 = time.perf_counter()
-    stream = connect(endpoint, tid, config, secret=secret)
-    sender = TransferSender(stream, TransferTicket(tid, rid, "bench", bench_prompt_digest()), secret, src,
-                            src.page_table("s"), PROMPT_TOKENS)
-    for l0 in range(0, SHAPE["layers"], LAYER_GROUP):
-        sender.send_layers(l0, l0 + LAYER_GROUP)
-    reply = sender.commit(1, -0.5)
-    dt = time.perf_counter() - t0
-    assert reply.committed, reply
-    return dt, sender.checksum_s
-
-
-def run_memcpy(nbytes: int, repeats: int, device: str = "cpu") -> list[float]:
-    """Host memcpy, or on a device a copy from device memory into pinned host memory."""
-    a = torch.randint(0, 255, (nbytes,), dtype=torch.uint8).to(device)
-    b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=a.is_cuda)
-    b.copy_(a)
-    times: list[float] = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        b.copy_(a)          # synchronous for a device source
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def run_tcp(secret: bytes, nbytes: int, repeats: int) -> list[float]:
-    peer = Peer("tcp", secret, {})
-    data = memoryview(bytearray(os.urandom(1 << 20)) * (nbytes >> 20))
-    times: list[float] = []
-    try:
-        for _ in range(repeats):
-            port = peer.ask(cmd="sink", nbytes=nbytes)["port"]
-            t0 = time.perf_counter()
-            with socket.create_connection(("127.0.0.1", port)) as s:
-                for off in range(0, nbytes, 1 << 20):
-                    s.sendall(data[off:off + (1 << 20)])
-                assert s.recv(1) == b"k"
-            times.append(time.perf_counter() - t0)
-    finally:
-        peer.stop()
-    return times
-
-
-def run_local(src: PagePool, secret: bytes, want: int, config: TransportConfig, repeats: int) -> list[float]:
-    dst = make_pool(seed=2, device=str(src.kv.device))
-    recv = TransferReceiver(dst, secret)
-    server = LocalServer(recv, "bench")
-    times: list[float] = []
-    for i in range(repeats):
-        rid = f"r{i}"
-        dst.allocate(rid, dst.pages_for(PROMPT_TOKENS))
-        res = recv.reserve(rid, "bench", PROMPT_TOKENS, bench_prompt_digest())
-        times.append(push(src, secret, server.endpoint, res.transfer_id, rid, config)[0])
-        assert pool_digest(dst, dst.page_table(rid), PROMPT_TOKENS) == want, "local: bytes differ"
-        recv.release(res.transfer_id)
-        dst.free(rid)
-    server.stop()
-    return times
-
-
-def run_remote(kind: str, src: PagePool, secret: bytes, want: int, config: TransportConfig, repeats: int,
-               path: str = "") -> tuple[list[float], list[tuple[float, float, float]]]:
-    settings = {k: v for k, v in config.__dict__.items() if k != "tls"}      # the TLS identity goes by `path`
-    peer = Peer(kind, secret, settings if kind == "grpc" else {}, path)
-    times: list[float] = []
-    overhead: list[tuple[float, float, float]] = []
-    try:
-        for i in range(repeats):
-            rid = f"r{i}"
-            tid = bytes.fromhex(peer.ask(cmd="reserve", rid=rid, prompt_len=PROMPT_TOKENS)["transfer_id"])
-            dt, send_ck = push(src, secret, peer.endpoint, tid, rid, config)
-            got = peer.ask(cmd="digest", rid=rid)
-            assert got["state"] == "COMMITTED" and got["xxh3"] == want, f"{kind}: bytes differ"
-            times.append(dt)
-            overhead.append(((send_ck + got["checksum_s"]) / dt, send_ck / dt, got["checksum_s"] / dt))
-            peer.ask(cmd="release", rid=rid)
-    finally:
-        peer.stop()
-    return times, overhead
-
-
-def measure(device: str, repeats: int, config: TransportConfig, extras: bool = True) -> dict[str, Any]:
-    """Every rate of the module doc (`extras`: raw TCP and gRPC over TLS too)."""
-    secret = new_cluster_secret()
-    src = make_pool(seed=1, device=device)
-    src.allocate("s", src.pages_for(PROMPT_TOKENS))
-    nbytes = payload_bytes(src)
-    want = pool_digest(src, src.page_table("s"), PROMPT_TOKENS)
-    gbps = lambda times: nbytes / statistics.median(times) / 1e9  # noqa: E731
-    r: dict[str, Any] = {"payload_mib": nbytes / 2**20, "shape": SHAPE, "units": "GB/s (1e9 bytes/s)", "device": device,
-         "streams": config.streams, "message_kib": config.message_bytes >> 10, "repeats": repeats}
-    r["memcpy_gbps"] = gbps(run_memcpy(nbytes, repeats, device))
+def measure(device: str, repeats: int, config: TransportConfig, extras: bool = True,
+            shape: KVShape = KVShape(), geometry: str | None = None) -> dict[str, Any]:
+    """Every figure of the module doc for `shape` (`extras`: raw TCP and gRPC over TLS too;
+    `geometry`: the published model it was read from, and then the wire times)."""
+    src = Source.build(shape, device)
+    payload = src.payload()                          # [payload_bytes] uint8, frame after frame
+    seconds = {"memcpy": run_memcpy(payload, repeats, device)}
+    if device != "cpu":
+        seconds["host_memcpy"] = run_memcpy(payload, repeats)
+    seconds["checksum"] = run_checksum(payload, shape, repeats)
+    del payload
     if extras:
-        r["tcp_gbps"] = gbps(run_tcp(secret, nbytes, repeats))
-    r["local_gbps"] = gbps(run_local(src, secret, want, config, repeats))
-    with tempfile.TemporaryDirectory() as tmp:
-        r["shm_gbps"] = gbps(run_remote("shm", src, secret, want, config, repeats, os.path.join(tmp, "kv.sock"))[0])
-    times, overhead = run_remote("grpc", src, secret, want, config, repeats)
-    r["grpc_gbps"] = gbps(times)
+        seconds["tcp"] = run_tcp(src, repeats)
+    one = dataclasses.replace(config, streams=1)
+    transfers = {"local": run_local(src, one, repeats), "shm": run_shm(src, one, repeats),
+                 "grpc": run_remote("grpc", src, one, repeats),
+                 "grpc4": run_remote("grpc", src, dataclasses.replace(config, streams=4), repeats)}
     if extras:
-        with tempfile.TemporaryDirectory() as tmp:     # certificates of a fresh cluster CA, written 0600
-            ca = ClusterCA()
-            ca.issue("bench-receiver", hosts=["127.0.0.1"]).write(os.path.join(tmp, "receiver"))
-            tls_config = dataclasses.replace(config, tls=ca.issue("bench-sender"))
-            r["grpc_tls_gbps"] = gbps(run_remote("grpc", src, secret, want, tls_config, repeats,
-                                                 os.path.join(tmp, "receiver"))[0])
-        r["grpc_tls_vs_grpc"] = r["grpc_tls_gbps"] / r["grpc_gbps"]
+        transfers["grpc_tls"] = run_grpc_tls(src, one, repeats)
+    seconds.update((name, t.seconds) for name, t in transfers.items())
+    r: dict[str, Any] = {
+        "payload_mib": shape.payload_bytes / 2**20, "shape": dataclasses.asdict(shape), "geometry": geometry,
+        "kib_per_token": shape.bytes_per_token / 1024, "frames": sum(1 for _ in shape.frames()),
+        "frame_kib": max(shape.frame_nbytes(l0, l1, n) for l0, l1, _, n in shape.frames()) / 1024,
+        "units": UNITS, "device": device, "machine": machine(), "message_kib": config.message_bytes >> 10,
+        "repeats": repeats}
+    r.update(rates(shape.payload_bytes, seconds))
+    r.update(checksum_shares(transfers))
+    r["passes"] = PASSES
+    r.update(shm_bound(r))
+    if geometry is not None:
+        r.update({f"{name}_wire_s": statistics.median(seconds[name]) for name in ("tcp", *transfers)
+                  if name in seconds})
+    return r
+
+
+def rates(nbytes: int, seconds: dict[str, list[float]]) -> dict[str, float]:
+    """`<name>_gbps` of every run, and the ratios between them."""
+    r = {f"{name}_gbps": nbytes / statistics.median(times) / 1e9 for name, times in seconds.items()}
+    r["grpc4_vs_grpc1"] = r["grpc4_gbps"] / r["grpc_gbps"]
+    if "tcp_gbps" in r:
         r["grpc_vs_tcp"] = r["grpc_gbps"] / r["tcp_gbps"]
-    r["checksum_overhead"] = statistics.median(o[0] for o in overhead)
-    r["checksum_overhead_sender"] = statistics.median(o[1] for o in overhead)
-    r["checksum_overhead_receiver"] = statistics.median(o[2] for o in overhead)
+    if "grpc_tls_gbps" in r:
+        r["grpc_tls_vs_grpc"] = r["grpc_tls_gbps"] / r["grpc_gbps"]
     r["shm_vs_memcpy"] = r["shm_gbps"] / r["memcpy_gbps"]
     return r
+
+
+def checksum_shares(transfers: dict[str, Transfers]) -> dict[str, float]:
+    r = {f"{name}_checksum_share": t.checksum_share() for name, t in transfers.items()}
+    grpc = transfers["grpc"]
+    r["checksum_overhead"] = r["grpc_checksum_share"]
+    r["checksum_overhead_sender"] = grpc.checksum_share(receiver=False)
+    r["checksum_overhead_receiver"] = grpc.checksum_share(sender=False)
+    return r
+
+
+def shm_bound(r: dict[str, Any]) -> dict[str, float]:
+    """The module doc's bound: per byte, t_copy / (t_copy + 2 t_hash), from this run's rates."""
+    t_copy = 1 / r.get("host_memcpy_gbps", r["memcpy_gbps"])
+    t_hash = 1 / r["checksum_gbps"]
+    bound = t_copy / (t_copy + 2 * t_hash)
+    return {"shm_bound_vs_memcpy": bound, "shm_vs_bound": r["shm_gbps"] * t_copy / bound}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--streams", type=int, default=TransportConfig.streams)
+    ap.add_argument("--repeats", type=int, default=None, help="transfers per figure (7, or 3 with --geometry)")
     ap.add_argument("--message-kib", type=int, default=TransportConfig.message_bytes >> 10)
     ap.add_argument("--device", default="cpu", help="where the sender's KV pool lives (cpu, cuda)")
+    ap.add_argument("--geometry", help="a published model's KV geometry: models/published/NAME/config.json")
+    ap.add_argument("--tokens", type=int, default=KVShape.tokens, help="prompt tokens (default %(default)s)")
     args = ap.parse_args()
+    try:
+        shape = KVShape.from_published(args.geometry, args.tokens) if args.geometry else KVShape(tokens=args.tokens)
+    except ValueError as e:
+        ap.error(str(e))
+    repeats = args.repeats or (3 if args.geometry else 7)
     torch.set_num_threads(1)
-    config = TransportConfig(streams=args.streams, message_bytes=args.message_kib << 10)
-    emit(measure(args.device, args.repeats, config), args.json)
+    config = TransportConfig(message_bytes=args.message_kib << 10)
+    emit(measure(args.device, repeats, config, shape=shape, geometry=args.geometry), args.json)
+
 
 if __name__ == "__main__":
     main()

@@ -1,10 +1,16 @@
 """The receiving process of `bench.transfer`: a pool, a receiver and one server, driven by
 one JSON command per line on stdin, answering one JSON line on stdout.
 
-    {"cmd": "reserve", "rid": "r0", "prompt_len": 512}  -> {"transfer_id": "..."}
-    {"cmd": "digest", "rid": "r0"}                       -> {"xxh3": ..., "checksum_s": ...}
-    {"cmd": "release", "rid": "r0"}                      -> {"ok": true}
-    {"cmd": "sink", "nbytes": N}   (raw TCP)             -> {"port": P}, then reads N bytes once
+    python -m bench.transfer_peer KIND SECRET_HEX CONFIG_JSON SHAPE_JSON [PATH]
+
+KIND is shm, grpc or tcp; CONFIG_JSON the TransportConfig's fields (grpc; without `tls`);
+SHAPE_JSON the KVShape of its pool (shm, grpc); PATH the shm socket, or for grpc the directory
+of a TLS identity (then the server runs mutual TLS).
+
+    {"cmd": "reserve", "rid": "r0"}            -> {"transfer_id": "..."}  (a prompt of shape.tokens)
+    {"cmd": "digest", "rid": "r0"}             -> {"xxh3": ..., "state": ..., "checksum_s": ...}
+    {"cmd": "release", "rid": "r0"}            -> {"ok": true}
+    {"cmd": "sink", "nbytes": N}   (raw TCP)   -> {"port": P}, then reads N bytes once
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from bench.transfer_shape import SHAPE, bench_prompt_digest, make_pool, pool_digest
+from bench.transfer_shape import KVShape
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.reservation import Reservation
 from kv_transfer.tls import TlsIdentity
@@ -28,14 +34,16 @@ if TYPE_CHECKING:
     from kv_transfer.transport.shm_server import ShmTransferServer
 
 
-def tcp_sink(nbytes: int) -> int:
+def tcp_sink(buf: bytearray) -> int:
+    """Accept one connection and read len(buf) bytes of it into `buf` (allocated and zeroed by
+    the caller, so no page is faulted in while the transfer is timed); returns the port."""
+    nbytes = len(buf)
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
 
     def run() -> None:
         conn, _ = srv.accept()
-        buf = bytearray(nbytes)
         view, got = memoryview(buf), 0
         while got < nbytes:
             got += conn.recv_into(view[got:got + (1 << 20)])
@@ -47,45 +55,47 @@ def tcp_sink(nbytes: int) -> int:
     return srv.getsockname()[1]
 
 
-def main() -> None:
-    kind, secret, arg = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3]
-    torch.set_num_threads(1)
-    pool = make_pool(seed=2)
-    recv = TransferReceiver(pool, secret, timeout_s=600)
-    config = None
-    if kind == "grpc":      # with a directory argument: mutual TLS with the identity written there
-        tls = TlsIdentity.load(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[4] else None
-        config = TransportConfig(**json.loads(arg), tls=tls)
-    server: ShmTransferServer | GrpcTransferServer | None
+def serve(kind: str, secret: bytes, config: dict, recv: TransferReceiver,
+          path: str) -> ShmTransferServer | GrpcTransferServer:
     if kind == "shm":
         from kv_transfer.transport.shm_server import ShmTransferServer
-        server = ShmTransferServer(recv, sys.argv[4])
-    elif kind == "grpc":
-        from kv_transfer.transport.grpc_server import GrpcTransferServer
-        server = GrpcTransferServer(recv, config=config, secret=secret)
-    else:
-        server = None
-    print(json.dumps({"endpoint": server.endpoint if server else None, "shape": SHAPE}), flush=True)
+        return ShmTransferServer(recv, path)
+    from kv_transfer.transport.grpc_server import GrpcTransferServer
+    tls = TlsIdentity.load(path) if path else None    # a directory: mutual TLS with the identity there
+    return GrpcTransferServer(recv, config=TransportConfig(**config, tls=tls), secret=secret)
+
+
+def main() -> None:
+    kind, secret, config = sys.argv[1], bytes.fromhex(sys.argv[2]), json.loads(sys.argv[3])
+    shape, path = KVShape.from_json(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else ""
+    torch.set_num_threads(1)
+    server = None
+    if kind != "tcp":                 # the raw socket needs no pool
+        pool = shape.make_pool(seed=2)
+        recv = TransferReceiver(pool, secret, timeout_s=600)
+        server = serve(kind, secret, config, recv, path)
+    print(json.dumps({"endpoint": server.endpoint if server else None}), flush=True)
     res: dict[str, Reservation] = {}
+    sink = bytearray()                # raw TCP: one buffer for every sink
     out: dict[str, object]
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["cmd"] == "reserve":
-            pool.allocate(cmd["rid"], pool.pages_for(cmd["prompt_len"]))
-            res[cmd["rid"]] = recv.reserve(cmd["rid"], "bench", cmd["prompt_len"],
-                                           bench_prompt_digest(cmd["prompt_len"]))
+            pool.allocate(cmd["rid"], shape.prompt_pages)
+            res[cmd["rid"]] = recv.reserve(cmd["rid"], "bench", shape.tokens, shape.bench_prompt_digest())
             out = {"transfer_id": res[cmd["rid"]].transfer_id.hex()}
         elif cmd["cmd"] == "digest":
-            r = res[cmd["rid"]]
-            out = {"xxh3": pool_digest(pool, pool.page_table(cmd["rid"]), r.prompt_len),
-                   "state": r.state.value, "checksum_s": recv.checksum_s}
+            out = {"xxh3": shape.pool_digest(pool, pool.page_table(cmd["rid"])),
+                   "state": res[cmd["rid"]].state.value, "checksum_s": recv.checksum_s}
         elif cmd["cmd"] == "release":
             recv.release(res.pop(cmd["rid"]).transfer_id)
             pool.free(cmd["rid"])
             recv.checksum_s = 0.0
             out = {"ok": True}
         elif cmd["cmd"] == "sink":
-            out = {"port": tcp_sink(cmd["nbytes"])}
+            if len(sink) != cmd["nbytes"]:
+                sink = bytearray(cmd["nbytes"])
+            out = {"port": tcp_sink(sink)}
         else:
             break
         print(json.dumps(out), flush=True)
