@@ -10,7 +10,7 @@ the layers, KV heads and head dim of models/published/NAME/config.json instead (
 pages; MLA models are refused) for a prompt of --tokens, and adds `<t>_wire_s`: the median
 seconds of one whole transfer through each transport, the wire time of that prompt's KV.
 Frames carry 4 layers of one page, sent layer group by layer group as prefill would produce
-them.  `local` runs in this process; `shm`, `grpc` and `tcp` cross to a second process
+them.  `local` runs in this process; `shm`, `nixl`, `grpc` and `tcp` cross to a second process
 (bench/transfer_peer.py), one at a time.  A transfer's time runs from opening the stream to
 the commit's acknowledgement, and its bytes are checked: the receiver's pages must hash as
 the sender's.  Each figure is the median of --repeats (7, or 3 with --geometry).
@@ -18,7 +18,9 @@ the sender's.  Each figure is the median of --repeats (7, or 3 with --geometry).
 grpc_gbps is gRPC over one stream, grpc4_gbps over four (TransportConfig(streams=4), each on
 its own connection); grpc4_vs_grpc1 is their ratio.  grpc_tls_gbps: one stream over mutual TLS
 (both sides holding certificates of one cluster CA, as `tandem serve` runs across nodes);
-grpc_tls_vs_grpc is its rate over plaintext gRPC's.
+grpc_tls_vs_grpc is its rate over plaintext gRPC's.  nixl_gbps: the NIXL transport (one-sided
+writes into the reserved pages over UCX, cross-memory attach on one host), with nixl_vs_memcpy
+and nixl_vs_shm; left out, saying why under "nixl", where the nixl extra cannot run.
 
 Checksums.  checksum_gbps is xxh3-64 (the frame checksum) over the payload on one core, frame
 by frame as the sender produces and hashes them.  <t>_checksum_share: the seconds the sender
@@ -71,12 +73,16 @@ from bench.transfer_runs import (
     run_grpc_tls,
     run_local,
     run_memcpy,
+    run_nixl,
     run_remote,
     run_shm,
     run_tcp,
 )
 from bench.transfer_shape import KVShape
 from kv_transfer.transport import TransportConfig
+from kv_transfer.transport.nixl_agent import unavailable
+
+NO_NIXL = unavailable()      # None where the nixl extra is installed and runs
 
 _GATHER = "gather: copy the frame out of the pool's pages"
 _HASH = "hash: xxh3 of the frame"
@@ -95,6 +101,11 @@ PASSES: dict[str, dict[str, Any]] = {   # what each transport does to every payl
     "shm": {"sender": [f"{_GATHER}, into the shared ring", _HASH],
             "receiver": [f"{_VERIFY} (the ring, mapped)", _WRITE, _RECHECK],
             "threads": "one per side, in two processes"},
+    "nixl": {"sender": [f"{_GATHER}, into a registered staging ring", _HASH,
+                        "NIXL write: UCX copies the ring into the receiver's reserved pages (cma on one host)"],
+             "receiver": ["verify + re-check: xxh3 of each frame where it landed, after the commit "
+                          "(one pass: nothing is copied)"],
+             "threads": "one per side, in two processes; the receiver's verify runs after the last write"},
     "grpc": {"sender": _GRPC_SEND, "receiver": _GRPC_RECV,
              "threads": "the sender's, gRPC's own on both sides, the receiver's handler"},
     "grpc_tls": {"sender": [*_GRPC_SEND[:-1], "TLS: encrypt", _GRPC_SEND[-1]],
@@ -131,6 +142,8 @@ def measure(device: str, repeats: int, config: TransportConfig, extras: bool = T
     transfers = {"local": run_local(src, one, repeats), "shm": run_shm(src, one, repeats),
                  "grpc": run_remote("grpc", src, one, repeats),
                  "grpc4": run_remote("grpc", src, dataclasses.replace(config, streams=4), repeats)}
+    if NO_NIXL is None:
+        transfers["nixl"] = run_nixl(src, one, repeats)
     if extras:
         transfers["grpc_tls"] = run_grpc_tls(src, one, repeats)
     seconds.update((name, t.seconds) for name, t in transfers.items())
@@ -139,7 +152,7 @@ def measure(device: str, repeats: int, config: TransportConfig, extras: bool = T
         "kib_per_token": shape.bytes_per_token / 1024, "frames": sum(1 for _ in shape.frames()),
         "frame_kib": max(shape.frame_nbytes(l0, l1, n) for l0, l1, _, n in shape.frames()) / 1024,
         "units": UNITS, "device": device, "machine": machine(), "message_kib": config.message_bytes >> 10,
-        "repeats": repeats}
+        "repeats": repeats, "nixl": NO_NIXL or "measured"}
     r.update(rates(shape.payload_bytes, seconds))
     r.update(checksum_shares(transfers))
     r["passes"] = PASSES
@@ -159,6 +172,9 @@ def rates(nbytes: int, seconds: dict[str, list[float]]) -> dict[str, float]:
     if "grpc_tls_gbps" in r:
         r["grpc_tls_vs_grpc"] = r["grpc_tls_gbps"] / r["grpc_gbps"]
     r["shm_vs_memcpy"] = r["shm_gbps"] / r["memcpy_gbps"]
+    if "nixl_gbps" in r:
+        r["nixl_vs_memcpy"] = r["nixl_gbps"] / r["memcpy_gbps"]
+        r["nixl_vs_shm"] = r["nixl_gbps"] / r["shm_gbps"]
     return r
 
 

@@ -3,8 +3,8 @@ one JSON command per line on stdin, answering one JSON line on stdout.
 
     python -m bench.transfer_peer KIND SECRET_HEX CONFIG_JSON SHAPE_JSON [PATH]
 
-KIND is shm, grpc or tcp; CONFIG_JSON the TransportConfig's fields (grpc; without `tls`);
-SHAPE_JSON the KVShape of its pool (shm, grpc); PATH the shm socket, or for grpc the directory
+KIND is shm, nixl, grpc or tcp; CONFIG_JSON the TransportConfig's fields (grpc; without `tls`);
+SHAPE_JSON the KVShape of its pool (shm, grpc); PATH the shm or nixl socket, or for grpc the directory
 of a TLS identity (then the server runs mutual TLS).
 
     {"cmd": "reserve", "rid": "r0"}            -> {"transfer_id": "..."}  (a prompt of shape.tokens)
@@ -31,6 +31,7 @@ from kv_transfer.transport.base import TransportConfig
 
 if TYPE_CHECKING:
     from kv_transfer.transport.grpc_server import GrpcTransferServer
+    from kv_transfer.transport.nixl_server import NixlTransferServer
     from kv_transfer.transport.shm_server import ShmTransferServer
 
 
@@ -56,10 +57,13 @@ def tcp_sink(buf: bytearray) -> int:
 
 
 def serve(kind: str, secret: bytes, config: dict, recv: TransferReceiver,
-          path: str) -> ShmTransferServer | GrpcTransferServer:
+          path: str) -> ShmTransferServer | NixlTransferServer | GrpcTransferServer:
     if kind == "shm":
         from kv_transfer.transport.shm_server import ShmTransferServer
         return ShmTransferServer(recv, path)
+    if kind == "nixl":
+        from kv_transfer.transport.nixl_server import NixlTransferServer
+        return NixlTransferServer(recv, path)
     from kv_transfer.transport.grpc_server import GrpcTransferServer
     tls = TlsIdentity.load(path) if path else None    # a directory: mutual TLS with the identity there
     return GrpcTransferServer(recv, config=TransportConfig(**config, tls=tls), secret=secret)

@@ -216,6 +216,11 @@ def run_shm(src: Source, config: TransportConfig, repeats: int) -> Transfers:
         return run_remote("shm", src, config, repeats, os.path.join(tmp, "kv.sock"))
 
 
+def run_nixl(src: Source, config: TransportConfig, repeats: int) -> Transfers:
+    with tempfile.TemporaryDirectory() as tmp:
+        return run_remote("nixl", src, config, repeats, os.path.join(tmp, "kv.sock"))
+
+
 def run_grpc_tls(src: Source, config: TransportConfig, repeats: int) -> Transfers:
     """gRPC over mutual TLS: both sides hold certificates of a fresh cluster CA (written 0600)."""
     with tempfile.TemporaryDirectory() as tmp:

@@ -21,11 +21,12 @@ from typing import Protocol
 import torch
 
 from engine.kv_pool import PagePool
-from kv_transfer.frame import PROTOCOL_VERSION, commit_digest, frame_checksum, ownership_tag
+from kv_transfer.frame import PROTOCOL_VERSION, Buffer, commit_digest, frame_checksum, ownership_tag
 from kv_transfer.hooks import PLAIN_SENDER, SenderHooks
 from kv_transfer.pages import (
     Payload,
     block_nbytes,
+    block_parts,
     block_shape,
     dtype_name,
     payload_view,
@@ -67,6 +68,14 @@ class SenderStream(Protocol):
         """End the stream (without a commit this fails the transfer on the receiver)."""
 
 
+class PoolStream(Protocol):
+    """A stream that can move a frame straight out of the sender's pool (one-sided transports:
+    no staging copy).  TransferSender uses it for a CPU pool and plain hooks."""
+
+    def send_from_pool(self, header: pb.FrameHeader, pool: PagePool, page: int) -> None:
+        """Send kv[header's layers, :, page, :num_tokens] of `pool` as the frame `header`."""
+
+
 class TransferSender:
     def __init__(self, stream: SenderStream, ticket: TransferTicket, secret: bytes, pool: PagePool,
                  page_table: list[int], prompt_len: int, hooks: SenderHooks = PLAIN_SENDER,
@@ -87,6 +96,10 @@ class TransferSender:
         self.checksums: list[int] = []
         self.hooks = hooks
         self._early_commit = False
+        # hooks see (and may change) every payload, so they always get a staged one
+        self._direct: PoolStream | None = stream if (
+            hooks is PLAIN_SENDER and pool.kv.device.type == "cpu"
+            and callable(getattr(stream, "send_from_pool", None))) else None  # type: ignore[assignment]
 
     @property
     def first_page(self) -> int:
@@ -116,6 +129,13 @@ class TransferSender:
             return                   # a hook committed this transfer early
         h = self.header(page_index, l0, l1)
         page, n = self.page_table[page_index], h.num_tokens
+        if self._direct is not None:          # hashed where it lies, sent from there
+            t0 = time.perf_counter()
+            h.checksum = frame_checksum(h, list[Buffer](block_parts(self.pool, page, l0, l1, n)))
+            self.checksum_s += time.perf_counter() - t0
+            self.checksums.append(h.checksum)
+            self._direct.send_from_pool(h, self.pool, page)
+            return
         staged = self.stream.stage(block_nbytes(self.pool, l0, l1, n))
         buf: Payload
         if staged is None:

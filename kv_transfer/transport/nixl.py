@@ -19,12 +19,14 @@ from __future__ import annotations
 import select
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, NoReturn, TypeVar
 
 import torch
 
+from engine.kv_pool import PagePool
 from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.pages import Payload
 from kv_transfer.transport.base import TransportConfig
@@ -35,6 +37,19 @@ from proto import kv_transfer_pb2 as pb
 
 T = TypeVar("T")
 TARGET_LIMIT = 64 << 20      # the largest NixlTarget a receiver may answer (its page table, metadata)
+_POOLS: weakref.WeakKeyDictionary[PagePool, Registration] = weakref.WeakKeyDictionary()
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool_registration(agent: Agent, pool: PagePool) -> Registration:
+    """`pool`'s storage registered with `agent` (once per pool; dropped when the pool goes)."""
+    with _POOLS_LOCK:
+        reg = _POOLS.get(pool)
+        if reg is None:
+            kv = pool.kv
+            reg = _POOLS[pool] = agent.register([(kv.data_ptr(), kv.numel() * kv.element_size())], "DRAM", 0)
+            weakref.finalize(pool, agent.deregister, reg)
+        return reg
 
 
 class _Channel:
@@ -106,7 +121,7 @@ class _Batch:
     frames: list[pb.Frame] = field(default_factory=list)
     local: list[Region] = field(default_factory=list)
     remote: list[Region] = field(default_factory=list)
-    span: tuple[int, int] = (0, 0)      # ring bytes [start, end) its payloads occupy
+    span: tuple[int, int] | None = None   # ring bytes [start, end) its staged payloads occupy
     xfer: Xfer | None = None
 
 
@@ -155,18 +170,39 @@ class NixlStream:
             off = staged.data_ptr() - ring.data_ptr()
         self._head = off + n
         b = self._batch
-        b.span = (off if not b.frames else b.span[0], off + n)
-        b.frames.append(pb.Frame(header=header, payload_offset=off, payload_length=n))
+        b.span = (off if b.span is None else b.span[0], off + n)
+        piece = header.num_tokens * target.token_stride
+        self._add(header, [ring.data_ptr() + off + j * piece for j in range(len(self._pieces(header)))])
+
+    def send_from_pool(self, header: pb.FrameHeader, pool: PagePool, page: int) -> None:
+        """The frame written straight from the sender's pool (registered once, locally: this
+        agent's metadata goes to no peer, so no peer can address it)."""
+        if self.closed:
+            raise TransferRefused(Refusal.TRANSPORT, "stream is closed")
+        if self._target is None:
+            self._expose(header)
+        _pool_registration(self._ch.agent, pool)      # descriptors may now name its bytes
+        kv, item = pool.kv, pool.kv.element_size()
+        base = kv.data_ptr() + page * kv.stride(2) * item
+        ls, cs = kv.stride(0) * item, kv.stride(1) * item
+        self._add(header, [base + layer * ls + c * cs for layer, c in self._pieces(header)])
+
+    def _pieces(self, header: pb.FrameHeader) -> list[tuple[int, int]]:
+        """The frame's contiguous pieces, in payload order: (layer, component)."""
         components = header.shape[1] if len(header.shape) > 1 else 1
+        return [(layer, c) for layer in range(header.layer_start, header.layer_end) for c in range(components)]
+
+    def _add(self, header: pb.FrameHeader, sources: list[int]) -> None:
+        """Batch the frame `header` whose pieces start at `sources` (local addresses)."""
+        target = self._target
+        assert target is not None
+        b = self._batch
+        b.frames.append(pb.Frame(header=header))
         piece = header.num_tokens * target.token_stride
         page = target.pages[header.page_index] if header.page_index < len(target.pages) else 0
-        j = 0
-        for layer in range(header.layer_start, header.layer_end):
-            for c in range(components):
-                b.local.append((ring.data_ptr() + off + j * piece, piece))
-                b.remote.append((target.base + layer * target.layer_stride + c * target.component_stride
-                                 + page * target.page_stride, piece))
-                j += 1
+        dst, ls, cs = target.base + page * target.page_stride, target.layer_stride, target.component_stride
+        b.local.extend((src, piece) for src in sources)
+        b.remote.extend((dst + layer * ls + c * cs, piece) for layer, c in self._pieces(header))
         if len(b.frames) >= self.BATCH:
             self._post()
             self._retire(wait=False)
@@ -236,7 +272,7 @@ class NixlStream:
         """Where n staged bytes fit in the ring without touching a payload still being written
         (or whose headers are not sent yet), or None."""
         size = self._ch.ring.numel()
-        spans = [b.span for b in self._posted if b.frames] + ([self._batch.span] if self._batch.frames else [])
+        spans = [b.span for b in [*self._posted, self._batch] if b.span is not None]
         if not spans:
             return 0
         tail, head = spans[0][0], self._head

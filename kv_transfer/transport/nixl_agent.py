@@ -33,12 +33,18 @@ _MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 
 def _load() -> ModuleType:
     import importlib
+    import logging
     errors = []
     for name in _MODULES:
         try:
-            return importlib.import_module(name)
+            module = importlib.import_module(name)
         except ImportError as e:          # includes a wheel whose libraries fail to load
             errors.append(f"{name}: {e}")
+            continue
+        # NIXL logs INFO lines to stdout (a worker's or a benchmark peer's protocol channel)
+        logging.getLogger(name.split(".")[0]).setLevel(logging.WARNING)
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+        return module
     raise ImportError("the NIXL package is not usable here (pip install 'tandem[nixl]'): " + "; ".join(errors))
 
 
