@@ -15,7 +15,6 @@ from deploy.colocated import start_colocated_worker
 from engine.params import SamplingParams
 from engine.scheduler import Scheduler
 from kv_transfer.reservation import State
-from kv_transfer.transport.nixl_agent import unavailable as nixl_unavailable
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from tests.workers import Result, channel, config, run, start_decode, start_prefill, wait_idle
@@ -28,9 +27,6 @@ TEXTS = ["def add(a, b):\n    return", "import os\n\nfor name in os.listdir(", "
          "The quick brown fox", "# Copyright 2026\n", "x = [i * i for i in range(", "while True:\n",
          "SELECT name FROM users WHERE", "if __name__ == '__main__':\n", "try:\n    value = int("]
 PARAMS = SamplingParams(max_tokens=24, temperature=0, logprobs=2)
-
-
-NO_NIXL = nixl_unavailable()
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +43,7 @@ def reference(shipped_llm, prompts):
     return shipped_llm.generate(prompts, PARAMS)
 
 
-@pytest.mark.parametrize("resident, transfer", [
-    (None, "grpc"), (16, "grpc"), (None, "shm"),
-    pytest.param(None, "nixl", marks=pytest.mark.skipif(NO_NIXL is not None, reason=str(NO_NIXL)))])
+@pytest.mark.parametrize("resident, transfer", [(None, "grpc"), (16, "grpc"), (None, "shm")])
 def test_disaggregated_greedy_equals_the_engine(prompts, reference, resident, transfer):
     cfg = config(paged_experts_num_resident=resident, max_prefill_tokens=128, layer_group=2,
                  transfer=transfer)
