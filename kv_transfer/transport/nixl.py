@@ -30,6 +30,7 @@ from engine.kv_pool import PagePool
 from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.pages import Payload
 from kv_transfer.transport.base import TransportConfig
+from kv_transfer.transport.channels import IdleChannels
 from kv_transfer.transport.nixl_agent import Agent, Region, Registration, Xfer, process_agent
 from kv_transfer.transport.shm import check_server_uid
 from kv_transfer.transport.wire import recv_msg, send_msg
@@ -92,28 +93,12 @@ class _Channel:
             self.agent.deregister(self.reg)
 
 
-_IDLE: dict[tuple[str, int, tuple[int, ...]], list[_Channel]] = {}
-_IDLE_LOCK = threading.Lock()
+_IDLE: IdleChannels[_Channel] = IdleChannels()
 
 
 def close_channels() -> None:
     """Close every idle channel (tests, shutdown)."""
-    with _IDLE_LOCK:
-        for chans in _IDLE.values():
-            for ch in chans:
-                ch.close()
-        _IDLE.clear()
-
-
-def _take(path: str, config: TransportConfig, sender: str) -> _Channel:
-    with _IDLE_LOCK:
-        idle = _IDLE.get((path, config.shm_bytes, tuple(config.versions)), [])
-        while idle:
-            ch = idle.pop()
-            if ch.idle_and_alive():
-                return ch
-            ch.close()
-    return _Channel(path, config, sender)
+    _IDLE.close_all()
 
 
 @dataclass
@@ -129,7 +114,8 @@ class NixlStream:
     BATCH = 8
 
     def __init__(self, path: str, transfer_id: bytes, config: TransportConfig, sender: str = "") -> None:
-        self._ch = _take(path, config, sender)
+        self._ch = _IDLE.take((path, config.shm_bytes, tuple(config.versions)),
+                              lambda: _Channel(path, config, sender))
         self._tid, self._config = transfer_id, config
         self._target: pb.NixlTarget | None = None
         self._peer = ""
@@ -232,8 +218,7 @@ class NixlStream:
             self._reply()
         reply = self._reply()
         self.closed = True
-        with _IDLE_LOCK:
-            _IDLE.setdefault(self._ch.key, []).append(self._ch)
+        _IDLE.give_back(self._ch)       # a clean channel serves the next transfer
         return reply
 
     def close(self) -> None:

@@ -102,13 +102,8 @@ class NixlTransferServer(UnixControlServer):
         exposures: dict[bytes, NixlExposure] = {}
         try:
             first = self._next(conn, exposures)
-            if first is None or first.WhichOneof("kind") != "hello":
-                return
-            try:
-                version = self.receiver.hello(list(first.hello.versions))
-            except TransferRefused as e:
-                send_msg(conn, pb.PushReply(ok=False, reason=Refusal.BAD_VERSION.value, detail=e.detail,
-                                            hello=pb.HelloReply(version=0, reason=e.detail)))
+            version = self._agree(conn, first)
+            if version is None:
                 return
             send_msg(conn, pb.PushReply(ok=True, hello=pb.HelloReply(version=version)))
             while (msg := self._next(conn, exposures)) is not None:

@@ -20,7 +20,6 @@ import secrets
 import select
 import socket
 import struct
-import threading
 from collections import deque
 from multiprocessing import shared_memory
 from typing import Callable, TypeVar
@@ -30,6 +29,7 @@ import torch
 from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.pages import Payload
 from kv_transfer.transport.base import TransportConfig
+from kv_transfer.transport.channels import IdleChannels
 from kv_transfer.transport.wire import recv_msg, send_msg
 from proto import kv_transfer_pb2 as pb
 
@@ -104,41 +104,20 @@ def check_server_uid(sock: socket.socket, endpoint: str) -> None:
                               f"not {os.getuid()}")
 
 
-# (path, ring bytes, versions) -> idle channels
-_IDLE: dict[tuple[str, int, tuple[int, ...]], list[_Channel]] = {}
-_IDLE_LOCK = threading.Lock()
-
-
-def _take_channel(path: str, config: TransportConfig, sender: str) -> _Channel:
-    with _IDLE_LOCK:
-        idle = _IDLE.get((path, config.shm_bytes, tuple(config.versions)), [])
-        while idle:
-            ch = idle.pop()
-            if ch.idle_and_alive():
-                return ch
-            ch.close()
-    return _Channel(path, config, sender)
-
-
-def _give_back(ch: _Channel) -> None:
-    with _IDLE_LOCK:
-        _IDLE.setdefault(ch.key, []).append(ch)
+_IDLE: IdleChannels[_Channel] = IdleChannels()
 
 
 def close_channels() -> None:
     """Close every idle channel (tests, shutdown)."""
-    with _IDLE_LOCK:
-        for chans in _IDLE.values():
-            for ch in chans:
-                ch.close()
-        _IDLE.clear()
+    _IDLE.close_all()
 
 
 class ShmStream:
     BATCH = 8            # frames per control message (and per acknowledgement)
 
     def __init__(self, path: str, transfer_id: bytes, config: TransportConfig, sender: str = "") -> None:
-        self._ch = _take_channel(path, config, sender)
+        self._ch = _IDLE.take((path, config.shm_bytes, tuple(config.versions)),
+                              lambda: _Channel(path, config, sender))
         self._batch: list[pb.Frame] = []
         self._acks: deque[int] = deque()        # frames per batch sent and not yet acknowledged
         self.closed = False
@@ -222,7 +201,7 @@ class ShmStream:
             self._read_reply()
         reply = self._read_reply()
         self.closed = True
-        _give_back(self._ch)            # a clean channel serves the next transfer
+        _IDLE.give_back(self._ch)       # a clean channel serves the next transfer
         return reply
 
     def _io(self, op: Callable[[], T]) -> T:

@@ -28,13 +28,8 @@ class ShmTransferServer(UnixControlServer):
         shm = None
         try:
             first = recv_msg(conn, pb.PushMessage)
-            if first is None or first.WhichOneof("kind") != "hello":
-                return
-            try:
-                version = self.receiver.hello(list(first.hello.versions))
-            except TransferRefused as e:
-                send_msg(conn, pb.PushReply(ok=False, reason=Refusal.BAD_VERSION.value, detail=e.detail,
-                                            hello=pb.HelloReply(version=0, reason=e.detail)))
+            version = self._agree(conn, first)
+            if first is None or version is None:
                 return
             try:
                 shm = _map_segment(first.hello.shm_name)

@@ -15,15 +15,19 @@ import socket
 import struct
 import tempfile
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 
+from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.receiver import TransferReceiver
+from kv_transfer.transport.wire import send_msg
+from proto import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
 _CRED = struct.Struct("3i")        # struct ucred: pid, uid, gid
 
 
-class UnixControlServer:
+class UnixControlServer(ABC):
     """Serves `receiver` at SCHEME://PATH (a Unix socket; one thread per connected sender).
 
     path: where to bind; None makes a fresh private directory (0700) for the socket, removed
@@ -88,9 +92,22 @@ class UnixControlServer:
                     self.SCHEME, self.path, pid, uid, sorted(self.allowed_uids))
         return False
 
+    @abstractmethod
     def _connection(self, conn: socket.socket) -> None:
         """Serve one accepted, uid-checked connection until it ends (the transport's part)."""
-        raise NotImplementedError
+
+    def _agree(self, conn: socket.socket, first: pb.PushMessage | None) -> int | None:
+        """The protocol version for a connection whose first message is `first` (a Hello), or
+        None once the connection should end: not a Hello, or no version in common (answered
+        BAD_VERSION)."""
+        if first is None or first.WhichOneof("kind") != "hello":
+            return None
+        try:
+            return self.receiver.hello(list(first.hello.versions))
+        except TransferRefused as e:
+            send_msg(conn, pb.PushReply(ok=False, reason=Refusal.BAD_VERSION.value, detail=e.detail,
+                                        hello=pb.HelloReply(version=0, reason=e.detail)))
+            return None
 
     def stop(self) -> None:
         """Stop accepting, cut every connection (their transfers fail: STREAM_CLOSED), and wait
