@@ -2,6 +2,7 @@
 run on the shipped checkpoint.
 
     python -m bench.engine [--json] [--tokens 128] [--repeats 3] [--stop-only] [--prefill-only] [--mask-only]
+    python -m bench.engine --json --paged-only [--compile-buckets 1]   # bench.paged_step's keys only
     python -m bench.engine --device cuda [--json]    # the engine and transformers on the GPU
     python -m bench.engine --json --per-bucket [--buckets 1,4] [--bucket-tokens 32]
     python -m bench.engine --json --compile-only     # compile_s and compile_cached_s only
@@ -20,6 +21,9 @@ defines the compiled keys (engine_compiled_*, engine_eager_*, compile_s, compile
 per_bucket); `bench.step_profile` the `profile` of `--profile`.
 The same with a json_schema constraint, and the grammar mask's cost per token at batch 1 and 16
 (alone with `--mask-only`): see `bench.mask_cost` (schema_*_tok_s, mask_us_per_token_b1/_b16).
+The compiled step with paged experts at K = E/4, decided on the device, against the host's
+decision and against all-resident (alone with `--paged-only`): see `bench.paged_step`
+(engine_compiled_paged_single_tok_s, paged_over_resident_single, ...).
 
 stop_check (alone with `--stop-only`): one request's stop checks and streamed delta per token,
 at 10, 100, 1,000 and 2,000 output tokens, for a fixed token stream with 3 stop strings and 2
@@ -52,6 +56,7 @@ import torch
 
 from bench.compile_cost import add_compile_flags, compile_cost, engine_speeds
 from bench.mask_cost import mask_cost
+from bench.paged_step import paged_speeds
 from bench.report import emit
 from bench.step_profile import profile_decode
 from engine import LLM, SamplingParams
@@ -278,6 +283,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--stop-only", action="store_true", help="measure the stop checks only")
     ap.add_argument("--prefill-only", action="store_true", help="run the prefill sweep only")
     ap.add_argument("--mask-only", action="store_true", help="plain and json_schema-constrained decode only")
+    ap.add_argument("--paged-only", action="store_true", help="the compiled paged-experts step only")
     ap.add_argument("--prefill-runs", type=int, default=11, help="timed runs per prompt length (at least 5)")
     add_compile_flags(ap)
     return ap.parse_args()
@@ -292,6 +298,11 @@ def main() -> None:
         return
     if args.profile:
         emit({**head, "profile": profile_decode(PROMPTS[0], args.tokens, args.device, args.profile_top)}, args.json)
+        return
+    if args.paged_only:
+        resident = LLM(device=args.device, compile=True, compile_buckets=args.compile_buckets)
+        emit({**head, **paged_speeds(resident, args.device, args.compile_buckets, PROMPTS, args.tokens,
+                                     args.repeats)}, args.json)
         return
     alone = args.stop_only or args.prefill_only or args.mask_only
     cost = {} if alone else compile_cost(args.device, args.threads, args.compile_buckets)  # first: nothing else runs
@@ -312,6 +323,7 @@ def main() -> None:
         "ratio_single": speeds["engine_single_tok_s"] / hf, "ratio_batch16": speeds["engine_batch16_tok_s"] / hf,
         **cost, "stop_check": stop_check(llm, args.repeats), **prefill_sweep(llm, args.prefill_runs),
         **mask_cost(llm, PROMPTS, args.tokens, args.repeats),
+        **paged_speeds(llm, args.device, args.compile_buckets, PROMPTS, args.tokens, args.repeats),
     }
     emit(result, args.json)
 

@@ -28,6 +28,7 @@ class ForwardBatch:
     max_seq_len: int = 0                  # max(seq_lens), as a Python int
     q_index: torch.Tensor | None = None   # [B, Qmax] int64 (prefill only)
     q_valid: torch.Tensor | None = None   # [B, Qmax] bool (prefill only)
+    live: torch.Tensor | None = None      # [B] bool: the rows that are requests (a compiled decode step's)
 
 
 def build_batch(token_ids: list[list[int]], start_positions: list[int], page_tables: list[list[int]],

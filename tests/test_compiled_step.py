@@ -286,6 +286,7 @@ def test_paged_experts_are_bit_identical_to_all_resident(k: int, paged: Callable
                                                          resident_logits: list[torch.Tensor]) -> None:
     step = step_of(paged(k))
     assert not step.fullgraph and len(step.paged) == 6
+    assert step.on_device(4) == (k >= 16), "bucket 4 of top-4 decides on the device when 16 experts fit"
     got = decode(step.run, paged(k).pool, paged_prompts)
     for i, (a, b) in enumerate(zip(got, resident_logits, strict=True)):
         assert torch.equal(a, b), f"K={k} step {i}: max difference {(a - b).abs().max().item():.2e}"
@@ -352,9 +353,10 @@ def test_padding_rows_of_a_step_in_waves_stay_finite(monkeypatch: pytest.MonkeyP
 
 # ---- one graph, no break ------------------------------------------------------------------
 
-def explain_step(step: CompiledDecode, pool: PagePool, prompts: list[list[int]]) -> Any:
+def explain_step(step: CompiledDecode, pool: PagePool, prompts: list[list[int]], on_device: bool = False) -> Any:
     """torch._dynamo.explain of the step's forward on the decode batch of `prompts` (each at
-    its last position over freshly allocated pages), padded to its bucket as `run` pads it.
+    its last position over freshly allocated pages), padded to its bucket as `run` pads it;
+    `on_device`: the paged experts decide on the device, as `run` has them for such a bucket.
     (explain resets dynamo: compiled engines compile again at their next step.)"""
     names = [f"explain-{i}" for i in range(len(prompts))]
     tables = [pool.allocate(n, pool.pages_for(len(p))) for n, p in zip(names, prompts)]
@@ -365,9 +367,10 @@ def explain_step(step: CompiledDecode, pool: PagePool, prompts: list[list[int]])
                             pool.scratch_page)
         fb = build_batch(t, s, tb, pool.page_size, pool.kv.device, pad_page=pool.scratch_page,
                          min_pages=MIN_PAGES)
-        with torch.inference_mode():
+        live = torch.arange(size) < len(prompts) if on_device else None
+        with torch.inference_mode(), step._paging(len(prompts), on_device):
             return torch._dynamo.explain(step._forward)(fb.input_ids, fb.positions, fb.slot_mapping,
-                                                        fb.page_table, fb.seq_lens, pool.kv)
+                                                        fb.page_table, fb.seq_lens, pool.kv, live)
     finally:
         for n in names:
             pool.free(n)
@@ -379,3 +382,16 @@ def test_all_resident_step_is_one_graph_without_breaks(eager: LLM) -> None:
     prompts = [list(range(100, 100 + n)) for n in (1, 17, 40)]   # 3 rows padded to 4, 1-3 pages
     out = explain_step(step, eager.pool, prompts)
     assert (out.graph_count, out.graph_break_count) == (1, 0), out.break_reasons
+
+
+def test_a_single_wave_paged_step_is_one_graph_without_breaks(paged: Callable[[int], LLM]) -> None:
+    """K = 16 of 64 experts, top-4, bucket 4: the paging decision runs inside the graph."""
+    llm = paged(16)
+    step = CompiledDecode(llm.model, llm.pool, (1, 4))   # not warmed up: nothing compiled
+    assert not step.fullgraph and step.on_device(4) and not step.on_device(8)
+    prompts = [list(range(200, 200 + n)) for n in (3, 30)]   # 2 rows padded to 4
+    before = [e.counters.hits + e.counters.misses for e in step.paged]
+    out = explain_step(step, llm.pool, prompts, on_device=True)
+    assert (out.graph_count, out.graph_break_count) == (1, 0), out.break_reasons
+    looked = [e.counters.hits + e.counters.misses - b for e, b in zip(step.paged, before)]
+    assert all(4 <= n <= 8 for n in looked), f"the traced step did not page its 2 rows: {looked}"

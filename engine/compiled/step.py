@@ -1,9 +1,13 @@
 """The compiled decode step: the model's decode forward, embedding to logits, compiled with
 torch.compile (inductor; on a CPU its C++ backend) for the batch buckets.
 
-With every expert resident the step is one graph with no graph break.  With paged experts the
-host decides, per MoE layer, which experts to page in from the routing the graph computed, so
-the step runs as explicit parts (`DecoderModel.decode_part`): the layers up to a paged MoE
+With every expert resident the step is one graph with no graph break.  With paged experts, a
+bucket whose batch cannot need more experts than a layer has slots (bucket * top_k <= K: a
+single wave, whatever the routing) is one graph too: each paged layer decides and pages in on
+the device (`PagedExperts.on_device`, engine/experts/device_plan.py), and the host reads nothing
+until it asks (counters, a host-plan step).  A larger bucket may need waves, which the host
+plans: for it the host decides, per MoE layer, which experts to page in from the routing the
+graph computed, so the step runs as explicit parts (`DecoderModel.decode_part`): the layers up to a paged MoE
 layer's router, compiled; the host's paging decision and the expert compute over slots
 (`PagedExperts.__call__`, its gathered kernel compiled for the bucket's shape); the next part,
 which finishes that layer's block.  One host synchronisation per MoE layer.  Sampling stays
@@ -55,15 +59,18 @@ class CompiledDecode:
         paged = model.paged_experts()
         self.paged = list(paged.values())
         self.fullgraph = not self.paged
+        self.device_paging = True   # False: the host plans every paged step (a comparison)
+        self.top_k = model.cfg.num_experts_per_tok
         # with paged experts: parts of layers [first, stop), each but the last ending at a paged
         # MoE layer's router (DecoderModel.decode_part)
         ends = sorted(paged)
         self.parts = list(zip([0] + [e + 1 for e in ends], [e + 1 for e in ends] + [len(model.layers)]))
-        _allow_recompiles(len(buckets) * len(self.parts) + 8)
+        _allow_recompiles(len(buckets) * (len(self.parts) + 1) + 8)
         # one code object, one graph per bucket (and part): dynamo's cache keeps them apart by
         # shape (and part number)
-        self._graph: Callable[..., Any] = torch.compile(self._forward if self.fullgraph else self._part,
-                                                        fullgraph=True, dynamic=False, options=OPTIONS)
+        self._whole: Callable[..., Any] = torch.compile(self._forward, fullgraph=True, dynamic=False, options=OPTIONS)
+        self._graph: Callable[..., Any] = (self._whole if self.fullgraph else
+                                           torch.compile(self._part, fullgraph=True, dynamic=False, options=OPTIONS))
         self._kernel: Callable[..., torch.Tensor] = (
             torch.compile(gathered_all, fullgraph=True, dynamic=False, options=OPTIONS) if self.paged else gathered_all)
         self.compiled: set[int] = set()   # buckets that ran
@@ -76,10 +83,17 @@ class CompiledDecode:
     def fits(self, rows: int) -> bool:
         return rows <= self.max_rows
 
+    def on_device(self, size: int) -> bool:
+        """Whether bucket `size`'s paged layers decide on the device: a single wave whatever
+        the routing (size * top_k <= K), LRU eviction, caching on, no verify mode."""
+        return bool(self.paged) and self.device_paging and all(
+            e.cache and size * self.top_k <= e.slots.num_slots and e.slots.device_ready() for e in self.paged)
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                 page_table: torch.Tensor, seq_lens: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+                 page_table: torch.Tensor, seq_lens: torch.Tensor, kv: torch.Tensor,
+                 live: torch.Tensor | None = None) -> torch.Tensor:
         batch = ForwardBatch(input_ids, positions, slot_mapping, page_table, seq_lens,
-                             logits_indices=positions, is_decode=True)
+                             logits_indices=positions, is_decode=True, live=live)
         hidden = self.model.forward(batch, kv, attention=self.attention, prefetch=False)
         return self.model.logits(hidden)
 
@@ -131,26 +145,40 @@ class CompiledDecode:
         if size > 1:  # every bucket above 1 shares one graph (see the module doc)
             for tensor in (fb.input_ids, fb.positions, fb.slot_mapping, fb.page_table, fb.seq_lens):
                 torch._dynamo.mark_dynamic(tensor, 0)
-        with self._paging(n if real is None else real):
+        rows = n if real is None else real
+        whole = self.on_device(size)
+        with self._paging(rows, whole):
             if self.fullgraph:
                 logits = self._graph(fb.input_ids, fb.positions, fb.slot_mapping, fb.page_table, fb.seq_lens,
                                      self.pool.kv)
+            elif whole:
+                live = torch.arange(size, device=fb.input_ids.device) < rows
+                if size > 1:
+                    torch._dynamo.mark_dynamic(live, 0)
+                logits = self._whole(fb.input_ids, fb.positions, fb.slot_mapping, fb.page_table, fb.seq_lens,
+                                     self.pool.kv, live)
             else:
                 logits = self._segments(fb, dynamic=size > 1)
         self.compiled.add(size)
         return logits[:n]
 
     @contextmanager
-    def _paging(self, rows: int) -> Iterator[None]:
+    def _paging(self, rows: int, on_device: bool = False) -> Iterator[None]:
         """During one step, the paged experts see which rows are real, use the gathered plan
-        for every call and the compiled gathered kernel."""
+        for every call and the compiled gathered kernel; `on_device`: they decide on the device
+        (their host state pushed first, marked out of date after)."""
         for e in self.paged:
-            e.rows, e.plan, e.kernel = rows, GATHERED, self._kernel
+            e.rows, e.plan, e.kernel, e.on_device = rows, GATHERED, self._kernel, on_device
+            if on_device:
+                e.slots.prepare_device()
         try:
             yield
         finally:
             for e in self.paged:
-                e.rows, e.plan, e.kernel = None, None, None
+                e.rows, e.plan, e.kernel, e.on_device = None, None, None, False
+                if on_device:
+                    e.slots.device_stepped()
+                    e.slots.mark_used()
 
     def warm_up(self, progress: Callable[[int, int, int], None] | None = None) -> None:
         """Compile every bucket now (a step of padding rows only: it writes the scratch page

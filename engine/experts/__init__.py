@@ -7,7 +7,8 @@ import torch
 from engine.experts.check import check_independence
 from engine.experts.copy import CudaStreamCopy, DirectCopy, EmulatedLink
 from engine.experts.paged import PagedExperts
-from engine.experts.slots import ExpertCounters, ExpertSlots, ExpertStore, LRUPolicy
+from engine.experts.slots import ExpertSlots, LRUPolicy
+from engine.experts.store import ExpertCounters, ExpertStore
 from engine.kernels.fused_moe import ClampedSwiGLU
 from engine.moe import ExpertsFactory
 from engine.quant.stack import ExpertWeight, pinned

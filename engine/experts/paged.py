@@ -12,6 +12,11 @@ so every needed expert is paged at most once per step and none is evicted before
 wave has run.  Every pair is computed exactly once into one [T*k, H] buffer with a step
 plan fixed for the whole step, so the result is bit-identical for any K.  (The gathered plan
 runs every wave over all T*k pairs, as all-resident experts do: see `moe_gathered`.)
+
+A compiled step whose batch cannot need more than K experts (bucket * top_k <= K) sets
+`on_device`: the decision above, for its single wave, is then made by tensor ops on the device
+(`ExpertSlots.device_step`, engine/experts/device_plan.py) inside the step's graph, with the same
+slots, page-ins, LRU order and counters as the host's.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from typing import Callable, Iterator
 import torch
 
 from engine.experts.check import ExpertCheckError
-from engine.experts.slots import ExpertCounters, ExpertSlots
+from engine.experts.slots import ExpertSlots
+from engine.experts.store import ExpertCounters
 from engine.kernels.fused_moe import gathered_all, moe_gathered
 from engine.moe import StepPlan, expert_outputs
 
@@ -41,16 +47,27 @@ class PagedExperts:
         self.rows: int | None = None
         self.plan: StepPlan | None = None
         self.kernel: Callable[..., torch.Tensor] | None = None   # None: gathered_all
+        self.on_device = False   # set by a compiled step: decide on the device (single wave)
 
     @property
     def counters(self) -> ExpertCounters:
         return self.slots.counters
 
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, H]; ids: [T, k] expert ids; `live` [T] bool: the rows that are requests (a
+        compiled step deciding on the device passes it).  Returns y: [T, k, H] (unweighted)."""
+        if self.on_device:
+            assert live is not None, "a step deciding on the device says which rows are requests"
+            slots = self.slots
+            slot_ids = slots.device_step(ids, live)
+            y = gathered_all(x, slots.w13, slots.w2, slot_ids, b13=slots.b13, b2=slots.b2, act=slots.store.act)
+            return y.view(*ids.shape, -1)
+        return self._on_host(x, ids)
+
     # A compiled step runs this between its compiled segments: the paging decision needs the
     # routing on the host (one synchronisation per MoE layer), never inside a graph.
     @torch.compiler.disable
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x: [T, H]; ids: [T, k] expert ids.  Returns y: [T, k, H] (unweighted)."""
+    def _on_host(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         t, k = ids.shape
         if self.rows == 0:
             # a compiled step's warm-up, padding rows only: the kernel runs (and compiles) over a

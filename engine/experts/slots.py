@@ -13,19 +13,26 @@ scales, zero points, group index: engine/quant/stack.py), in the slots as in the
 One expert is all its tensors, whatever the format: a page-in, a verify and a fingerprint
 cover every part of it and its biases, taken from the layer's own tensors, never a list of
 names.
+
+The slot state (which expert each slot holds, the LRU order, the counters) has a host copy, which
+the host plan reads and changes, and a device copy (`engine/experts/device_plan.py`), which a
+compiled single-wave step decides over without reading anything back.  `ExpertSlots` owns both:
+after host changes `prepare_device` pushes them before a device step; after device steps
+(`device_stepped`) the host copy is pulled before anything on the host reads it (one
+synchronisation on CUDA), including the counters.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
 import torch
 
 from engine.experts.copy import Copy, CopyEngine, DirectCopy
-from engine.kernels.fused_moe import ClampedSwiGLU
-from engine.quant.stack import ExpertWeight, empty_like, num_rows, tensors_of, weight_format
+from engine.experts.device_plan import HITS, MISSES, STEPS, WAVES, DevicePlan
+from engine.experts.store import ExpertCounters, ExpertStore
+from engine.quant.stack import empty_like, tensors_of
 
 
 class EvictionPolicy(Protocol):
@@ -55,65 +62,11 @@ class LRUPolicy:
     def order(self) -> list[int]:
         return list(self._order)
 
-
-@dataclass
-class ExpertCounters:
-    hits: int = 0            # needed experts already resident when the step began
-    misses: int = 0          # needed experts paged in by the step
-    bytes_paged: int = 0     # page-ins and prefetches together
-    waves: int = 0
-    steps: int = 0
-    prefetched: int = 0      # experts copied ahead of their step by the prefetcher
-    prefetch_hits: int = 0   # ... that their step did need
-    prefetch_wasted_bytes: int = 0
-    corrupt_slots: int = 0   # verify mode: slots found not holding their expert's bytes (re-paged)
-
-    def as_dict(self) -> dict[str, int | float]:
-        d = dict(self.__dict__)
-        looked = self.hits + self.misses
-        d["hit_rate"] = self.hits / looked if looked else 0.0
-        return d
-
-
-@dataclass
-class ExpertStore:
-    """All E experts of one layer in host memory."""
-    w13: ExpertWeight   # [E, 2I, H]
-    w2: ExpertWeight    # [E, H, I]
-    fingerprints: list[int] = field(default_factory=list)  # per expert, from the checkpoint
-    b13: torch.Tensor | None = None     # [E, 2I] gate then up biases (gpt-oss), or None
-    b2: torch.Tensor | None = None      # [E, H] down bias, or None
-    act: ClampedSwiGLU | None = None    # the experts' gated activation (None: silu)
-
-    @property
-    def num_experts(self) -> int:
-        return num_rows(self.w13)
-
-    @property
-    def format(self) -> str:
-        """How the experts are stored: a dtype ("bfloat16") or a quantized format ("gptq int4 g128")."""
-        return weight_format(self.w13)
-
-    def __post_init__(self) -> None:
-        if (self.b13 is None) != (self.b2 is None):
-            raise ValueError("expert biases come in pairs: b13 and b2, or neither")
-        if self.b13 is not None and self.b2 is not None:
-            e, i2, h = self.w13.shape
-            if self.b13.shape != (e, i2) or self.b2.shape != (e, h):
-                raise ValueError(f"expert biases {tuple(self.b13.shape)}, {tuple(self.b2.shape)} do not fit "
-                                 f"w13 {tuple(self.w13.shape)}: expected {(e, i2)}, {(e, h)}")
-        self.bytes_per_expert = sum(t.numel() * t.element_size() for t in self.expert(0))
-
-    def expert(self, e: int) -> list[torch.Tensor]:
-        """Every tensor of expert `e`, in fingerprint order: w13's, w2's[, b13, b2]."""
-        return [t[e] for t in self.tensors()]
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor of the store, [E, ...] each, in fingerprint order."""
-        out = tensors_of(self.w13) + tensors_of(self.w2)
-        if self.b13 is not None and self.b2 is not None:
-            out += [self.b13, self.b2]
-        return out
+    def reorder(self, order: list[int]) -> None:
+        """Take `order` (every slot once, least recently used first) as the LRU order."""
+        if sorted(order) != sorted(self._order):
+            raise ValueError(f"an LRU order names every slot once, got {order}")
+        self._order = OrderedDict((s, None) for s in order)
 
 
 class ExpertSlots:
@@ -132,23 +85,92 @@ class ExpertSlots:
             self.b13 = torch.empty((num_slots, *store.b13.shape[1:]), dtype=store.b13.dtype, device=device)
             self.b2 = torch.empty((num_slots, *store.b2.shape[1:]), dtype=store.b2.dtype, device=device)
         self.copier: CopyEngine = copier or DirectCopy()
-        self.policy: EvictionPolicy = policy or LRUPolicy(num_slots)
-        self.slot_of = [-1] * e                 # expert -> slot
-        self.expert_in = [-1] * num_slots       # slot -> expert
+        self._policy: EvictionPolicy = policy or LRUPolicy(num_slots)
+        self._slot_of = [-1] * e                 # expert -> slot
+        self._expert_in = [-1] * num_slots       # slot -> expert
+        self.device_plan = DevicePlan(e, num_slots, device)
         # slot_of as a device tensor, kept in step with the list (-1: not resident)
-        self.slot_table = torch.full((e,), -1, dtype=torch.int64, device=device)
+        self.slot_table = self.device_plan.slot_table
+        self._dirty = True    # the host copy changed since the device copy was pushed
+        self._stale = False   # device steps ran since the host copy was pulled
         self._pending: dict[int, list[Copy]] = {}
         self._last_use: torch.cuda.Event | None = None  # CUDA: an event after the last compute that read the slots
-        self.counters = ExpertCounters()
+        self._counters = ExpertCounters()
         self.verify_on_use = False   # compare slots with the host store after each use and before eviction
         self.load([(s, s) for s in range(num_slots)])  # warm start: experts 0..K-1, not counted
         self.wait(range(num_slots))
-        self.counters.bytes_paged = 0
+        self._counters.bytes_paged = 0
+
+    # ---- the host copy of the state (pulled from the device copy when device steps ran) --------
+
+    @property
+    def slot_of(self) -> list[int]:
+        self._adopt()
+        return self._slot_of
+
+    @property
+    def expert_in(self) -> list[int]:
+        self._adopt()
+        return self._expert_in
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        self._adopt()
+        return self._policy
+
+    @property
+    def counters(self) -> ExpertCounters:
+        self._adopt()
+        return self._counters
+
+    def device_ready(self) -> bool:
+        """Whether a device step may decide for these slots: LRU eviction (the device plan's),
+        every slot holding an expert, no verify mode."""
+        # (device steps never empty a slot: while the host copy is out of date, all are full)
+        return isinstance(self._policy, LRUPolicy) and not self.verify_on_use and (
+            self._stale or min(self._expert_in) >= 0)
+
+    def prepare_device(self) -> None:
+        """Before a device step: push the host's changes to the device copy (none while the
+        device copy is the current one: a host change pulls it first)."""
+        if self._dirty and not self._stale:
+            assert isinstance(self._policy, LRUPolicy), "the device plan evicts least recently used"
+            self.wait(range(self.num_slots))   # host copies land before the device reads the slots
+            self.device_plan.push(self._slot_of, self._expert_in, self._policy.order())
+            self._dirty = False
+
+    def device_step(self, ids: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """The single-wave decision and page-ins on the device (traced into a compiled step):
+        the slot ids [T, k] of `ids`; padding rows (`live` False) on slot 0."""
+        return self.device_plan.step(ids, live, self.tensors(), self.store.tensors())
+
+    def device_stepped(self) -> None:
+        """After device steps were queued: the host copy is out of date until pulled."""
+        self._stale = True
+
+    def _adopt(self) -> None:
+        if not self._stale:
+            return
+        self._stale = False
+        slot_of, expert_in, order, tallies = self.device_plan.pull()
+        self._slot_of, self._expert_in = slot_of, expert_in
+        assert isinstance(self._policy, LRUPolicy)
+        self._policy.reorder(order)
+        c = self._counters
+        c.hits += tallies[HITS]
+        c.misses += tallies[MISSES]
+        c.steps += tallies[STEPS]
+        c.waves += tallies[WAVES]
+        c.bytes_paged += tallies[MISSES] * self.store.bytes_per_expert
 
     def load(self, moves: list[tuple[int, int]], prefetch: bool = False) -> None:
         """Page each (expert, slot) in, evicting whoever holds the slot, as one batch of
         copies that may be in flight until `wait` is called for the slots."""
+        if not moves:
+            return
         pairs, evicted = [], []
+        self._adopt()
+        self._dirty = True
         if self.verify_on_use:      # a corrupted slot about to be overwritten is still counted
             self.verify([slot for _, slot in moves])
         for expert, slot in moves:
@@ -160,13 +182,11 @@ class ExpertSlots:
             self.expert_in[slot] = expert
             self.slot_of[expert] = slot
             pairs += list(zip(self.slot(slot), self.store.expert(expert)))
-        if not moves:
-            return
         self._sync_table([old for old in evicted if old >= 0] + [e for e, _ in moves])
         done = self.copier.copy(pairs, self._last_use, prefetch)
         for _, slot in moves:
             self._pending.setdefault(slot, []).append(done)
-        self.counters.bytes_paged += len(moves) * self.store.bytes_per_expert
+        self._counters.bytes_paged += len(moves) * self.store.bytes_per_expert
 
     def _sync_table(self, experts: list[int]) -> None:
         pairs = torch.tensor([experts, [self.slot_of[e] for e in experts]], dtype=torch.int64)
@@ -187,8 +207,10 @@ class ExpertSlots:
 
     def forget_all(self) -> None:
         """Mark every slot empty (no copy): the next step pages in everything it needs."""
-        self.slot_of = [-1] * len(self.slot_of)
-        self.expert_in = [-1] * self.num_slots
+        self._adopt()
+        self._dirty = True
+        self._slot_of = [-1] * len(self._slot_of)
+        self._expert_in = [-1] * self.num_slots
         self.slot_table.fill_(-1)
 
     def mark_used(self) -> None:
@@ -225,8 +247,10 @@ class ExpertSlots:
         return bad
 
     def touch(self, slots: Iterable[int]) -> None:
+        policy = self.policy
+        self._dirty = True
         for s in slots:
-            self.policy.touch(s)
+            policy.touch(s)
 
     def slot_lookup(self, experts: list[int]) -> torch.Tensor:
         """[E] tensor: the slot of each expert in `experts`, -1 for every other expert."""

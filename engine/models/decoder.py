@@ -98,8 +98,12 @@ class MoeBlock:
                  shared_gate: torch.Tensor | None = None) -> None:
         self.router, self.experts, self.shared, self.shared_gate = router, experts, shared, shared_gate
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+        """`live` [T] bool: which rows are requests, for paged experts deciding on the device
+        (a compiled step's padding rows must page and count nothing)."""
         weights, ids = self.router(h)
+        if live is not None and isinstance(self.experts, PagedExperts):
+            return self.finish(h, self.experts(h, ids, live), weights)
         return self.finish(h, self.experts(h, ids), weights)
 
     def finish(self, h: torch.Tensor, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -153,7 +157,8 @@ class DecoderModel:
         for li, layer in enumerate(self.layers):
             ctx.layer = li
             x = x + layer.attn(rms_norm(x, layer.input_norm, eps), kv[li], ctx)
-            x = x + layer.mlp(rms_norm(x, layer.post_norm, eps))
+            h = rms_norm(x, layer.post_norm, eps)
+            x = x + (layer.mlp(h, batch.live) if isinstance(layer.mlp, MoeBlock) else layer.mlp(h))
             if prefetch and self.prefetch_experts and li in self._next_moe:
                 self._prefetch(x, self._next_moe[li])
             if on_layer is not None:
