@@ -223,8 +223,8 @@ class EngineConfig:
         None, type=int, says_default=True, help="keep K experts of each MoE layer on the device, the rest in host "
         "memory (default: all resident)")
     paged_experts_prefetch: bool | None = option(
-        None, says_default=True, help="predict the next layer's experts and page them in early (default: on with "
-        "CUDA, off elsewhere)")
+        None, says_default=True, help="predict the next layer's experts and page them in early (default: off; on "
+        "only on a GPU where bench.experts measured a gain: engine/experts PREFETCH_FASTER_ON, none yet)")
     keep_dense_quantized: bool | None = option(
         None, says_default=True, type=on_off, metavar="on|off",
         help="keep a quantized checkpoint's attention and dense MLP linears in their published parts, read by a "

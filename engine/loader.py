@@ -32,7 +32,7 @@ from tqdm import tqdm
 from engine.attention import TorchAttention, select_attention
 from engine.checkpoint import CheckpointError, iter_tensors, weight_files
 from engine.config import EngineConfig, ModelConfig
-from engine.experts import check_independence, paged_factory
+from engine.experts import check_independence, paged_factory, prefetch_default
 from engine.models import kernel_variants, spec_for
 from engine.models.decoder import DecoderModel
 from engine.models.weights import ExpertsFactory
@@ -73,7 +73,7 @@ def load_engine_model(config: EngineConfig, cfg: ModelConfig, attention: str | N
         for layer, experts in model.paged_experts().items():
             check_independence(experts.slots, layer)
         prefetch = config.paged_experts_prefetch
-        model.prefetch_experts = torch.device(device).type == "cuda" if prefetch is None else prefetch
+        model.prefetch_experts = prefetch_default(device) if prefetch is None else prefetch
     return model
 
 

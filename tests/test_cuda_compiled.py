@@ -1,8 +1,9 @@
 """The compiled decode step on CUDA (engine/compiled/cuda_graphs.py): each batch bucket captured
 as CUDA graphs.  The CUDA tests (`pytest -m cuda`, run by `bench.gpu_check`'s cuda_tests step)
 skip without a device: greedy tokens equal to eager CUDA, logprobs within 1e-5, no host
-synchronisation in a step with every expert resident, paged experts bit-identical to resident
-with at most one synchronisation per MoE layer, batch invariance.  The tests without the mark
+synchronisation in a step with every expert resident or with paged experts deciding on the
+device, paged experts bit-identical to resident (at most one synchronisation per MoE layer in a
+bucket the host plans), batch invariance.  The tests without the mark
 run on a CPU: the host side of a step (staging a batch into a bucket's rows) and the decode
 attention's custom op, opaque to dynamo.
 """
@@ -142,6 +143,25 @@ def test_the_step_uncaptured_with_paged_experts_decodes_like_eager() -> None:
     llm.pool.check_integrity()
 
 
+def test_the_step_uncaptured_deciding_on_the_device_decodes_like_eager() -> None:
+    """K = 16 of 64, top-4: buckets 1 and 4 page in on the device inside the whole forward (the
+    graph a capture would record), with the same counters as eager paged experts."""
+    eager = LLM(compile=False, paged_experts_num_resident=16)
+    want = {b: eager.generate(NATURAL[:b], PARAMS) for b in (1, 3)}
+    llm = LLM(compile=False, paged_experts_num_resident=16)
+    step = CudaGraphDecode(llm.core.model, llm.pool, (1, 4), attention=GraphAttention(llm.pool.page_size),
+                           capture=False)
+    step.warm_up()
+    llm.core.runner.compiled = step
+    for batch, outs in want.items():
+        got = llm.generate(NATURAL[:batch], PARAMS)
+        assert [o.token_ids for o in got] == [o.token_ids for o in outs]
+        assert max(logprob_diff(a.logprobs, b.logprobs) for a, b in zip(got, outs)) <= 1e-5
+    assert step.compiled == {1, 4} and all(b.whole for b in step._buckets.values())
+    assert llm.expert_stats() == eager.expert_stats()   # the same hits, misses and steps per layer
+    llm.pool.check_integrity()
+
+
 # ---- CUDA -----------------------------------------------------------------------------------
 
 def syncs_per_step(step: Any, work: Callable[[], Any]) -> tuple[Any, list[int]]:
@@ -272,19 +292,24 @@ def test_paged_experts_bit_identical_with_one_sync_per_moe_layer(k: int, graphs:
     assert not step.fullgraph
     layers = len(step.paged)
     assert layers > 0
-    assert all(len(b.graphs) == layers + 1 and len(b.segments) == layers for b in step._buckets.values())
-    most = 0
+    for (size, whole), b in step._buckets.items():
+        assert whole == step.on_device(size)
+        # deciding on the device: one graph; else a graph per part and per paged layer's experts
+        assert (len(b.graphs), len(b.segments)) == ((1, 0) if whole else (layers + 1, layers))
+    top_k = ModelConfig.from_path(SHIPPED_MODEL).num_experts_per_tok
     for batch in BATCHES:
         got, counts = syncs_per_step(step, lambda: _generate(llm, batch))
         want = _generate(graphs, batch)
         for a, b in zip(got, want):
             assert a.token_ids == b.token_ids
             assert a.logprobs == b.logprobs       # exact, every step, every entry
-        most = max(most, *counts)
-    record_testsuite_property(f"compiled.syncs_per_step_paged_k{k}", most)
+        size = 1 if batch == 1 else 4
+        record_testsuite_property(f"compiled.syncs_per_step_paged_k{k}_b{batch}", max(counts))
+        if step.on_device(size):
+            assert counts == [0] * len(counts), f"batch {batch}: host syncs in steps deciding on the device"
+        elif k >= size * top_k:
+            assert max(counts) <= layers     # one wave per layer: the routing read is the only sync
     record_testsuite_property("compiled.moe_layers", layers)
     stats = llm.expert_stats()
     assert all(s["misses"] > 0 for s in stats.values())
-    if k >= max(BATCHES) * ModelConfig.from_path(SHIPPED_MODEL).num_experts_per_tok:
-        assert most <= layers     # one wave per layer: the routing read is the only sync
     llm.pool.check_integrity()

@@ -20,8 +20,17 @@ cloned out of the pool before `run` returns.
 
 All experts resident: one graph per bucket, replayed with zero host synchronisations.
 
-Paged experts: the host must see each MoE layer's routing to page experts in, so the step is
-the base's explicit parts (`CompiledDecode.parts`, `DecoderModel.decode_part`, each compiled
+Paged experts, a bucket that decides on the device (`CompiledDecode.on_device`: bucket * top_k
+<= K): one graph, as with every expert resident; each paged layer's decision and page-ins are
+inside it (engine/experts/device_plan.py; on CUDA the page-ins read the pinned host store from
+the device, engine/kernels/triton/expert_copy.py), so a replay makes no host synchronisation.
+Before a replay the host pushes its copy of the slot state if it changed (non-blocking, from
+pinned memory); after it, the host copy is marked out of date.  A bucket is captured for the
+mode it runs in (`Bucket.whole`); a bucket that later runs in the other mode (verify mode turned
+on) is captured again for it.
+
+Paged experts, a larger bucket: the host must see each MoE layer's routing to page experts in,
+so the step is the base's explicit parts (`CompiledDecode.parts`, `DecoderModel.decode_part`, each compiled
 whole) captured one graph each, with a graph of each paged layer's expert compute between them:
 A0 = embedding .. first paged router; per paged MoE layer i, E_i (slot ids read from the device
 slot table, `slot_table[ids]`, padding rows on slot 0; the compiled gathered kernel) and A_{i+1}
@@ -84,6 +93,7 @@ class Bucket:
     host: np.ndarray         # staging's memory
     packed: torch.Tensor     # the device copy the graphs read
     copied: torch.cuda.Event | None   # after the last copy out of `staging` (CUDA)
+    whole: bool = True       # one graph of the whole forward (resident, or paged deciding on the device)
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)   # A0 .. An (one per part)
     segments: list[Segment] = field(default_factory=list)             # one per MoE layer
     logits: torch.Tensor | None = None
@@ -115,18 +125,22 @@ class CudaGraphDecode(CompiledDecode):
         # else: the torch attention (static: every page of the table gathered, masked) of the base
         # the compiled callable of this step: the whole forward, or a part (the base's `_graph`
         # takes the unpacked tensors and is dynamic in the batch)
-        fn = self._packed_forward if self.fullgraph else self._packed_part
         # no C++ wrapper on CUDA: it saves Python per call, which a replay does not run anyway
         options = {**OPTIONS, "cpp_wrapper": False} if pool.kv.device.type == "cuda" else OPTIONS
-        self._packed: Callable[..., Any] = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+        self._packed_whole: Callable[..., Any] = torch.compile(self._packed_forward, fullgraph=True, dynamic=False,
+                                                               options=options)
+        self._packed: Callable[..., Any] = (
+            self._packed_whole if self.fullgraph else
+            torch.compile(self._packed_part, fullgraph=True, dynamic=False, options=options))
         self._mempool = torch.cuda.graph_pool_handle() if capture else None
         self._stream = torch.cuda.Stream(device=pool.kv.device) if capture else None
-        self._buckets: dict[int, Bucket] = {}
+        self._buckets: dict[tuple[int, bool], Bucket] = {}   # (size, whole) -> its graphs
         self._open: torch.cuda.CUDAGraph | None = None   # the graph being captured
         self.staging_waits = 0   # times `run` waited for the previous copy out of a staging buffer
 
     def _packed_forward(self, packed: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        return self._forward(*unpack(packed), kv)
+        live = packed[:, REAL] != 0 if self.paged else None
+        return self._forward(*unpack(packed), kv, live)
 
     def _packed_part(self, part: int, packed: torch.Tensor, kv: torch.Tensor,
                      carry: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, ...]:
@@ -137,8 +151,14 @@ class CudaGraphDecode(CompiledDecode):
         """One pass over the step: the whole compiled forward, or each part with `between(experts,
         h, ids) -> y` at each paged MoE layer.  Returns the logits."""
         kv = self.pool.kv
-        if self.fullgraph:
-            logits: torch.Tensor = self._packed(bk.packed, kv)
+        if bk.whole:
+            for e in self.paged:   # (paged: they decide on the device while the graph is traced)
+                e.on_device = True
+            try:
+                logits: torch.Tensor = self._packed_whole(bk.packed, kv)
+            finally:
+                for e in self.paged:
+                    e.on_device = False
             return logits
         carry: tuple[torch.Tensor, ...] | None = None
         for part, (_, stop) in enumerate(self.parts):
@@ -153,21 +173,25 @@ class CudaGraphDecode(CompiledDecode):
 
     # ---- capture ----------------------------------------------------------------------------
 
-    def _bucket(self, size: int) -> Bucket:
+    def _bucket(self, size: int, whole: bool) -> Bucket:
         host = blank_rows(size, self.max_pages, self.pool.scratch_page, self.pool.page_size)
         device = self.pool.kv.device
         if device.type != "cuda":
             staging = torch.from_numpy(host)
-            return Bucket(size, staging, host, staging.clone(), None)
+            return Bucket(size, staging, host, staging.clone(), None, whole)
         staging = torch.from_numpy(host).pin_memory()
-        bk = Bucket(size, staging, staging.numpy(), staging.to(device), torch.cuda.Event())
+        bk = Bucket(size, staging, staging.numpy(), staging.to(device), torch.cuda.Event(), whole)
         assert bk.copied is not None
         bk.copied.record()
         return bk
 
-    def capture(self, size: int) -> Bucket:
-        """Warm bucket `size` up on a side stream (compiling it), then capture its graphs."""
-        bk = self._bucket(size)
+    def capture(self, size: int, whole: bool | None = None) -> Bucket:
+        """Warm bucket `size` up on a side stream (compiling it), then capture its graphs, for
+        `whole` (default: the mode it runs in now)."""
+        bk = self._bucket(size, self._whole_for(size) if whole is None else whole)
+        if bk.whole:
+            for e in self.paged:   # the warm-up's decisions start from the host's state
+                e.slots.prepare_device()
         side = self._stream
         assert side is not None, "a step built with capture=False captures nothing"
         side.wait_stream(torch.cuda.current_stream())
@@ -184,8 +208,16 @@ class CudaGraphDecode(CompiledDecode):
                 self._end()
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        self._buckets[size] = bk
+        if bk.whole:
+            for e in self.paged:
+                e.slots.device_stepped()
+        self._buckets[size, bk.whole] = bk
         return bk
+
+    def _whole_for(self, size: int) -> bool:
+        """Whether bucket `size` runs as one graph now: every expert resident, or paged experts
+        deciding on the device."""
+        return self.fullgraph or self.on_device(size)
 
     def _begin(self) -> torch.cuda.CUDAGraph:
         """Begin capturing a graph into the step's pool (on the current, side, stream)."""
@@ -235,8 +267,10 @@ class CudaGraphDecode(CompiledDecode):
         size = bucket_for(n, self.buckets)
         if size is None:
             raise ValueError(f"a decode batch of {n} requests exceeds the largest compiled bucket {self.max_rows}")
-        bk = self._buckets.get(size) or (self.capture(size) if self.capturing else self._bucket(size))
-        self._buckets[size] = bk
+        whole = self._whole_for(size)
+        bk = self._buckets.get((size, whole)) or (self.capture(size, whole) if self.capturing else
+                                                  self._bucket(size, whole))
+        self._buckets[size, whole] = bk
         if bk.copied is not None and not bk.copied.query():   # the previous step's copy (done by now)
             self.staging_waits += 1
             bk.copied.synchronize()
@@ -246,9 +280,22 @@ class CudaGraphDecode(CompiledDecode):
         if bk.copied is not None:
             bk.copied.record()
         self.compiled.add(size)
-        if not self.capturing:
-            return self._step(bk, partial(self._direct, bk, rows))[:n].clone()
-        bk.graphs[0].replay()
+        paged_whole = bk.whole and bool(self.paged)
+        if paged_whole:
+            for e in self.paged:
+                e.slots.prepare_device()
+        try:
+            if not self.capturing:
+                return self._step(bk, partial(self._direct, bk, rows))[:n].clone()
+            bk.graphs[0].replay()
+        finally:
+            if paged_whole:
+                for e in self.paged:
+                    e.slots.device_stepped()
+                    e.slots.mark_used()
+        if bk.whole:
+            assert bk.logits is not None
+            return bk.logits[:n].clone()
         for seg, nxt in zip(bk.segments, bk.graphs[1:]):
             if self._page(seg.experts, seg.ids, rows):
                 seg.graph.replay()

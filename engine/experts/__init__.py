@@ -14,10 +14,22 @@ from engine.moe import ExpertsFactory
 from engine.quant.stack import ExpertWeight, pinned
 
 SUPPORTED_EXPERT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The devices (torch.cuda.get_device_name) on which `bench.experts --device cuda` measured paged
+# experts faster with the next layer's prefetch than without: prefetch is on by default there
+# only.  None yet: on an NVIDIA H200 (issue 23's check, the shipped model at K = 16) prefetch
+# made batch 1 slower (0.77 of resident against 0.84) and batch 16 too (0.45 against 0.52).
+PREFETCH_FASTER_ON: frozenset[str] = frozenset()
 
 __all__ = ["CudaStreamCopy", "DirectCopy", "EmulatedLink", "ExpertCounters", "ExpertSlots",
            "ExpertStore", "LRUPolicy", "PagedExperts", "check_independence", "paged_factory",
-           "validate_num_resident"]
+           "prefetch_default", "validate_num_resident"]
+
+
+def prefetch_default(device: torch.device | str) -> bool:
+    """Whether paged experts prefetch by default on `device`: only a CUDA device listed in
+    PREFETCH_FASTER_ON (a measured gain, written here, never timed at start-up)."""
+    dev = torch.device(device)
+    return dev.type == "cuda" and torch.cuda.get_device_name(dev) in PREFETCH_FASTER_ON
 
 
 def validate_num_resident(k: int | None, num_experts: int, top_k: int, dtype: torch.dtype) -> None:
