@@ -73,10 +73,9 @@ class DevicePlan:
         table = slot_ext[:e]
         resident = needed & (table >= 0)
         missing = needed & (table < 0)
-        # Ranks by counting (a [K, K] and an [E, E] comparison) rather than sorting: fused loops
-        # in the step's graph, where a sort or a cumsum is a library call of its own per layer.
-        # The victims: the slots no needed expert holds, least recently used first (stamps are
-        # distinct); victims[j] for j < count.
+        # Ranks by counting rather than sorting (a sort is a library call of its own per layer in
+        # the step's graph; this is a fused loop).  The victims: the slots no needed expert holds,
+        # least recently used first (stamps are distinct); victims[j] for j < count.
         protected = torch.zeros(k + 1, dtype=torch.bool, device=dev)
         protected[torch.where(resident, table, k)] = True
         free = ~protected[:k]
@@ -88,7 +87,7 @@ class DevicePlan:
         victims = victims_ext[:k]
         # the missing experts in ascending order: incoming[j] for j < count
         experts = torch.arange(e, dtype=torch.int64, device=dev)
-        before = ((experts[None, :] < experts[:, None]) & missing[None, :]).sum(1)  # [E]
+        before = torch.cumsum(missing.to(torch.int64), 0) - 1                       # [E]
         incoming_ext = torch.zeros(k + 1, dtype=torch.int64, device=dev)
         incoming_ext[torch.where(missing, before, k)] = experts
         incoming = incoming_ext[:k]

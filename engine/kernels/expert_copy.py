@@ -29,8 +29,8 @@ _LIB.define("page_in_experts(Tensor(a!)[] slots, Tensor[] store, Tensor dst, Ten
 
 def _on_host(slots: list[torch.Tensor], store: list[torch.Tensor], dst: torch.Tensor, src: torch.Tensor,
              count: torch.Tensor) -> None:
-    n = int(count.reshape(-1)[0])   # where it lies: no device to wait for
-    if n == 0:
+    n = count.item()   # where it lies: no device to wait for
+    if not n:
         return
     rows, experts = dst[:n], src[:n]
     for s, h in zip(slots, store, strict=True):
