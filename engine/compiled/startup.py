@@ -68,6 +68,13 @@ def compile_decode(model: DecoderModel, pool: PagePool, config: EngineConfig, ma
         from engine.compiled.cuda_graphs import CudaGraphDecode
         step: CompiledDecode = CudaGraphDecode(model, pool, buckets,
                                                max_pages=-(-max_model_len // config.page_size))
+        if step.paged:
+            from engine.kernels.triton.expert_copy import check_mapped_page_in
+            try:
+                check_mapped_page_in(config.device)
+            except RuntimeError as e:
+                log.warning("%s: every paged step is planned on the host (one sync per MoE layer)", e)
+                step.device_paging = False
     else:
         step = CompiledDecode(model, pool, buckets)
     step.warm_up(Progress() if progress else None)

@@ -65,3 +65,23 @@ def page_in_mapped(slots: list[torch.Tensor], store: list[torch.Tensor], dst: to
         row = d.shape[1]
         source = _Mapped(w) if (s.is_cuda and not w.is_cuda) else w
         _page_in_kernel[(m, triton.cdiv(row, BLOCK))](d, source, dst, src, count, row, BLOCK=BLOCK)
+
+
+def check_mapped_page_in(device: torch.device | str) -> None:
+    """Start-up: page two experts of a small pinned store into slots on `device` and compare.
+    Raises RuntimeError when the device cannot read pinned host memory this way (then the
+    host plans every paged step)."""
+    store = [torch.arange(6 * 40, dtype=torch.float32).view(6, 40).pin_memory(),
+             torch.arange(6 * 3, dtype=torch.int16).view(6, 3).pin_memory()]
+    slots = [torch.zeros(4, 40, device=device), torch.zeros(4, 3, dtype=torch.int16, device=device)]
+    dst, src = torch.tensor([3, 1, 0, 2], device=device), torch.tensor([5, 2, 0, 0], device=device)
+    try:
+        page_in_mapped(slots, store, dst, src, torch.tensor([2], device=device))
+        got = [s.cpu() for s in slots]
+    except Exception as e:   # the launch itself refused the pointer
+        raise RuntimeError(f"the device cannot page experts in from pinned host memory: {e}") from e
+    want = [torch.zeros_like(g) for g in got]
+    for w, h in zip(want, store):
+        w[3], w[1] = h[5], h[2]
+    if not all(torch.equal(g, w) for g, w in zip(got, want)):
+        raise RuntimeError("paging experts in from pinned host memory on the device copied wrong bytes")
