@@ -19,7 +19,8 @@ grpc_gbps is gRPC over one stream, grpc4_gbps over four (TransportConfig(streams
 its own connection); grpc4_vs_grpc1 is their ratio.  grpc_tls_gbps: one stream over mutual TLS
 (both sides holding certificates of one cluster CA, as `tandem serve` runs across nodes);
 grpc_tls_vs_grpc is its rate over plaintext gRPC's.  nixl_gbps: the NIXL transport (one-sided
-writes into the reserved pages over UCX, cross-memory attach on one host), with nixl_vs_memcpy
+writes into a staging ring the receiver registered, over UCX, cross-memory attach on one host;
+the receiver verifies each frame there and copies it into its page), with nixl_vs_memcpy
 and nixl_vs_shm; left out, saying why under "nixl", where the nixl extra cannot run.
 
 Checksums.  checksum_gbps is xxh3-64 (the frame checksum) over the payload on one core, frame
@@ -101,11 +102,12 @@ PASSES: dict[str, dict[str, Any]] = {   # what each transport does to every payl
     "shm": {"sender": [f"{_GATHER}, into the shared ring", _HASH],
             "receiver": [f"{_VERIFY} (the ring, mapped)", _WRITE, _RECHECK],
             "threads": "one per side, in two processes"},
-    "nixl": {"sender": [f"{_GATHER}, into a registered staging ring", _HASH,
-                        "NIXL write: UCX copies the ring into the receiver's reserved pages (cma on one host)"],
-             "receiver": ["verify + re-check: xxh3 of each frame where it landed, after the commit "
-                          "(one pass: nothing is copied)"],
-             "threads": "one per side, in two processes; the receiver's verify runs after the last write"},
+    "nixl": {"sender": [f"{_HASH}, where it lies in the pool (registered with the sending agent)",
+                        "NIXL write: UCX copies the frame from the pool into the receiver's staging ring "
+                        "(cma on one host)"],
+             "receiver": [f"{_VERIFY} (the staging ring, which only this connection's writes reach)", _WRITE,
+                          _RECHECK],
+             "threads": "one per side, in two processes"},
     "grpc": {"sender": _GRPC_SEND, "receiver": _GRPC_RECV,
              "threads": "the sender's, gRPC's own on both sides, the receiver's handler"},
     "grpc_tls": {"sender": [*_GRPC_SEND[:-1], "TLS: encrypt", _GRPC_SEND[-1]],

@@ -48,7 +48,8 @@ def transfer_server(config: WorkerConfig, engine: DecodeEngine, auth: Verifier) 
     the shared-memory one is reached
     over a Unix socket in a private (0700) directory on the same node and accepts only peers
     running as this worker's uid; `stop()` removes the directory.  The NIXL one is reached the
-    same way, its pages written one-sided (kv_transfer/transport/nixl_server.py)."""
+    same way, frames written one-sided into a staging ring of its own and copied into the
+    pages once verified (kv_transfer/transport/nixl_server.py)."""
     if config.transfer == "nixl":
         from kv_transfer.transport.nixl_server import NixlTransferServer
         return NixlTransferServer(engine.receiver, on_refused=auth.count_refusal)

@@ -19,7 +19,6 @@ from time import perf_counter
 from typing import Callable, NoReturn
 
 from engine.kv_pool import CACHED, PagePool, PageRef
-from kv_transfer import one_sided
 from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.frame import (
     PROMPT_DIGEST_BYTES,
@@ -34,7 +33,6 @@ from kv_transfer.frame import (
     tags_equal,
 )
 from kv_transfer.hooks import PLAIN_RECEIVER, ReceiverHooks
-from kv_transfer.one_sided import Exposure
 from kv_transfer.pages import block_parts, holds_block, write_payload
 from kv_transfer.reservation import TRANSFER_TIMEOUT_S, Reservation, State, prompt_pages
 from proto import kv_transfer_pb2 as pb
@@ -67,7 +65,6 @@ class TransferReceiver:
         self.accepted_bytes = 0
         self.committed = 0
         self.checksum_s = 0.0   # time spent verifying and re-checksumming (benchmark figure)
-        self.unquiet_exposures = 0   # one-sided exposures whose writes were not over in time
 
     def install_hooks(self, hooks: ReceiverHooks) -> None:
         """Route every later frame through `hooks` (kv_transfer.hooks; chaos runs install fault
@@ -115,7 +112,6 @@ class TransferReceiver:
             self._gone[transfer_id] = res.request_id
             while len(self._gone) > TOMBSTONES:
                 self._gone.popitem(last=False)
-        one_sided.end_exposure(self, res)         # a one-sided peer can no longer write the pages
         return res
 
     def expire(self) -> list[Reservation]:
@@ -203,14 +199,6 @@ class TransferReceiver:
         res.writers -= 1
         self._lock.notify_all()
 
-    def expose(self, transfer_id: bytes, tag: bytes, make: Callable[[Reservation], Exposure]) -> Exposure:
-        """Open a reservation to one-sided writes (kv_transfer/one_sided.py)."""
-        return one_sided.expose(self, transfer_id, tag, make)
-
-    def receive_in_place(self, h: pb.FrameHeader) -> None:
-        """Admit a frame a one-sided transport already wrote (kv_transfer/one_sided.py)."""
-        one_sided.receive_in_place(self, h)
-
     def stream_closed(self, transfer_id: bytes) -> None:
         """A transport's stream ended without `transfer_id`'s commit: fail the transfer.
         Transports call this only for transfers the stream proved it owns (a frame that
@@ -224,16 +212,13 @@ class TransferReceiver:
                 self._fail(res, Refusal.STREAM_CLOSED, "the stream ended before the commit")
 
     def commit(self, c: pb.Commit) -> Reservation:
-        """Close the transfer: a re-checksum of the destination pages (for frames a one-sided
-        transport wrote, their first verify: reported as BAD_CHECKSUM), coverage and digest.
+        """Close the transfer: coverage, digest and a re-checksum of the destination pages.
         Returns the committed reservation; raises TransferRefused (failing it) otherwise."""
         with self._lock:
             res = self._checked(c)
             self._lock.wait_for(lambda: res.writers == 0)
+            self._guard(res, lambda: res.check_coverage(c))
             records = list(res.frames.values())
-        if not one_sided.end_exposure(self, res):        # before any in-place page is verified
-            with self._lock:
-                self._refuse(res, Refusal.TRANSPORT, "the one-sided sender's writes were not over")
         t0 = perf_counter()
         bad = [r.header.seq for r in records
                if checksum_of(r.head, list[Buffer](block_parts(self.pool, r.page, r.header.layer_start,
@@ -242,11 +227,6 @@ class TransferReceiver:
         self.checksum_s += perf_counter() - t0
         with self._lock:
             self._checked(c)
-            wrong = [seq for seq in bad if res.frames[seq].in_place]     # verified here for the first time
-            if wrong:
-                self._refuse(res, Refusal.BAD_CHECKSUM, f"frames {wrong[:8]}, written in place, do not hash "
-                             f"to their checksums")
-            self._guard(res, lambda: res.check_coverage(c))
             if bad:
                 self._guard(res, lambda: self._raise(Refusal.RECHECK_FAILED, f"destination pages of frames "
                                                      f"{bad[:8]} do not hash as sent"))
@@ -255,7 +235,6 @@ class TransferReceiver:
                 for i, ref in enumerate(res.pages):
                     self._check_page(res, ref, cached=i < res.first_page)
             self._guard(res, pages_unchanged)
-            one_sided.mark_in_place(self, res)
             res.state, res.first_token_id, res.first_logprob = State.COMMITTED, c.first_token_id, c.first_logprob
             res.first_top = dict(zip(c.first_top_ids, c.first_top_logprobs))
             self.committed += 1

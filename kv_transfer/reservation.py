@@ -18,16 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
 
 from engine.kv_pool import PagePool, PageRef
 from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.frame import commit_digest
 from kv_transfer.pages import block_nbytes, block_shape, dtype_name, tokens_in_page
 from proto import kv_transfer_pb2 as pb
-
-if TYPE_CHECKING:
-    from kv_transfer.one_sided import Exposure
 
 TRANSFER_TIMEOUT_S = 30.0   # a reservation's default idle timeout (WorkerSettings.transfer_timeout_s)
 
@@ -70,7 +66,6 @@ class FrameRecord:
     header: pb.FrameHeader
     page: int                 # physical page in the receiver's pool
     head: bytes = b""         # kv_transfer.frame.header_bytes(header), hashed again at the re-check
-    in_place: bool = False    # written by a one-sided transport: first verified at the commit
 
 
 @dataclass
@@ -96,7 +91,6 @@ class Reservation:
     first_token_id: int | None = None
     first_logprob: float | None = None
     first_top: dict[int, float] = field(default_factory=dict)   # the first token's top-N
-    exposure: Exposure | None = None   # the pages registered for one-sided writes (kv_transfer/one_sided.py)
 
     def __post_init__(self) -> None:
         self.layers_done = [bytearray(self.num_layers) for _ in self.pages]
@@ -182,13 +176,12 @@ class Reservation:
         if commit_digest([self.frames[s].header.checksum for s in seqs]) != c.digest:
             raise TransferRefused(Refusal.BAD_DIGEST, "digest over frame checksums differs")
 
-    def claim(self, h: pb.FrameHeader, in_place: bool = False) -> FrameRecord:
-        """Take (page, layers) and the seq for `h` and, unless a one-sided transport already
-        wrote it (`in_place`), count a write in flight; returns its record."""
+    def claim(self, h: pb.FrameHeader) -> FrameRecord:
+        """Take (page, layers) and the seq for `h` and count a write in flight; returns its record."""
         done = self.layers_done[h.page_index]
         done[h.layer_start:h.layer_end] = b"\x01" * (h.layer_end - h.layer_start)
-        record = self.frames[h.seq] = FrameRecord(h, self.pages[h.page_index].page, in_place=in_place)
-        self.writers += not in_place
+        record = self.frames[h.seq] = FrameRecord(h, self.pages[h.page_index].page)
+        self.writers += 1
         self.state = State.RECEIVING
         return record
 

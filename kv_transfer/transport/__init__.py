@@ -3,8 +3,9 @@ a server that feeds a `TransferReceiver` on the receiving side.
 
     local://NAME          in-process (tests, the colocated worker)
     shm://PATH            same node: payloads in shared memory, headers over a Unix socket
-    nixl://PATH           same node: NIXL one-sided writes into the reserved pages, headers
-                          and commit over a Unix socket (the `nixl` extra)
+    nixl://PATH           same node: NIXL one-sided writes into a staging ring the receiver
+                          registered (never its pool), headers and commit over a Unix socket
+                          (the `nixl` extra)
     grpc://HOST:PORT      across nodes: gRPC client streaming
 
 `connect` picks the transport from the endpoint's scheme.

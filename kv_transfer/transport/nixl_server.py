@@ -1,26 +1,35 @@
-"""NIXL transport, receiving side: one-sided writes straight into the reserved pages, and a
-Unix-socket control channel (unix_server.py: who may connect) for everything else.
+"""NIXL transport, receiving side: the sender writes one-sided into a staging ring this side
+registered for its connection alone, never into a page of the pool; a Unix-socket control
+channel (unix_server.py: who may connect) carries everything else.
 
     sender                                   this server
-    Hello(versions)                   ->     HelloReply(version)
-    Hello(transfer_id, ownership_tag) ->     the tag checked, the reservation's sent pages
-                                             registered for this transfer alone; HelloReply(nixl=
-                                             NixlTarget: partial agent metadata, strides, pages)
-    NIXL writes into the pages ...           (no code of ours runs)
-    Frames(headers of written frames) ->     receive_in_place: admitted, nothing copied
-    Commit                            ->     the exposure ends (deregistered, quiet), every frame
-                                             verified where it lies, coverage; PushReply
+    Hello(versions, shm_size)         ->     a ring from StagingRings, its first
+                                             min(shm_size, staging_bytes) bytes registered;
+                                             HelloReply(version, nixl=NixlStaging: that
+                                             registration's partial agent metadata, address, size)
+    NIXL writes into the ring ...            (no code of ours runs)
+    Frames(headers, ring offsets)     ->     each frame verified where it lies in the ring, then
+                                             copied into its page (TransferReceiver.receive, as
+                                             for shm://); the reply frees that ring space
+    Commit                            ->     TransferReceiver.commit (coverage, re-checksum)
 
-Only the transfer's own pages are registered, as runs of consecutive physical pages per
-(layer, component); the registration is dropped at the commit and before the owner may free
-the pages (TransferReceiver.release).  On one host UCX moves the bytes over cross-memory attach
-(`cma`, process_vm_writev): a registration bounds what an honest sender's NIXL lets it address,
-while the host's uid check is what keeps other processes out, as for shm://.  Over RDMA the NIC
-enforces the registration itself.
+Why a ring and not the pages.  On one host UCX moves the bytes by cross-memory attach
+(process_vm_writev), which checks no registration: a write through descriptors a sender kept
+from an earlier transfer still lands after the memory was deregistered (so, over RDMA, would
+one through a key that is still registered).  A write the receiver did not expect must find
+nothing it will read unverified.  Here it can only reach a staging ring: a ring's bytes are
+read only to verify a frame whose header came over the control socket and to copy it once it
+verified, and a ring is never handed back to the allocator — a closed connection's ring goes
+to the back of StagingRings' queue and serves a later connection.  A stray write into a frame
+being received fails its checksum (BAD_CHECKSUM), or, landing between the verify and the copy,
+the commit's re-checksum of the destination pages (RECHECK_FAILED); no pool page is ever
+registered, so I2 holds as for every transport: a frame that fails its checksum is never
+written.  (Over RDMA the NIC also enforces the registration; the uid check on the socket is
+what keeps other local processes out, as for shm://.)
 
 The agent runs without NIXL's progress thread (it spins a core); a connection thread drives the
-agent's progress while it waits for the next control message, every millisecond while one of its
-transfers is open to writes.
+agent's progress while it waits for the next control message, every millisecond for a second
+after each message (a sender's first write waits on it: UCX's wire-up), then every 50 ms.
 """
 
 from __future__ import annotations
@@ -28,144 +37,146 @@ from __future__ import annotations
 import select
 import socket
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterable
 
+import torch
+
 from kv_transfer.errors import Refusal, TransferRefused
+from kv_transfer.pages import as_bytes
 from kv_transfer.receiver import TransferReceiver
-from kv_transfer.reservation import Reservation
-from kv_transfer.transport.nixl_agent import Agent, Region, Registration
+from kv_transfer.transport import framing
+from kv_transfer.transport.base import TransportConfig
+from kv_transfer.transport.nixl_agent import Agent
 from kv_transfer.transport.unix_server import UnixControlServer
 from kv_transfer.transport.wire import recv_msg, send_msg
 from proto import kv_transfer_pb2 as pb
 
-BUSY_POLL_S = 0.001      # progress period while a transfer of the connection is open to writes
-IDLE_POLL_S = 0.05
+BUSY_POLL_S = 0.001      # progress period in the BUSY_S after a connection's latest message
+BUSY_S = 1.0
+IDLE_POLL_S = 0.05       # ... and on an idle connection (UCX's wire-up waits on this side's progress)
+MIN_STAGING = 1 << 16    # the smallest ring a sender may ask for (TransportConfig.shm_bytes' floor)
+MAX_CONNECTIONS = 32     # rings a server makes at most: 32 x 8 MiB by default
 
 
-class NixlExposure:
-    """One reservation's pages registered for one sender's one-sided writes."""
+class StagingRings:
+    """A server's staging rings: at most `count` of `nbytes` each, made on first need and kept
+    for the server's life (their memory never goes back to the allocator, so a late write can
+    never reach memory put to another use).  Thread-safe."""
 
-    def __init__(self, agent: Agent, reg: Registration) -> None:
-        self._agent, self._reg = agent, reg
-        self._quiet = threading.Event()
+    def __init__(self, nbytes: int, count: int) -> None:
+        if nbytes < MIN_STAGING or count < 1:
+            raise ValueError(f"staging rings of {nbytes} bytes (>= {MIN_STAGING}) x {count} (>= 1)")
+        self.nbytes, self.count = nbytes, count
+        self._free: deque[torch.Tensor] = deque()
+        self._made = 0
+        self._lock = threading.Lock()
 
-    def revoke(self) -> None:
-        self._agent.deregister(self._reg)
+    def take(self) -> torch.Tensor:
+        """The ring idle the longest (or a new one); raises TransferRefused(TRANSPORT) when
+        all `count` are in use."""
+        with self._lock:
+            if self._free:
+                return self._free.popleft()
+            if self._made >= self.count:
+                raise TransferRefused(Refusal.TRANSPORT, f"all {self.count} NIXL staging rings of {self.nbytes} "
+                                      f"bytes are in use (the receiver's max_connections)")
+            self._made += 1
+        return torch.zeros(self.nbytes, dtype=torch.uint8)
 
-    def quiet(self, timeout_s: float) -> bool:
-        return self._quiet.wait(timeout_s)
-
-    def metadata(self) -> bytes:
-        """What the sender needs to write into these pages (and no other memory of this agent)."""
-        return self._agent.partial_metadata(self._reg)
-
-    def settle(self) -> None:
-        """The sender has no write in flight (it committed, or closed the connection)."""
-        self._quiet.set()
+    def give_back(self, ring: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(ring)
 
     @property
-    def settled(self) -> bool:
-        return self._quiet.is_set()
-
-
-def page_regions(res: Reservation, kv_base: int, strides: tuple[int, int, int], layers: int,
-                 components: int, page_bytes: int) -> list[Region]:
-    """The bytes frames may write: for each (layer, component), each run of consecutive
-    physical pages among the reservation's sent pages, as one region."""
-    layer_stride, component_stride, page_stride = strides
-    pages = sorted(ref.page for ref in res.sent_pages)
-    runs: list[tuple[int, int]] = []           # (first page, count)
-    for p in pages:
-        if runs and runs[-1][0] + runs[-1][1] == p:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((p, 1))
-    return [(kv_base + layer * layer_stride + c * component_stride + first * page_stride, count * page_bytes)
-            for layer in range(layers) for c in range(components) for first, count in runs]
+    def in_use(self) -> int:
+        with self._lock:
+            return self._made - len(self._free)
 
 
 class NixlTransferServer(UnixControlServer):
     """Serves `receiver` at nixl://PATH (see UnixControlServer for `path`, `allowed_uids` and
-    `on_refused`).  Raises ImportError, binding nothing, when NIXL cannot run here."""
+    `on_refused`).  A connection gets a staging ring of the bytes its Hello asks for, at most
+    `staging_bytes`; at most `max_connections` hold one at once (more are refused with a
+    TRANSPORT error naming the limit).  Raises ImportError, binding nothing, when NIXL cannot
+    run here."""
 
     SCHEME = "nixl"
 
     def __init__(self, receiver: TransferReceiver, path: str | None = None,
-                 allowed_uids: Iterable[int] | None = None, on_refused: Callable[[], None] | None = None) -> None:
+                 allowed_uids: Iterable[int] | None = None, on_refused: Callable[[], None] | None = None,
+                 staging_bytes: int = TransportConfig.shm_bytes, max_connections: int = MAX_CONNECTIONS) -> None:
         self.agent = Agent("kv-receiver")
-        kv = receiver.pool.kv
-        self._mem = ("VRAM", kv.device.index or 0) if kv.is_cuda else ("DRAM", 0)
+        self.rings = StagingRings(staging_bytes, max_connections)
         super().__init__(receiver, path, allowed_uids, on_refused)
 
     def _connection(self, conn: socket.socket) -> None:
         seen: set[bytes] = set()
-        exposures: dict[bytes, NixlExposure] = {}
+        ring = reg = None
         try:
-            first = self._next(conn, exposures)
+            first = self._next(conn)
             version = self._agree(conn, first)
-            if version is None:
+            if first is None or version is None:
                 return
-            send_msg(conn, pb.PushReply(ok=True, hello=pb.HelloReply(version=version)))
-            while (msg := self._next(conn, exposures)) is not None:
-                send_msg(conn, self._handle(msg, seen, exposures))
+            size = first.hello.shm_size
+            try:
+                if not MIN_STAGING <= size <= self.rings.nbytes:
+                    raise TransferRefused(Refusal.TRANSPORT, f"a NIXL staging ring of {size} bytes was asked for; "
+                                          f"this receiver gives {MIN_STAGING} to {self.rings.nbytes}")
+                ring = self.rings.take()
+            except TransferRefused as e:
+                send_msg(conn, pb.PushReply(ok=False, reason=e.code, detail=e.detail))
+                return
+            reg = self.agent.register([(ring.data_ptr(), size)], "DRAM", 0)
+            staging = pb.NixlStaging(agent_metadata=self.agent.partial_metadata(reg), base=ring.data_ptr(),
+                                     size=size, mem_type="DRAM", device_id=0)
+            send_msg(conn, pb.PushReply(ok=True, hello=pb.HelloReply(version=version, nixl=staging)))
+            self._frames(conn, as_bytes(ring[:size]), seen)
         except (OSError, ConnectionError):
             pass
         finally:
-            for exposure in exposures.values():     # the sender closes only once its writes are over
-                exposure.settle()
             for tid in seen:
                 self.receiver.stream_closed(tid)
+            if reg is not None:
+                self.agent.deregister(reg)
+            if ring is not None:
+                self.rings.give_back(ring)
             self._conns.discard(conn)
             conn.close()
 
-    def _next(self, conn: socket.socket, exposures: dict[bytes, NixlExposure]) -> pb.PushMessage | None:
+    def _next(self, conn: socket.socket) -> pb.PushMessage | None:
         """The next control message, driving the agent's progress while none is there."""
-        while True:
-            busy = any(not e.settled for e in exposures.values())
-            if select.select([conn], [], [], BUSY_POLL_S if busy else IDLE_POLL_S)[0]:
-                return recv_msg(conn, pb.PushMessage)
+        busy_until = time.monotonic() + BUSY_S
+        while not select.select([conn], [], [], BUSY_POLL_S if time.monotonic() < busy_until else IDLE_POLL_S)[0]:
             self.agent.progress()
+        return recv_msg(conn, pb.PushMessage)
 
-    def _handle(self, msg: pb.PushMessage, seen: set[bytes], exposures: dict[bytes, NixlExposure]) -> pb.PushReply:
-        kind = msg.WhichOneof("kind")
-        try:
-            if kind == "hello":
-                tid = msg.hello.transfer_id
-                exposure = self.receiver.expose(tid, msg.hello.ownership_tag, self._register)
-                assert isinstance(exposure, NixlExposure)
-                exposures[tid] = exposure
-                seen.add(tid)           # it may now write: closing fails the transfer
-                return pb.PushReply(ok=True, hello=pb.HelloReply(nixl=self._target(tid, exposure)))
-            if kind == "commit":
-                tid = msg.commit.transfer_id
-                if tid in exposures:
-                    exposures.pop(tid).settle()        # sent once every write completed
-                res = self.receiver.commit(msg.commit)
-                seen.discard(tid)
-                return pb.PushReply(ok=True, committed=True, frames_accepted=len(res.frames))
-            if kind == "frames":
-                for f in msg.frames.frames:
-                    self.receiver.receive_in_place(f.header)
-                return pb.PushReply(ok=True, frames_accepted=len(msg.frames.frames))
-            return pb.PushReply(ok=False, reason=Refusal.TRANSPORT.value, detail=f"unexpected {kind} message")
-        except TransferRefused as e:
-            return pb.PushReply(ok=False, reason=e.code, detail=e.detail)
+    def _frames(self, conn: socket.socket, ring: memoryview, seen: set[bytes]) -> None:
+        """One reply per message: a batch of frames or a commit (a transfer's Hello, as
+        shm:// senders send it, needs none)."""
+        while (msg := self._next(conn)) is not None:
+            kind = msg.WhichOneof("kind")
+            try:
+                if kind == "hello":
+                    self.receiver.hello(list(msg.hello.versions))
+                    continue
+                if kind == "commit":
+                    res = self.receiver.commit(msg.commit)
+                    seen.discard(msg.commit.transfer_id)
+                    send_msg(conn, pb.PushReply(ok=True, committed=True, frames_accepted=len(res.frames)))
+                    continue
+                frames = framing.frames_of(msg)
+                for f in frames:
+                    self._receive(ring, f)
+                    seen.add(f.header.transfer_id)     # closing fails only what this stream wrote into
+                send_msg(conn, pb.PushReply(ok=True, frames_accepted=len(frames)))
+            except TransferRefused as e:
+                send_msg(conn, pb.PushReply(ok=False, reason=e.code, detail=e.detail))
 
-    def _register(self, res: Reservation) -> NixlExposure:
-        kv = self.receiver.pool.kv
-        item = kv.element_size()
-        strides = (kv.stride(0) * item, kv.stride(1) * item, kv.stride(2) * item)
-        regions = page_regions(res, kv.data_ptr(), strides, kv.shape[0], kv.shape[1], kv.stride(2) * item)
-        return NixlExposure(self.agent, self.agent.register(regions, *self._mem))
-
-    def _target(self, tid: bytes, exposure: NixlExposure) -> pb.NixlTarget:
-        res = self.receiver.get(tid)
-        if res is None:
-            raise TransferRefused(Refusal.EXPIRED, f"transfer {tid.hex()[:16]} ended")
-        kv = self.receiver.pool.kv
-        item = kv.element_size()
-        return pb.NixlTarget(
-            agent_metadata=exposure.metadata(), base=kv.data_ptr(),
-            layer_stride=kv.stride(0) * item, component_stride=kv.stride(1) * item,
-            page_stride=kv.stride(2) * item, token_stride=kv.stride(3) * item,
-            pages=[ref.page for ref in res.pages], mem_type=self._mem[0], device_id=self._mem[1])
+    def _receive(self, ring: memoryview, f: pb.Frame) -> None:
+        end = f.payload_offset + f.payload_length
+        if end > len(ring):
+            raise TransferRefused(Refusal.BAD_GEOMETRY, f"payload [{f.payload_offset}, {end}) outside "
+                                  f"the staging ring of {len(ring)} bytes")
+        self.receiver.receive(f.header, ring[f.payload_offset:end])
