@@ -15,6 +15,7 @@ from deploy.colocated import start_colocated_worker
 from engine.params import SamplingParams
 from engine.scheduler import Scheduler
 from kv_transfer.reservation import State
+from kv_transfer.transport.nixl_agent import unavailable as nixl_unavailable
 from proto import worker_pb2 as wpb
 from proto import worker_pb2_grpc as wpb_grpc
 from tests.workers import Result, channel, config, run, start_decode, start_prefill, wait_idle
@@ -43,8 +44,10 @@ def reference(shipped_llm, prompts):
     return shipped_llm.generate(prompts, PARAMS)
 
 
-@pytest.mark.parametrize("resident, transfer", [(None, "grpc"), (16, "grpc"), (None, "shm")])
+@pytest.mark.parametrize("resident, transfer", [(None, "grpc"), (16, "grpc"), (None, "shm"), (None, "nixl")])
 def test_disaggregated_greedy_equals_the_engine(prompts, reference, resident, transfer):
+    if transfer == "nixl" and (why := nixl_unavailable()) is not None:
+        pytest.skip(why)
     cfg = config(paged_experts_num_resident=resident, max_prefill_tokens=128, layer_group=2,
                  transfer=transfer)
     decode, prefill = start_decode(cfg), start_prefill(cfg)

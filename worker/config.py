@@ -33,9 +33,7 @@ STEP_DEADLINE_S = 30.0          # a loop iteration longer than this: Health says
 # budget (engine/grammar_check.py) when its EngineConfig sets none: twice the gateway's default
 # compile timeout, so what the gateway passed passes here
 GRAMMAR_CHECK_TIMEOUT_S = 2 * GRAMMAR_COMPILE_TIMEOUT_S
-# nixl is left out until the chaos run over it is clean (issue 36 note: cached pages overwritten
-# through stale NIXL registrations); the transport itself stays tested in tests/test_kv_nixl.py
-TRANSFERS = ("grpc", "shm")
+TRANSFERS = ("grpc", "shm", "nixl")
 
 
 @dataclass(frozen=True)
@@ -50,8 +48,8 @@ class WorkerSettings:
     mem_fraction: float | None = option(None, type=float, instead_of="kv_cache_tokens", says_default=True,
                                         help="size the KV pool as this share of free memory, instead of "
                                         "--kv-cache-tokens (default: not used)")
-    transfer: str = option("grpc", choices=TRANSFERS, help="how prefill reaches decode (shm: same node "
-                           "only)")
+    transfer: str = option("grpc", choices=TRANSFERS, help="how prefill reaches decode (shm, nixl: "
+                           "same node only)")
     transfer_timeout_s: float = option(TRANSFER_TIMEOUT_S, help="a reservation that receives nothing for this long "
                                        "ends, seconds")
     max_request_timeout_s: float = option(MAX_REQUEST_TIMEOUT_S, help="a Generate's timeout_s is clamped to this")
