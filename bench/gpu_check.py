@@ -10,8 +10,11 @@ the check goes on):
                        on the device, transfer faults against a CUDA pool), the grammar mask
                        on the device (tests/test_structured_engine.py), and the compiled decode
                        step as CUDA graphs (tests/test_cuda_compiled.py: tokens equal to eager,
-                       host synchronisations per step counted, paged experts bit-identical; its
-                       figures under figures["compiled"]); all skip without CUDA
+                       host synchronisations per step counted, paged experts bit-identical, none
+                       in a bucket deciding on the device; its figures under
+                       figures["compiled"]), the page-in kernel over pinned host memory
+                       (tests/test_kernel_expert_copy.py, interpreted without CUDA); the
+                       others skip without CUDA
   families             `pytest -m cuda tests/test_cuda_families.py`: every model family's tiny
                        checkpoint on the device (Triton attention and fused MoE) against the CPU's
                        torch path, paged experts bit-identical to resident, bf16, the compiled
@@ -81,7 +84,7 @@ STEPS = [
 SKIP_WHY = {"cuda": "needs a CUDA device", "cpu": "on CUDA the compiled kernels run in cuda_tests and families"}
 KERNEL_TESTS = ["tests/test_kernel_paged_attention.py", "tests/test_kernel_fused_moe.py",
                 "tests/test_kernel_fused_moe_quant.py", "tests/test_kernel_quant_linear.py",
-                "tests/test_attention_variants.py"]
+                "tests/test_attention_variants.py", "tests/test_kernel_expert_copy.py"]
 
 
 def child_env() -> tuple[dict[str, str], str | None]:
@@ -131,7 +134,8 @@ def run_module_step(name: str, device: str, quick: bool, limit_s: float, env: di
 def run_step(step: Step, device: str, quick: bool, limit_s: float, env: dict[str, str], tmp: str) -> dict[str, Any]:
     if step.name == "cuda_tests":
         result = pytest_step(["-m", "cuda", "tests/test_cuda_paths.py", "tests/test_structured_engine.py",
-                              "tests/test_cuda_compiled.py"], limit_s, env, tmp, ROOT, "cuda_tests")
+                              "tests/test_cuda_compiled.py", "tests/test_kernel_expert_copy.py"],
+                             limit_s, env, tmp, ROOT, "cuda_tests")
         result["figures"].update(result["figures"].pop("properties", {}))   # "compiled": {...}
         return result
     if step.name == "families":
