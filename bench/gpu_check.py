@@ -27,6 +27,11 @@ the check goes on):
   kernels_interpreted  without CUDA only: the kernel tests (attention variants included) under
                        the Triton interpreter
   attention_bandwidth  Triton paged attention's achieved memory bandwidth (CUDA only)
+  real_shape           `bench.real_shape --device cuda` (CUDA only): paged experts at Qwen3-30B-A3B's
+                       MoE shape (8 of 48 layers, random bf16 weights, routing from the shipped
+                       model's recorded trace), K from preflight at 16 GiB and 24/40/92, batches
+                       1/4/16: tok/s, misses, pinned H2D GB/s, ratio to the reference-LRU link
+                       bound, no_cliff_ratio, host syncs per step
   engine, experts, transfer   `bench.engine`, `bench.experts`, `bench.transfer` with --device (engine,
                        on CUDA: compiled and eager side by side, compile_s / compile_cached_s)
 
@@ -78,6 +83,7 @@ STEPS = [
     Step("kernels_interpreted", 300, where="cpu", quick=False),
     Step("attention_bandwidth", 90, where="cuda"),
     Step("experts", 120),
+    Step("real_shape", 300, where="cuda", quick=False),
     Step("engine", 240),
     Step("transfer", 90, quick=False),
 ]
