@@ -8,12 +8,15 @@ loader) computed by `PagedExperts` as the compiled decode step sets it up (the g
 kernel, `gathered_all`, for every call, uncompiled here).  The router's matmul is paid ([T, H] x [H, E]),
 but the experts a token uses come from the trace: its probabilities at the trace's ids, renormed,
 weight the experts' outputs.  No attention, norms or embeddings: a decode step is every layer's
-MoE for the batch's tokens, x <- x + moe(x), layer after layer.
+MoE for the batch's tokens, x <- x + moe(x), layer after layer.  On CUDA a point deciding on the
+device runs the step as one captured CUDA graph (`captured_step`), as the engine's decode step
+is captured; host-plan points run eagerly (the routing read in every layer).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,19 +152,57 @@ def run_point(stores: list[ExpertStore], routers: list[torch.Tensor], shape: Moe
                 layer.experts.slots.mark_used()
         return h
 
+    advance = captured_step(layers, on_device, x, live) if plan == "device" and device.type == "cuda" else step
+
     for s in range(counts.warmup):
-        step(s)
+        advance(s)
     synchronize(device)
     before = totals(layers)
     start = time.perf_counter()
     for s in range(counts.warmup, counts.warmup + counts.timed):
-        out = step(s)
+        out = advance(s)
     synchronize(device)
     elapsed = time.perf_counter() - start
     after = totals(layers)
-    syncs = count_syncs(step, counts, device)
+    syncs = count_syncs(advance, counts, device)
     assert bool(torch.isfinite(out.float()).all()), "the MoE step produced non-finite values"
     return point_figures(ids, k, batch, plan, counts, elapsed, before, after, syncs, shape, link_bytes_per_s)
+
+
+def captured_step(layers: list[MoeLayer], ids: list[torch.Tensor], x: torch.Tensor, live: torch.Tensor
+                  ) -> Callable[[int], torch.Tensor]:
+    """CUDA: every layer's MoE step deciding on the device, captured as one CUDA graph (as the
+    engine captures a decode bucket), replayed per step after one device copy of that step's
+    routing into the graph's static buffer; the host reads nothing.  The warm-up (Triton
+    compiles there, never inside the capture) and the capture run step 0's routing: repeating
+    a step changes no slot and no LRU order, so the misses of later steps stay the reference's."""
+    stacked = torch.stack(ids)                    # [L, steps, batch, top_k]
+    static = stacked[:, 0].clone()
+
+    def body() -> torch.Tensor:
+        h = x
+        for li, layer in enumerate(layers):
+            h = layer(h, static[li], live)
+        return h
+    side = torch.cuda.Stream(device=x.device)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize(x.device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = body()
+
+    def step(s: int) -> torch.Tensor:
+        static.copy_(stacked[:, s])
+        graph.replay()
+        for layer in layers:
+            layer.experts.slots.device_stepped()
+            layer.experts.slots.mark_used()
+        return out
+    return step
 
 
 def count_syncs(step: Any, counts: StepCounts, device: torch.device) -> float | None:
