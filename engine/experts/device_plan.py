@@ -42,9 +42,29 @@ class DevicePlan:
         self.num_experts, self.num_slots = e, k
         # one tensor, so a compiled step has one input (and guard) per layer for all of it
         self.state = torch.zeros(e + 1 + 2 * (k + 1) + 1 + 4, dtype=torch.int64, device=device)
-        self.slot_table, self.expert_in, self.stamps, self.tick, self.tallies = self._views(self.state)
         self.slot_table.fill_(-1)
         self.expert_in.fill_(-1)
+
+    # views of `state`, made when asked (the model holds no tensor that starts mid-allocation)
+    @property
+    def slot_table(self) -> torch.Tensor:
+        return self._views(self.state)[0]
+
+    @property
+    def expert_in(self) -> torch.Tensor:
+        return self._views(self.state)[1]
+
+    @property
+    def stamps(self) -> torch.Tensor:
+        return self._views(self.state)[2]
+
+    @property
+    def tick(self) -> torch.Tensor:
+        return self._views(self.state)[3]
+
+    @property
+    def tallies(self) -> torch.Tensor:
+        return self._views(self.state)[4]
 
     def _views(self, state: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """slot_table [E], expert_in [K], stamps [K], tick [1], tallies [4] of `state` (each of
