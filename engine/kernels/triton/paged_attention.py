@@ -43,8 +43,11 @@ MAX_HEAD_DIM = 1024
 
 # Kernel parameters are annotated with their in-kernel types, tl.tensor (pointers and runtime
 # scalars) or tl.constexpr, never `int`/`float`/`bool`: Triton reads those as forced i32/fp32/u1
-# argument types (no 64-bit strides, no specialisation of integers equal to 1).
-@triton.jit
+# argument types (no 64-bit strides, no specialisation of integers equal to 1).  The page table's
+# width (max_pages, stride_ptb) is the one argument that changes with a request's batch partners
+# (a batch's table is as wide as its longest request), so it is never specialised: the same
+# binary serves a request whatever is beside it.
+@triton.jit(do_not_specialize=["stride_ptb", "max_pages"])
 def _paged_decode_kernel(
     q_ptr: tl.tensor, k_ptr: tl.tensor, v_ptr: tl.tensor, pt_ptr: tl.tensor, sl_ptr: tl.tensor,
     sink_ptr: tl.tensor, o_ptr: tl.tensor, m_ptr: tl.tensor, l_ptr: tl.tensor, acc_ptr: tl.tensor,

@@ -67,7 +67,7 @@ def visible_keys(sl_ptr: tl.tensor, b: tl.tensor, max_pages: tl.tensor, window: 
     return first, seq_len
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_pages"])  # as the decode kernel's (see there)
 def _combine_kernel(
     sl_ptr: tl.tensor, m_ptr: tl.tensor, l_ptr: tl.tensor, acc_ptr: tl.tensor, o_ptr: tl.tensor,
     stride_mb: tl.tensor, stride_mh: tl.tensor,                        # m, l: [B, Hq, MAX_SPLITS]
