@@ -49,7 +49,10 @@ LINES = {
                                      f"peak {_num(f.get('peak_gbps'))}, "
                                      f"{_num(f.get('fraction_of_copy'))} of a d2d copy "
                                      f"({_num(f.get('median_ms'))} ms); same bytes "
-                                     + ", ".join(f"{k}: {_num(v)}" for k, v in f.get("same_bytes", {}).items()),
+                                     + ", ".join(f"{k}: {_num(v)}" for k, v in f.get("same_bytes", {}).items())
+                                     + "; split-K/one pass " + ", ".join(
+                                         f"{k}: {_num(v.get('split_gbps'))}/{_num(v.get('one_pass_gbps'))}"
+                                         for k, v in f.get("split_k", {}).items()),
     "engine": lambda f: f"single {_num(f.get('engine_single_tok_s'))} tok/s, 16 concurrent "
                         f"{_num(f.get('engine_batch16_tok_s'))} tok/s ({f.get('attention_backend')})",
     "experts": _experts,
