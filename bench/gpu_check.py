@@ -13,8 +13,10 @@ the check goes on):
                        host synchronisations per step counted, paged experts bit-identical, none
                        in a bucket deciding on the device; its figures under
                        figures["compiled"]), the page-in kernel over pinned host memory
-                       (tests/test_kernel_expert_copy.py, interpreted without CUDA); the
-                       others skip without CUDA
+                       (tests/test_kernel_expert_copy.py) and split-K decode attention
+                       against the reference and batch-independent
+                       (tests/test_kernel_split_attention.py), both interpreted without CUDA;
+                       the others skip without CUDA
   families             `pytest -m cuda tests/test_cuda_families.py`: every model family's tiny
                        checkpoint on the device (Triton attention and fused MoE) against the CPU's
                        torch path, paged experts bit-identical to resident, bf16, the compiled
@@ -90,7 +92,8 @@ STEPS = [
 SKIP_WHY = {"cuda": "needs a CUDA device", "cpu": "on CUDA the compiled kernels run in cuda_tests and families"}
 KERNEL_TESTS = ["tests/test_kernel_paged_attention.py", "tests/test_kernel_fused_moe.py",
                 "tests/test_kernel_fused_moe_quant.py", "tests/test_kernel_quant_linear.py",
-                "tests/test_attention_variants.py", "tests/test_kernel_expert_copy.py"]
+                "tests/test_attention_variants.py", "tests/test_kernel_expert_copy.py",
+                "tests/test_kernel_split_attention.py"]
 
 
 def child_env() -> tuple[dict[str, str], str | None]:
@@ -140,7 +143,8 @@ def run_module_step(name: str, device: str, quick: bool, limit_s: float, env: di
 def run_step(step: Step, device: str, quick: bool, limit_s: float, env: dict[str, str], tmp: str) -> dict[str, Any]:
     if step.name == "cuda_tests":
         result = pytest_step(["-m", "cuda", "tests/test_cuda_paths.py", "tests/test_structured_engine.py",
-                              "tests/test_cuda_compiled.py", "tests/test_kernel_expert_copy.py"],
+                              "tests/test_cuda_compiled.py", "tests/test_kernel_expert_copy.py",
+                              "tests/test_kernel_split_attention.py"],
                              limit_s, env, tmp, ROOT, "cuda_tests")
         result["figures"].update(result["figures"].pop("properties", {}))   # "compiled": {...}
         return result

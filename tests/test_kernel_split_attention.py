@@ -134,6 +134,7 @@ from tests.kernel_harness import kernel_case_tests  # noqa: E402
 
 case_results, test_split_kernel = kernel_case_tests(
     __file__, run_cases, [c[0] for c in CASES] + [f"batch_independent_{n}" for n in INDEPENDENCE])
+test_split_kernel = pytest.mark.cuda(test_split_kernel)   # bench.gpu_check's cuda_tests: on the device
 
 
 @pytest.mark.parametrize("block_n", [16, 32, 64])
