@@ -5,7 +5,7 @@
     python -m bench.experts --format fp8,int4,mxfp4 [--json]   # quantized experts against bf16
 
 With `--device cuda` nothing is emulated: experts are paged from pinned host memory over the
-real link (CUDA copy streams, prefetch on), the link's pinned host-to-device bandwidth B is
+real link (CUDA copy streams, prefetch on and off), the link's pinned host-to-device bandwidth B is
 measured in the same run, and paged decode is compared with the bound that link alone sets:
 B / (L * k * miss rate * expert bytes) tokens/s for L MoE layers, top-k experts per token
 (see `device_run`).

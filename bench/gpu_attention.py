@@ -7,8 +7,11 @@ shuffled order, and divides the bytes it must read (K, V, q, the page table) and
 by the median time.  It is compared with the device's published peak (PEAK_BYTES_PER_S, with
 the source of each figure) and with a device-to-device copy measured in the same run.
 `same_bytes` repeats the measurement with the same cache split into fewer, longer sequences
-and more, shorter ones: the kernel runs one program per (sequence, KV head), so this shows
-how its bandwidth depends on the number of programs.
+and more, shorter ones: the kernel runs one program per (sequence, KV head, chunk of keys), so
+this shows how its bandwidth depends on the number of programs.  Every shape is timed as served
+(split-K: `achieved_gbps`) and with splitting off (`one_pass_gbps`, max_splits=1, the kernel
+before split-K); `split_k` lists both for the default shape and the one of 4x fewer, 4x longer
+sequences (64 x 4,096 and 16 x 16,384 by default).  CUDA only: bench.gpu_check skips it elsewhere.
 """
 
 from __future__ import annotations
@@ -67,18 +70,22 @@ def attention_bandwidth(device: str = "cuda", seqs: int = 64, tokens: int = 4096
     result.update(peak_gbps=peak / 1e9 if peak else None, peak_source=source,
                   fraction_of_peak=achieved / peak if peak else None, d2d_copy_gbps=copy / 1e9,
                   fraction_of_copy=achieved / copy, units="GB/s (1e9 bytes/s)")
-    result["same_bytes"] = {f"{s}x{t}": kernel_bandwidth(device, s, t, kv_heads, q_heads, head_dim, page_size,
-                                                         dtype, repeats)["achieved_gbps"]
-                            for s, t in ((seqs // 4, tokens * 4), (seqs * 4, tokens // 4))}
+    others = {f"{s}x{t}": kernel_bandwidth(device, s, t, kv_heads, q_heads, head_dim, page_size, dtype, repeats)
+              for s, t in ((seqs // 4, tokens * 4), (seqs * 4, tokens // 4))}
+    result["same_bytes"] = {k: r["achieved_gbps"] for k, r in others.items()}
+    result["split_k"] = {f"{r['shape']['seqs']}x{r['shape']['tokens']}": {
+        "split_gbps": r["achieved_gbps"], "one_pass_gbps": r["one_pass_gbps"]}
+        for r in (result, others[f"{seqs // 4}x{tokens * 4}"])}
     return result
 
 
 def kernel_bandwidth(device: str, seqs: int, tokens: int, kv_heads: int, q_heads: int, head_dim: int,
                      page_size: int, dtype: torch.dtype, repeats: int) -> dict[str, Any]:
-    """Time the kernel on one shape; checks two sequences against the torch reference first
-    (raises AssertionError when they differ)."""
+    """Time the kernel on one shape, split-K (as served) and one pass (max_splits=1); checks two
+    sequences against the torch reference first (raises AssertionError when they differ)."""
     from engine.kernels.paged_attention import paged_decode_attention_ref
     from engine.kernels.triton.paged_attention import paged_decode_attention
+    from engine.kernels.triton.split_combine import MAX_SPLITS
     gen = torch.Generator(device=device).manual_seed(0)
     pages_per_seq = tokens // page_size
     num_pages = seqs * pages_per_seq
@@ -89,12 +96,16 @@ def kernel_bandwidth(device: str, seqs: int, tokens: int, kv_heads: int, q_heads
     table = torch.randperm(num_pages, generator=gen, device=device).view(seqs, pages_per_seq).to(torch.int32)
     lens = torch.full((seqs,), tokens, dtype=torch.int32, device=device)
     scale = head_dim ** -0.5
-    got = paged_decode_attention(q[:2], k, v, table[:2], lens[:2], scale)
     want = paged_decode_attention_ref(q[:2], k, v, table[:2], lens[:2], scale)
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
-    seconds = _median_seconds(lambda: paged_decode_attention(q, k, v, table, lens, scale), repeats)
+    seconds = {}
+    for name, max_splits in (("split", MAX_SPLITS), ("one_pass", 1)):
+        got = paged_decode_attention(q[:2], k, v, table[:2], lens[:2], scale, max_splits=max_splits)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        seconds[name] = _median_seconds(
+            lambda: paged_decode_attention(q, k, v, table, lens, scale, max_splits=max_splits), repeats)
     nbytes = 2 * k.numel() * k.element_size() + 2 * q.numel() * q.element_size() + table.numel() * 4
     return {"shape": {"seqs": seqs, "tokens": tokens, "kv_heads": kv_heads, "q_heads": q_heads,
                       "head_dim": head_dim, "page_size": page_size, "dtype": str(dtype).removeprefix("torch.")},
-            "bytes_moved": nbytes, "median_ms": seconds * 1e3, "repeats": repeats,
-            "achieved_gbps": nbytes / seconds / 1e9}
+            "bytes_moved": nbytes, "median_ms": seconds["split"] * 1e3, "repeats": repeats,
+            "achieved_gbps": nbytes / seconds["split"] / 1e9, "one_pass_ms": seconds["one_pass"] * 1e3,
+            "one_pass_gbps": nbytes / seconds["one_pass"] / 1e9}

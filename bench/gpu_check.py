@@ -10,8 +10,13 @@ the check goes on):
                        on the device, transfer faults against a CUDA pool), the grammar mask
                        on the device (tests/test_structured_engine.py), and the compiled decode
                        step as CUDA graphs (tests/test_cuda_compiled.py: tokens equal to eager,
-                       host synchronisations per step counted, paged experts bit-identical; its
-                       figures under figures["compiled"]); all skip without CUDA
+                       host synchronisations per step counted, paged experts bit-identical, none
+                       in a bucket deciding on the device; its figures under
+                       figures["compiled"]), the page-in kernel over pinned host memory
+                       (tests/test_kernel_expert_copy.py) and split-K decode attention
+                       against the reference and batch-independent
+                       (tests/test_kernel_split_attention.py), both interpreted without CUDA;
+                       the others skip without CUDA
   families             `pytest -m cuda tests/test_cuda_families.py`: every model family's tiny
                        checkpoint on the device (Triton attention and fused MoE) against the CPU's
                        torch path, paged experts bit-identical to resident, bf16, the compiled
@@ -24,6 +29,11 @@ the check goes on):
   kernels_interpreted  without CUDA only: the kernel tests (attention variants included) under
                        the Triton interpreter
   attention_bandwidth  Triton paged attention's achieved memory bandwidth (CUDA only)
+  real_shape           `bench.real_shape --device cuda` (CUDA only): paged experts at Qwen3-30B-A3B's
+                       MoE shape (8 of 48 layers, random bf16 weights, routing from the shipped
+                       model's recorded trace), K from preflight at 16 GiB and 24/40/92, batches
+                       1/4/16: tok/s, misses, pinned H2D GB/s, ratio to the reference-LRU link
+                       bound, no_cliff_ratio, host syncs per step
   engine, experts, transfer   `bench.engine`, `bench.experts`, `bench.transfer` with --device (engine,
                        on CUDA: compiled and eager side by side, compile_s / compile_cached_s)
 
@@ -75,13 +85,15 @@ STEPS = [
     Step("kernels_interpreted", 300, where="cpu", quick=False),
     Step("attention_bandwidth", 90, where="cuda"),
     Step("experts", 120),
+    Step("real_shape", 300, where="cuda", quick=False),
     Step("engine", 240),
     Step("transfer", 90, quick=False),
 ]
 SKIP_WHY = {"cuda": "needs a CUDA device", "cpu": "on CUDA the compiled kernels run in cuda_tests and families"}
 KERNEL_TESTS = ["tests/test_kernel_paged_attention.py", "tests/test_kernel_fused_moe.py",
                 "tests/test_kernel_fused_moe_quant.py", "tests/test_kernel_quant_linear.py",
-                "tests/test_attention_variants.py"]
+                "tests/test_attention_variants.py", "tests/test_kernel_expert_copy.py",
+                "tests/test_kernel_split_attention.py"]
 
 
 def child_env() -> tuple[dict[str, str], str | None]:
@@ -131,7 +143,9 @@ def run_module_step(name: str, device: str, quick: bool, limit_s: float, env: di
 def run_step(step: Step, device: str, quick: bool, limit_s: float, env: dict[str, str], tmp: str) -> dict[str, Any]:
     if step.name == "cuda_tests":
         result = pytest_step(["-m", "cuda", "tests/test_cuda_paths.py", "tests/test_structured_engine.py",
-                              "tests/test_cuda_compiled.py"], limit_s, env, tmp, ROOT, "cuda_tests")
+                              "tests/test_cuda_compiled.py", "tests/test_kernel_expert_copy.py",
+                              "tests/test_kernel_split_attention.py"],
+                             limit_s, env, tmp, ROOT, "cuda_tests")
         result["figures"].update(result["figures"].pop("properties", {}))   # "compiled": {...}
         return result
     if step.name == "families":

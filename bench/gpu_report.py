@@ -24,6 +24,14 @@ def _experts(f: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _real_shape(f: dict[str, Any]) -> str:
+    parts = [f"link {_num(f.get('h2d_pinned_gbps'))} GB/s, {f.get('layers_run')}/{f.get('layers_published')} layers"]
+    for k, s in f.get("summary", {}).items():
+        parts.append(f"{k}: b1 {_num(s.get('tok_s_b1'))} tok/s = {_num(s.get('ratio_to_bound_b1'))} of bound, "
+                     f"b4/b1 {_num(s.get('b4_over_b1'))}, no-cliff {_num(s.get('no_cliff_ratio'))}")
+    return "; ".join(parts)
+
+
 def _families(f: dict[str, Any]) -> str:
     diffs = ", ".join(f"{name} {_num(v.get('cuda_vs_cpu_max_logprob_diff'), '.1e')}"
                       for name, v in sorted(f.get("families", {}).items()))
@@ -41,10 +49,14 @@ LINES = {
                                      f"peak {_num(f.get('peak_gbps'))}, "
                                      f"{_num(f.get('fraction_of_copy'))} of a d2d copy "
                                      f"({_num(f.get('median_ms'))} ms); same bytes "
-                                     + ", ".join(f"{k}: {_num(v)}" for k, v in f.get("same_bytes", {}).items()),
+                                     + ", ".join(f"{k}: {_num(v)}" for k, v in f.get("same_bytes", {}).items())
+                                     + "; split-K/one pass " + ", ".join(
+                                         f"{k}: {_num(v.get('split_gbps'))}/{_num(v.get('one_pass_gbps'))}"
+                                         for k, v in f.get("split_k", {}).items()),
     "engine": lambda f: f"single {_num(f.get('engine_single_tok_s'))} tok/s, 16 concurrent "
                         f"{_num(f.get('engine_batch16_tok_s'))} tok/s ({f.get('attention_backend')})",
     "experts": _experts,
+    "real_shape": _real_shape,
     "transfer": lambda f: f"local {_num(f.get('local_gbps'))} shm {_num(f.get('shm_gbps'))} grpc "
                           f"{_num(f.get('grpc_gbps'))} (4 streams {_num(f.get('grpc4_gbps'))}) GB/s, "
                           f"d2h {_num(f.get('memcpy_gbps'))} GB/s",

@@ -120,6 +120,13 @@ def transfer_speed(device: str, quick: bool) -> Figures:
     return measure(device, 1 if small(device, quick) else 3, TransportConfig(), extras=False)
 
 
+def real_shape_speed(device: str, quick: bool) -> Figures:
+    """`bench.real_shape --device`: paged experts at Qwen3-30B-A3B's MoE shape against the link
+    bound (8 layers; --quick: 2 layers, 4 timed steps a point)."""
+    from bench.real_shape import measure
+    return measure(device, layers=2, steps=4) if quick else measure(device)
+
+
 def attention_speed(device: str, quick: bool) -> Figures:
     from bench.gpu_attention import attention_bandwidth
     return attention_bandwidth(device, repeats=3 if quick else 10)
@@ -131,6 +138,7 @@ STEPS: dict[str, tuple[Callable[[str, bool], Figures], bool]] = {
     "attention_bandwidth": (attention_speed, True),
     "engine": (engine_speed, False),
     "experts": (experts_speed, False),
+    "real_shape": (real_shape_speed, True),
     "transfer": (transfer_speed, False),
 }
 

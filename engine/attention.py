@@ -122,7 +122,8 @@ class TorchAttention:
 
 class TritonAttention(TorchAttention):
     """CUDA: the Triton decode kernel straight over the page table (window, sinks and the
-    latent layout in the kernel); prefill as torch."""
+    latent layout in the kernel; a request with more than SPLIT_TOKENS keys split into chunks,
+    by its own length only: engine.kernels.triton.split_combine); prefill as torch."""
 
     name = "triton"
 
@@ -176,16 +177,20 @@ def _startup_check(attn: TritonAttention, device: torch.device, variants: frozen
     """Compile the kernel now, plain GQA and the `variants` the model runs (window with
     sinks; MLA's 576-dim latent with Dv = 512), and compare each with the reference on a
     small input, so a broken build fails at start-up, not on the first decode step (and a
-    variant a model never runs cannot stop it from starting)."""
+    variant a model never runs cannot stop it from starting).  Request 1 (1,100 keys) is split
+    into chunks and combined, as served; the others are not."""
     gen = torch.Generator(device="cpu").manual_seed(0)
-    table = torch.tensor([[3, 1, 0], [7, 2, 5], [4, 6, 0]], dtype=torch.int32, device=device)
-    lens = torch.tensor([20, 48, 1], dtype=torch.int32, device=device)
+    table = torch.zeros(3, 70, dtype=torch.int32)                   # [B, max_pages]
+    table[0, :2], table[2, :2] = torch.tensor([3, 1]), torch.tensor([4, 6])
+    table[1] = torch.randperm(72, generator=gen)[:70] + 8
+    table = table.to(device)
+    lens = torch.tensor([20, 1100, 1], dtype=torch.int32, device=device)
     sinks = torch.randn(4, generator=gen).to(device)
     # (name, q shape, kv_layer shape, window, sinks, v_dim)
     cases: list[tuple[str, tuple[int, ...], tuple[int, ...], int | None, torch.Tensor | None, int | None]] = [
-        ("plain", (3, 4, 64), (2, 8, 16, 2, 64), None, None, None),
-        ("window+sinks", (3, 4, 64), (2, 8, 16, 2, 64), 21, sinks, None),
-        ("latent", (3, 16, 576), (1, 8, 16, 1, 576), None, None, 512)]
+        ("plain", (3, 4, 64), (2, 80, 16, 2, 64), None, None, None),
+        ("window+sinks", (3, 4, 64), (2, 80, 16, 2, 64), 21, sinks, None),
+        ("latent", (3, 16, 576), (1, 80, 16, 1, 576), None, None, 512)]
     wanted = {"plain"} | ({"window+sinks"} if variants & {"window", "sinks"} else set()) | (variants & {"latent"})
     for name, q_shape, kv_shape, window, sink, v_dim in (c for c in cases if c[0] in wanted):
         q = torch.randn(q_shape, generator=gen).to(device)

@@ -19,6 +19,7 @@ from engine import LLM, SamplingParams
 from engine.compiled.buckets import bucket_for, pad_rows
 from engine.compiled.step import GATHERED, MIN_PAGES, CompiledDecode
 from engine.constraint import Constraint
+from engine.experts import EmulatedLink
 from engine.forward_batch import build_batch
 from engine.kv_pool import PagePool
 from engine.moe import ResidentExperts
@@ -395,3 +396,25 @@ def test_a_single_wave_paged_step_is_one_graph_without_breaks(paged: Callable[[i
     assert (out.graph_count, out.graph_break_count) == (1, 0), out.break_reasons
     looked = [e.counters.hits + e.counters.misses - b for e, b in zip(step.paged, before)]
     assert all(4 <= n <= 8 for n in looked), f"the traced step did not page its 2 rows: {looked}"
+
+
+def test_what_the_device_plan_cannot_stand_for_keeps_the_host_plan(paged: Callable[[int], LLM]) -> None:
+    """An emulated link (its timing is the host plan's), verify mode and plain offload
+    (cache=False) each send the bucket back to the host plan."""
+    step = step_of(paged(16))
+    layer = step.paged[0]
+    assert step.on_device(4)
+    copier = layer.slots.copier
+    layer.slots.copier = EmulatedLink(1e12)
+    try:
+        assert not step.on_device(4)
+    finally:
+        layer.slots.copier = copier
+    for owner, name in ((layer.slots, "verify_on_use"), (layer, "cache")):
+        old = getattr(owner, name)
+        setattr(owner, name, not old)
+        try:
+            assert not step.on_device(4), name
+        finally:
+            setattr(owner, name, old)
+    assert step.on_device(4)

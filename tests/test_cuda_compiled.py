@@ -121,14 +121,10 @@ def test_graph_attention_decodes_the_shipped_model_like_the_torch_attention() ->
     assert max(logprob_diff(a.logprobs, b.logprobs) for a, b in zip(got, want)) <= 1e-5
 
 
-def test_the_step_uncaptured_with_paged_experts_decodes_like_eager() -> None:
-    """Everything of CudaGraphDecode but the capture, on a CPU (one bucket, one compilation):
-    packed rows, the custom-op attention, the split at each MoE layer with the host's paging
-    decision; one request in the bucket of 4 (three padding rows, one wave at K = top_k) and
-    three (waves: those layers' experts run through PagedExperts) decode eager's tokens."""
-    mc = ModelConfig.from_path(SHIPPED_MODEL)
-    want = {b: LLM(compile=False).generate(NATURAL[:b], PARAMS) for b in (1, 3)}
-    llm = LLM(compile=False, paged_experts_num_resident=mc.num_experts_per_tok)
+def decodes_uncaptured_like(llm: LLM, eager: LLM) -> CudaGraphDecode:
+    """Give `llm` a CudaGraphDecode of bucket 4 that captures nothing (its graphs run directly)
+    and check that batches of 1 and 3 decode `eager`'s tokens, logprobs within 1e-5."""
+    want = {b: eager.generate(NATURAL[:b], PARAMS) for b in (1, 3)}
     step = CudaGraphDecode(llm.core.model, llm.pool, (4,), attention=GraphAttention(llm.pool.page_size),
                            capture=False)
     step.warm_up()
@@ -137,6 +133,17 @@ def test_the_step_uncaptured_with_paged_experts_decodes_like_eager() -> None:
         got = llm.generate(NATURAL[:batch], PARAMS)
         assert [o.token_ids for o in got] == [o.token_ids for o in outs]
         assert max(logprob_diff(a.logprobs, b.logprobs) for a, b in zip(got, outs)) <= 1e-5
+    return step
+
+
+def test_the_step_uncaptured_with_paged_experts_decodes_like_eager() -> None:
+    """Everything of CudaGraphDecode but the capture, on a CPU (one bucket, one compilation):
+    packed rows, the custom-op attention, the split at each MoE layer with the host's paging
+    decision; one request in the bucket of 4 (three padding rows, one wave at K = top_k) and
+    three (waves: those layers' experts run through PagedExperts) decode eager's tokens."""
+    mc = ModelConfig.from_path(SHIPPED_MODEL)
+    llm = LLM(compile=False, paged_experts_num_resident=mc.num_experts_per_tok)
+    step = decodes_uncaptured_like(llm, LLM(compile=False))
     assert step.compiled == {4} and not step.fullgraph and len(step.paged) > 0
     stats = llm.expert_stats()
     assert all(s["waves"] > s["steps"] for s in stats.values())   # some steps ran in waves
@@ -144,20 +151,13 @@ def test_the_step_uncaptured_with_paged_experts_decodes_like_eager() -> None:
 
 
 def test_the_step_uncaptured_deciding_on_the_device_decodes_like_eager() -> None:
-    """K = 16 of 64, top-4: buckets 1 and 4 page in on the device inside the whole forward (the
-    graph a capture would record), with the same counters as eager paged experts."""
+    """K = 16 of 64, top-4: bucket 4 (batches of 1 and 3, padded) pages in on the device inside
+    the whole forward (the graph a capture would record), with the same counters as eager paged
+    experts."""
     eager = LLM(compile=False, paged_experts_num_resident=16)
-    want = {b: eager.generate(NATURAL[:b], PARAMS) for b in (1, 3)}
     llm = LLM(compile=False, paged_experts_num_resident=16)
-    step = CudaGraphDecode(llm.core.model, llm.pool, (1, 4), attention=GraphAttention(llm.pool.page_size),
-                           capture=False)
-    step.warm_up()
-    llm.core.runner.compiled = step
-    for batch, outs in want.items():
-        got = llm.generate(NATURAL[:batch], PARAMS)
-        assert [o.token_ids for o in got] == [o.token_ids for o in outs]
-        assert max(logprob_diff(a.logprobs, b.logprobs) for a, b in zip(got, outs)) <= 1e-5
-    assert step.compiled == {1, 4} and all(b.whole for b in step._buckets.values())
+    step = decodes_uncaptured_like(llm, eager)
+    assert step.compiled == {4} and all(b.whole for b in step._buckets.values())
     assert llm.expert_stats() == eager.expert_stats()   # the same hits, misses and steps per layer
     llm.pool.check_integrity()
 

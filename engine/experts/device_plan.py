@@ -42,9 +42,11 @@ class DevicePlan:
         self.num_experts, self.num_slots = e, k
         # one tensor, so a compiled step has one input (and guard) per layer for all of it
         self.state = torch.zeros(e + 1 + 2 * (k + 1) + 1 + 4, dtype=torch.int64, device=device)
-        self.slot_table, self.expert_in, self.stamps, self.tick, self.tallies = self._views(self.state)
+        # slot_table starts the allocation, so it is kept; the other views are made when needed
+        # (the model holds no tensor that starts mid-allocation)
+        self.slot_table, expert_in, _, _, _ = self._views(self.state)
         self.slot_table.fill_(-1)
-        self.expert_in.fill_(-1)
+        expert_in.fill_(-1)
 
     def _views(self, state: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """slot_table [E], expert_in [K], stamps [K], tick [1], tallies [4] of `state` (each of
@@ -115,19 +117,20 @@ class DevicePlan:
         for age, slot in enumerate(lru_order):
             stamps[slot] = age
         state = torch.tensor(slot_of + expert_in + stamps + [self.num_slots], dtype=torch.int64)
-        if self.slot_table.is_cuda:  # from pinned memory, without waiting
-            state = state.pin_memory().to(self.slot_table.device, non_blocking=True)
+        if self.state.is_cuda:  # from pinned memory, without waiting
+            state = state.pin_memory().to(self.state.device, non_blocking=True)
         e, k = self.num_experts, self.num_slots
-        self.slot_table.copy_(state[:e])
-        self.expert_in.copy_(state[e:e + k])
-        self.stamps.copy_(state[e + k:e + 2 * k])
-        self.tick.copy_(state[e + 2 * k:])
+        table, expert, stamp, tick, _ = self._views(self.state)
+        table.copy_(state[:e])
+        expert.copy_(state[e:e + k])
+        stamp.copy_(state[e + k:e + 2 * k])
+        tick.copy_(state[e + 2 * k:])
 
     def pull(self) -> tuple[list[int], list[int], list[int], list[int]]:
         """The device state for the host: (slot_of, expert_in, slots oldest first, tallies), and
         the tallies start again from zero.  On CUDA one synchronisation."""
         e, k = self.num_experts, self.num_slots
-        state = torch.cat([self.slot_table, self.expert_in, torch.sort(self.stamps, stable=True).indices,
-                           self.tallies]).tolist()
-        self.tallies.zero_()
+        table, expert, stamp, _, tallies = self._views(self.state)
+        state = torch.cat([table, expert, torch.sort(stamp, stable=True).indices, tallies]).tolist()
+        tallies.zero_()
         return state[:e], state[e:e + k], state[e + k:e + 2 * k], state[e + 2 * k:]

@@ -128,8 +128,9 @@ class PagedExperts:
     def plan_waves(self, needed: list[int]) -> list[list[int]]:
         """Split the step's experts into waves (see the module doc) and count hits/misses."""
         slots, c = self.slots, self.slots.counters
-        resident = [e for e in needed if slots.slot_of[e] >= 0]
-        missing = [e for e in needed if slots.slot_of[e] < 0]
+        slot_of = slots.slot_of
+        resident = [e for e in needed if slot_of[e] >= 0]
+        missing = [e for e in needed if slot_of[e] < 0]
         c.steps += 1
         c.hits += len(resident)
         c.misses += len(missing)
@@ -150,7 +151,8 @@ class PagedExperts:
 
     def _page_in(self, wave: list[int]) -> list[int]:
         slots = self.slots
-        where = [slots.slot_of[e] for e in wave]
+        slot_of = slots.slot_of
+        where = [slot_of[e] for e in wave]
         missing = [e for e, s in zip(wave, where) if s < 0]
         if missing:
             protect = {s for s in where if s >= 0}
@@ -168,8 +170,9 @@ class PagedExperts:
         if not self.cache or not self.slots.copier.idle():
             return
         slots = self.slots
-        wanted = [e for e in dict.fromkeys(experts) if slots.slot_of[e] < 0]
-        protect = {slots.slot_of[e] for e in experts if slots.slot_of[e] >= 0}
+        slot_of = slots.slot_of
+        wanted = [e for e in dict.fromkeys(experts) if slot_of[e] < 0]
+        protect = {slot_of[e] for e in experts if slot_of[e] >= 0}
         room = slots.num_slots - len(protect)
         wanted = wanted[:room if self.prefetch_limit is None else min(room, self.prefetch_limit)]
         # Prefetched slots keep their place in the LRU order (measured: marking them recently

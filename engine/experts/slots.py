@@ -29,10 +29,12 @@ from typing import Iterable, Protocol
 
 import torch
 
-from engine.experts.copy import Copy, CopyEngine, DirectCopy
+from engine.experts.copy import Copy, CopyEngine, CudaStreamCopy, DirectCopy
 from engine.experts.device_plan import HITS, MISSES, STEPS, WAVES, DevicePlan
 from engine.experts.store import ExpertCounters, ExpertStore
 from engine.quant.stack import empty_like, tensors_of
+
+DEVICE_COPIERS = (DirectCopy, CudaStreamCopy)   # copy engines a device step may stand in for
 
 
 class EvictionPolicy(Protocol):
@@ -125,10 +127,12 @@ class ExpertSlots:
 
     def device_ready(self) -> bool:
         """Whether a device step may decide for these slots: LRU eviction (the device plan's),
-        every slot holding an expert, no verify mode."""
+        a copy engine whose copies the device's page-in op stands for (a plain copy, the CUDA
+        copy streams: not an emulated link, whose timing only the host plan keeps), every slot
+        holding an expert, no verify mode."""
         # (device steps never empty a slot: while the host copy is out of date, all are full)
-        return isinstance(self._policy, LRUPolicy) and not self.verify_on_use and (
-            self._stale or min(self._expert_in) >= 0)
+        return (isinstance(self._policy, LRUPolicy) and type(self.copier) in DEVICE_COPIERS
+                and not self.verify_on_use and (self._stale or min(self._expert_in) >= 0))
 
     def prepare_device(self) -> None:
         """Before a device step: push the host's changes to the device copy (none while the
