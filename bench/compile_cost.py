@@ -11,7 +11,8 @@ timed runs after a warm-up of each:
                                 concurrent requests (`--bucket-tokens` tokens each), aggregate
 
 compile_s / compile_cached_s: the start-up compilation of the compiled step for `compile_buckets`
-(default: the engine's, for its default max_num_seqs), as the engine measures it
+(default: the engine's, for its default max_num_seqs), every expert resident or K of each MoE
+layer (`compile_resident`, bench.engine's `--compile-resident K`), as the engine measures it
 (`runner.compiled.compile_s`), in a child process with an empty cache directory
 (`TANDEM_CACHE_DIR` a new temporary directory, TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR unset),
 then in a second child on that same directory (the cache a restart finds);
@@ -20,7 +21,7 @@ compile_wall_s / compile_cached_wall_s: the whole `LLM(...)` construction in eac
 hit/miss counters in each child (the warm one should only hit).  Raises RuntimeError when a
 child's inductor cache is not under its TANDEM_CACHE_DIR (the cold figure would be warm).
 
-    python -m bench.compile_cost [--device cpu] [--threads 2] [--buckets 1,2]
+    python -m bench.compile_cost [--device cpu] [--threads 2] [--buckets 1,2] [--resident K]
 prints that child's JSON line: compile_s, wall_s, buckets, cache_dir, cache (the counters).
 """
 
@@ -129,6 +130,8 @@ def add_compile_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--compile-only", action="store_true", help="compile_s and compile_cached_s only")
     ap.add_argument("--compile-buckets", type=parse_buckets, default=None,
                     help="the compiled engines' buckets, e.g. 1,2 (default: the engine's)")
+    ap.add_argument("--compile-resident", type=int, default=None, metavar="K",
+                    help="compile_s with paged experts, K resident per layer (default: all resident)")
     ap.add_argument("--per-bucket", action="store_true", help="compiled and eager tokens/s per bucket too")
     ap.add_argument("--buckets", type=parse_buckets, default=None, help="--per-bucket at these sizes only")
     ap.add_argument("--bucket-tokens", type=int, default=32, help="tokens per request in --per-bucket")
@@ -144,28 +147,33 @@ def child_env(cache_dir: str) -> dict[str, str]:
     return env
 
 
-def _child(cache_dir: str, device: str, threads: int, buckets: Sequence[int] | None) -> dict:
+def _child(cache_dir: str, device: str, threads: int, buckets: Sequence[int] | None, resident: int | None) -> dict:
     cmd = [sys.executable, "-m", "bench.compile_cost", "--device", device, "--threads", str(threads)]
     if buckets is not None:
         cmd += ["--buckets", ",".join(map(str, buckets))]
+    if resident is not None:
+        cmd += ["--resident", str(resident)]
     done = subprocess.run(cmd, env=child_env(cache_dir), cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"compile child {cmd} failed ({done.returncode}):\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def compile_cost(device: str, threads: int, buckets: Sequence[int] | None) -> dict[str, object]:
+def compile_cost(device: str, threads: int, buckets: Sequence[int] | None,
+                 resident: int | None = None) -> dict[str, object]:
     """compile_s (cold cache) and compile_cached_s (warm), each a child process's own figure
-    (see the module docstring); `buckets` None: the engine's default set."""
+    (see the module docstring); `buckets` None: the engine's default set; `resident`: paged
+    experts, that many resident per layer (None: all resident)."""
     with tempfile.TemporaryDirectory(prefix="tandem-compile-") as cache:
-        cold = _child(cache, device, threads, buckets)
-        warm = _child(cache, device, threads, buckets)
+        cold = _child(cache, device, threads, buckets, resident)
+        warm = _child(cache, device, threads, buckets, resident)
     for child in (cold, warm):
         if not str(child["cache_dir"]).startswith(cache):
             raise RuntimeError(f"the compile child's inductor cache is {child['cache_dir']}, not under its "
                                f"TANDEM_CACHE_DIR {cache}: a cold figure would be a warm one")
     assert cold["buckets"] == warm["buckets"]
-    return {"compile_buckets": cold["buckets"], "compile_s": cold["compile_s"], "compile_wall_s": cold["wall_s"],
+    return {"compile_buckets": cold["buckets"], "compile_resident": resident,
+            "compile_s": cold["compile_s"], "compile_wall_s": cold["wall_s"],
             "compile_cached_s": warm["compile_s"], "compile_cached_wall_s": warm["wall_s"],
             "compile_cache_counters": {"cold": cold["cache"], "warm": warm["cache"]}}
 
@@ -176,10 +184,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--buckets", type=parse_buckets, default=None, help="e.g. 1,2,4 (default: the engine's)")
+    ap.add_argument("--resident", type=int, default=None, help="paged experts, K resident (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    llm = LLM(device=args.device, compile=True, compile_buckets=args.buckets)
+    llm = LLM(device=args.device, compile=True, compile_buckets=args.buckets,
+              paged_experts_num_resident=args.resident)
     wall = time.perf_counter() - start
     step = llm.core.runner.compiled
     assert step is not None

@@ -294,7 +294,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     head = {"model": str(SHIPPED_MODEL.name), "tokens": args.tokens, "threads": args.threads, "device": args.device}
     if args.compile_only:
-        emit({**head, **compile_cost(args.device, args.threads, args.compile_buckets)}, args.json)
+        cost = compile_cost(args.device, args.threads, args.compile_buckets, args.compile_resident)
+        emit({**head, **cost}, args.json)
         return
     if args.profile:
         emit({**head, "profile": profile_decode(PROMPTS[0], args.tokens, args.device, args.profile_top)}, args.json)
@@ -305,7 +306,8 @@ def main() -> None:
                                      args.repeats)}, args.json)
         return
     alone = args.stop_only or args.prefill_only or args.mask_only
-    cost = {} if alone else compile_cost(args.device, args.threads, args.compile_buckets)  # first: nothing else runs
+    # first: nothing else runs
+    cost = {} if alone else compile_cost(args.device, args.threads, args.compile_buckets, args.compile_resident)
     # the stop checks and prefill never run a compiled decode step: no start-up compile for them
     eager = args.stop_only or args.prefill_only
     eager_only: dict[str, Any] = {"compile": False} if eager else {}     # else: the engine's default

@@ -8,6 +8,7 @@ compiling: test_compiled_buckets)."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.compiled.buckets import bucket_for, pad_rows
-from engine.compiled.step import GATHERED, MIN_PAGES, CompiledDecode
+from engine.compiled.step import GATHERED, MIN_PAGES, CompiledDecode, recompile_budget
 from engine.constraint import Constraint
 from engine.experts import EmulatedLink
 from engine.forward_batch import build_batch
@@ -418,3 +419,55 @@ def test_what_the_device_plan_cannot_stand_for_keeps_the_host_plan(paged: Callab
         finally:
             setattr(owner, name, old)
     assert step.on_device(4)
+
+
+def test_verify_mode_after_start_up_steps_without_compiling(paged_prompts: list[list[int]],
+                                                             resident_logits: list[torch.Tensor]) -> None:
+    """A worker turns verify mode on after its engine compiled, and steps from its loop's
+    thread: the bucket that decided on the device runs the host plan's graphs, compiled at
+    start-up too (dynamo would otherwise compile them mid-serving).  An engine of its own:
+    `torch._dynamo.explain` (above) drops every compiled graph of the process."""
+    llm = _engine(compile=True, compile_buckets=[4], max_num_seqs=4, paged_experts_num_resident=16)
+    step = step_of(llm)
+    assert step.modes(4) == (True, False)
+    llm.verify_experts(True)
+    got: list[torch.Tensor] = []
+    compiled: list[int] = []
+
+    def serve() -> None:
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        got.extend(decode(step.run, llm.pool, paged_prompts))
+        compiled.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - before)
+
+    try:
+        assert not step.on_device(4)
+        loop = threading.Thread(target=serve)
+        loop.start()
+        loop.join(timeout=300)
+        assert not loop.is_alive(), "the steps did not end"
+    finally:
+        llm.verify_experts(False)
+    assert compiled == [0], f"the host plan's graphs compiled while serving: {compiled}"
+    assert len(got) == len(resident_logits)
+    for i, (a, b) in enumerate(zip(got, resident_logits)):
+        assert torch.equal(a, b), f"step {i}: max difference {(a - b).abs().max().item():.2e}"
+
+
+def test_the_graph_budget_holds_in_every_thread(compiled: LLM) -> None:
+    """dynamo's recompile limits are per-thread settings: the thread that steps an engine gets
+    the budget the process's engines asked for, not dynamo's default."""
+    limits: dict[str, int] = {}
+
+    def step_thread() -> None:
+        limits["default"] = torch._dynamo.config.recompile_limit
+        recompile_budget()
+        limits["applied"] = torch._dynamo.config.recompile_limit
+        limits["accumulated"] = torch._dynamo.config.accumulated_recompile_limit
+
+    loop = threading.Thread(target=step_thread)
+    loop.start()
+    loop.join(timeout=30)
+    step = step_of(compiled)
+    asked = len(step.buckets) * (len(step.parts) + 1)
+    assert limits["applied"] >= limits["default"] + asked, limits
+    assert limits["accumulated"] > limits["applied"], limits

@@ -157,7 +157,8 @@ def test_the_step_uncaptured_deciding_on_the_device_decodes_like_eager() -> None
     eager = LLM(compile=False, paged_experts_num_resident=16)
     llm = LLM(compile=False, paged_experts_num_resident=16)
     step = decodes_uncaptured_like(llm, eager)
-    assert step.compiled == {4} and all(b.whole for b in step._buckets.values())
+    assert step.compiled == {4} and set(step._buckets) == {(4, True), (4, False)}   # warmed both ways
+    assert step.on_device(4), "the batches ran the host plan"
     assert llm.expert_stats() == eager.expert_stats()   # the same hits, misses and steps per layer
     llm.pool.check_integrity()
 
@@ -292,8 +293,8 @@ def test_paged_experts_bit_identical_with_one_sync_per_moe_layer(k: int, graphs:
     assert not step.fullgraph
     layers = len(step.paged)
     assert layers > 0
+    assert set(step._buckets) == {(size, whole) for size in step.buckets for whole in step.modes(size)}
     for (size, whole), b in step._buckets.items():
-        assert whole == step.on_device(size)
         # deciding on the device: one graph; else a graph per part and per paged layer's experts
         assert (len(b.graphs), len(b.segments)) == ((1, 0) if whole else (layers + 1, layers))
     top_k = ModelConfig.from_path(SHIPPED_MODEL).num_experts_per_tok

@@ -26,8 +26,8 @@ inside it (engine/experts/device_plan.py; on CUDA the page-ins read the pinned h
 the device, engine/kernels/triton/expert_copy.py), so a replay makes no host synchronisation.
 Before a replay the host pushes its copy of the slot state if it changed (non-blocking, from
 pinned memory); after it, the host copy is marked out of date.  A bucket is captured for the
-mode it runs in (`Bucket.whole`); a bucket that later runs in the other mode (verify mode turned
-on) is captured again for it.
+mode it runs in (`Bucket.whole`); a bucket that may run in both is captured for both at
+start-up (verify mode, turned on later, sends it to the host plan).
 
 Paged experts, a larger bucket: the host must see each MoE layer's routing to page experts in,
 so the step is the base's explicit parts (`CompiledDecode.parts`, `DecoderModel.decode_part`, each compiled
@@ -63,7 +63,7 @@ import torch
 from engine.attention import TorchAttention, TritonAttention
 from engine.compiled.buckets import bucket_for
 from engine.compiled.cuda_support import REAL, GraphAttention, blank_rows, fill_rows, unpack
-from engine.compiled.step import OPTIONS, CompiledDecode
+from engine.compiled.step import OPTIONS, CompiledDecode, recompile_budget
 from engine.experts.paged import PagedExperts
 from engine.kv_pool import PagePool
 from engine.models.decoder import DecoderModel, MoeBlock
@@ -188,6 +188,7 @@ class CudaGraphDecode(CompiledDecode):
     def capture(self, size: int, whole: bool | None = None) -> Bucket:
         """Warm bucket `size` up on a side stream (compiling it), then capture its graphs, for
         `whole` (default: the mode it runs in now)."""
+        recompile_budget()
         bk = self._bucket(size, self._whole_for(size) if whole is None else whole)
         if bk.whole:
             for e in self.paged:   # the warm-up's decisions start from the host's state
@@ -259,15 +260,17 @@ class CudaGraphDecode(CompiledDecode):
     # ---- replay -----------------------------------------------------------------------------
 
     def run(self, tokens: list[list[int]], starts: list[int], tables: list[list[int]],
-            real: int | None = None) -> torch.Tensor:
+            real: int | None = None, whole: bool | None = None) -> torch.Tensor:
         """As `CompiledDecode.run`: logits [n, V] (fp32) of a decode batch of n <= max_rows
         requests; writes their K/V into the pool.  No host synchronisation with every expert
         resident; one per MoE layer with paged experts."""
+        recompile_budget()
         n = len(tokens)
         size = bucket_for(n, self.buckets)
         if size is None:
             raise ValueError(f"a decode batch of {n} requests exceeds the largest compiled bucket {self.max_rows}")
-        whole = self._whole_for(size)
+        if whole is None:
+            whole = self._whole_for(size)
         bk = self._buckets.get((size, whole)) or (self.capture(size, whole) if self.capturing else
                                                   self._bucket(size, whole))
         self._buckets[size, whole] = bk
@@ -330,7 +333,10 @@ class CudaGraphDecode(CompiledDecode):
         return y
 
     def _direct(self, bk: Bucket, rows: int, e: PagedExperts, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """`capture` False: a MoE layer's paging decision and expert compute, as a replay runs them."""
+        """`capture` False: a MoE layer's paging decision and expert compute, as a replay runs them
+        (a warm-up's step of padding rows only pages and counts nothing)."""
+        if rows == 0:
+            return self._compute(bk, e, x, ids)
         if not self._page(e, ids, rows):
             return self._eager_experts(e, x, ids, rows)
         y = self._compute(bk, e, x, ids)
@@ -338,14 +344,16 @@ class CudaGraphDecode(CompiledDecode):
         return y
 
     def warm_up(self, progress: Callable[[int, int, int], None] | None = None) -> None:
-        """Compile and capture every bucket now, the largest first (the smaller ones then reuse
-        its pool memory).  `progress(done, total, bucket)` after each."""
+        """Compile and capture every bucket now, in each mode it may run in (`modes`), the
+        largest first (the smaller ones then reuse its pool memory).  `progress(done, total,
+        bucket)` after each."""
         with torch.inference_mode():
             for i, size in enumerate(reversed(self.buckets)):
-                if self.capturing:
-                    self.capture(size)
-                else:
-                    self.run([[0]] * size, [0] * size, [[self.pool.scratch_page]] * size, real=0)
+                for whole in self.modes(size):
+                    if self.capturing:
+                        self.capture(size, whole)
+                    else:
+                        self.run([[0]] * size, [0] * size, [[self.pool.scratch_page]] * size, real=0, whole=whole)
                 self.compiled.add(size)
                 if progress is not None:
                     progress(i + 1, len(self.buckets), size)

@@ -10,8 +10,10 @@ plans: for it the host decides, per MoE layer, which experts to page in from the
 graph computed, so the step runs as explicit parts (`DecoderModel.decode_part`): the layers up to a paged MoE
 layer's router, compiled; the host's paging decision and the expert compute over slots
 (`PagedExperts.__call__`, its gathered kernel compiled for the bucket's shape); the next part,
-which finishes that layer's block.  One host synchronisation per MoE layer.  Sampling stays
-outside: the step returns logits.
+which finishes that layer's block.  One host synchronisation per MoE layer.  A bucket that
+may decide on the device is compiled both ways at start-up: verify mode, which a worker turns
+on after its engine is built, sends it to the host plan.  Sampling stays outside: the step
+returns logits.
 
 Shapes on a CPU: bucket 1 has a graph of its own; the buckets above 1 share one graph whose
 batch dimension is symbolic, and in every graph the page table's width (the longest request's
@@ -25,6 +27,7 @@ bucket is captured as a CUDA graph of its own (`engine.compiled.cuda_graphs`).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -83,11 +86,17 @@ class CompiledDecode:
     def fits(self, rows: int) -> bool:
         return rows <= self.max_rows
 
-    def on_device(self, size: int) -> bool:
-        """Whether bucket `size`'s paged layers decide on the device: a single wave whatever
-        the routing (size * top_k <= K), LRU eviction, caching on, no verify mode."""
+    def may_decide_on_device(self, size: int) -> bool:
+        """Whether bucket `size`'s paged layers could ever decide on the device: a single wave
+        whatever the routing (size * top_k <= K), LRU eviction, caching on.  Such a bucket is
+        compiled for both modes: verify mode, turned on after start-up, sends it to the host plan."""
         return bool(self.paged) and self.device_paging and all(
-            e.cache and size * self.top_k <= e.slots.num_slots and e.slots.device_ready() for e in self.paged)
+            e.cache and size * self.top_k <= e.slots.num_slots and e.slots.device_capable() for e in self.paged)
+
+    def on_device(self, size: int) -> bool:
+        """Whether bucket `size`'s paged layers decide on the device now (`may_decide_on_device`,
+        every slot full, no verify mode)."""
+        return self.may_decide_on_device(size) and all(e.slots.device_ready() for e in self.paged)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                  page_table: torch.Tensor, seq_lens: torch.Tensor, kv: torch.Tensor,
@@ -126,10 +135,13 @@ class CompiledDecode:
         raise AssertionError("a compiled step has at least one part")
 
     def run(self, tokens: list[list[int]], starts: list[int], tables: list[list[int]],
-            real: int | None = None) -> torch.Tensor:
+            real: int | None = None, whole: bool | None = None) -> torch.Tensor:
         """Logits [n, V] (fp32) of a decode batch of n <= max_rows requests, each adding its one
         token of `tokens` at `starts` over its pages `tables`; writes their K/V into the pool.
-        `real`: how many of the rows are requests (default all; the rest route no expert)."""
+        `real`: how many of the rows are requests (default all; the rest route no expert).
+        `whole`: paged experts decide on the device (default: `on_device`; the warm-up compiles
+        both modes)."""
+        recompile_budget()
         n = len(tokens)
         size = bucket_for(n, self.buckets)
         if size is None:
@@ -146,7 +158,10 @@ class CompiledDecode:
             for tensor in (fb.input_ids, fb.positions, fb.slot_mapping, fb.page_table, fb.seq_lens):
                 torch._dynamo.mark_dynamic(tensor, 0)
         rows = n if real is None else real
-        whole = self.on_device(size)
+        if whole is None:
+            whole = self.on_device(size)
+        assert self.fullgraph or not whole or self.may_decide_on_device(size), \
+            f"bucket {size} cannot decide on the device"
         with self._paging(rows, whole):
             if self.fullgraph:
                 logits = self._graph(fb.input_ids, fb.positions, fb.slot_mapping, fb.page_table, fb.seq_lens,
@@ -180,20 +195,45 @@ class CompiledDecode:
                     e.slots.device_stepped()
                     e.slots.mark_used()
 
+    def modes(self, size: int) -> tuple[bool, ...]:
+        """The modes bucket `size` may run in (`run`'s `whole`): one graph of the whole forward
+        (every expert resident, or paged experts deciding on the device), the parts."""
+        if self.fullgraph:
+            return (True,)
+        return (True, False) if self.may_decide_on_device(size) else (False,)
+
     def warm_up(self, progress: Callable[[int, int, int], None] | None = None) -> None:
-        """Compile every bucket now (a step of padding rows only: it writes the scratch page
-        and nothing else).  `progress(done, total, bucket)` after each."""
+        """Compile every bucket now, in each mode it may run in (`modes`; a step of padding rows
+        only: it writes the scratch page and nothing else).  `progress(done, total, bucket)`
+        after each."""
         for i, size in enumerate(self.buckets):
-            with torch.inference_mode():
-                self.run([[0]] * size, [0] * size, [[self.pool.scratch_page]] * size, real=0)
+            for whole in self.modes(size):
+                with torch.inference_mode():
+                    self.run([[0]] * size, [0] * size, [[self.pool.scratch_page]] * size, real=0, whole=whole)
             if progress is not None:
                 progress(i + 1, len(self.buckets), size)
 
 
+# dynamo's limits on the graphs of one code object, raised by what every engine of the process
+# asks for (`_allow_recompiles`): past them a fullgraph compile raises (`recompile_limit exceeded`)
+_LIMITS = ("recompile_limit", "accumulated_recompile_limit")
+_BASE = {name: int(getattr(torch._dynamo.config, name)) for name in _LIMITS}
+_extra_graphs = 0
+_applied = threading.local()
+
+
 def _allow_recompiles(n: int) -> None:
-    """Let dynamo keep `n` more graphs of one function (one per bucket and part) than before:
-    every engine of the process compiles the same code objects, and past its limit dynamo would
-    silently run the step eager."""
-    cfg = torch._dynamo.config
-    cfg.recompile_limit += n
-    cfg.accumulated_recompile_limit += n
+    """Let dynamo keep `n` more graphs of one function (one per bucket and part) than its
+    default: every engine of the process compiles the same code objects."""
+    global _extra_graphs
+    _extra_graphs += n
+
+
+def recompile_budget() -> None:
+    """Apply the process's graph budget in this thread: dynamo's settings are per thread (a
+    setting made in the thread that built the engine is not seen by the one that steps it)."""
+    if getattr(_applied, "extra", None) != _extra_graphs:
+        cfg = torch._dynamo.config
+        for name in _LIMITS:
+            setattr(cfg, name, _BASE[name] + _extra_graphs)
+        _applied.extra = _extra_graphs

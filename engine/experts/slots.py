@@ -125,14 +125,18 @@ class ExpertSlots:
         self._adopt()
         return self._counters
 
+    def device_capable(self) -> bool:
+        """Whether a device step could ever decide for these slots: LRU eviction (the device
+        plan's), a copy engine whose copies the device's page-in op stands for (a plain copy,
+        the CUDA copy streams: not an emulated link, whose timing only the host plan keeps)."""
+        return isinstance(self._policy, LRUPolicy) and type(self.copier) in DEVICE_COPIERS
+
     def device_ready(self) -> bool:
-        """Whether a device step may decide for these slots: LRU eviction (the device plan's),
-        a copy engine whose copies the device's page-in op stands for (a plain copy, the CUDA
-        copy streams: not an emulated link, whose timing only the host plan keeps), every slot
-        holding an expert, no verify mode."""
+        """Whether a device step may decide for these slots now: capable, every slot holding an
+        expert, no verify mode (both can change while serving)."""
         # (device steps never empty a slot: while the host copy is out of date, all are full)
-        return (isinstance(self._policy, LRUPolicy) and type(self.copier) in DEVICE_COPIERS
-                and not self.verify_on_use and (self._stale or min(self._expert_in) >= 0))
+        return (self.device_capable() and not self.verify_on_use
+                and (self._stale or min(self._expert_in) >= 0))
 
     def prepare_device(self) -> None:
         """Before a device step: push the host's changes to the device copy (none while the
