@@ -18,7 +18,11 @@ the sender's.  Each figure is the median of --repeats (7, or 3 with --geometry).
 grpc_gbps is gRPC over one stream, grpc4_gbps over four (TransportConfig(streams=4), each on
 its own connection); grpc4_vs_grpc1 is their ratio.  grpc_tls_gbps: one stream over mutual TLS
 (both sides holding certificates of one cluster CA, as `tandem serve` runs across nodes);
-grpc_tls_vs_grpc is its rate over plaintext gRPC's.  nixl_gbps: the NIXL transport (one-sided
+grpc_tls_vs_grpc is its rate over plaintext gRPC's.  grpc_bare_gbps: gRPC's own floor, the
+payload in already-made messages of the transport's size through one bare stream (raw bytes,
+no protobuf, checksums, credentials or pool writes; the transport's channel and server
+options), with grpc_vs_bare (what the transport keeps of it) and grpc_bare_vs_tcp (what gRPC
+keeps of the socket).  nixl_gbps: the NIXL transport (one-sided
 writes into a staging ring the receiver registered, over UCX, cross-memory attach on one host;
 the receiver verifies each frame there and copies it into its page), with nixl_vs_memcpy
 and nixl_vs_shm; left out, saying why under "nixl", where the nixl extra cannot run.
@@ -71,6 +75,7 @@ from bench.transfer_runs import (
     Source,
     Transfers,
     run_checksum,
+    run_grpc_bare,
     run_grpc_tls,
     run_local,
     run_memcpy,
@@ -110,6 +115,7 @@ PASSES: dict[str, dict[str, Any]] = {   # what each transport does to every payl
              "threads": "one per side, in two processes"},
     "grpc": {"sender": _GRPC_SEND, "receiver": _GRPC_RECV,
              "threads": "the sender's, gRPC's own on both sides, the receiver's handler"},
+    "grpc_bare": {"sender": _GRPC_SEND[-2:], "receiver": _GRPC_RECV[:2]},
     "grpc_tls": {"sender": [*_GRPC_SEND[:-1], "TLS: encrypt", _GRPC_SEND[-1]],
                  "receiver": [_GRPC_RECV[0], "TLS: decrypt", *_GRPC_RECV[1:]]},
 }
@@ -140,6 +146,7 @@ def measure(device: str, repeats: int, config: TransportConfig, extras: bool = T
     del payload
     if extras:
         seconds["tcp"] = run_tcp(src, repeats)
+        seconds["grpc_bare"] = run_grpc_bare(src, dataclasses.replace(config, streams=1), repeats)
     one = dataclasses.replace(config, streams=1)
     transfers = {"local": run_local(src, one, repeats), "shm": run_shm(src, one, repeats),
                  "grpc": run_remote("grpc", src, one, repeats),
@@ -171,6 +178,9 @@ def rates(nbytes: int, seconds: dict[str, list[float]]) -> dict[str, float]:
     r["grpc4_vs_grpc1"] = r["grpc4_gbps"] / r["grpc_gbps"]
     if "tcp_gbps" in r:
         r["grpc_vs_tcp"] = r["grpc_gbps"] / r["tcp_gbps"]
+    if "grpc_bare_gbps" in r:
+        r["grpc_vs_bare"] = r["grpc_gbps"] / r["grpc_bare_gbps"]
+        r["grpc_bare_vs_tcp"] = r["grpc_bare_gbps"] / r["tcp_gbps"]
     if "grpc_tls_gbps" in r:
         r["grpc_tls_vs_grpc"] = r["grpc_tls_gbps"] / r["grpc_gbps"]
     r["shm_vs_memcpy"] = r["shm_gbps"] / r["memcpy_gbps"]

@@ -3,7 +3,8 @@ one JSON command per line on stdin, answering one JSON line on stdout.
 
     python -m bench.transfer_peer KIND SECRET_HEX CONFIG_JSON SHAPE_JSON [PATH]
 
-KIND is shm, nixl, grpc or tcp; CONFIG_JSON the TransportConfig's fields (grpc; without `tls`);
+KIND is shm, nixl, grpc, grpc_bare or tcp; CONFIG_JSON the TransportConfig's fields (grpc,
+grpc_bare; without `tls`);
 SHAPE_JSON the KVShape of its pool (shm, grpc); PATH the shm or nixl socket, or for grpc the directory
 of a TLS identity (then the server runs mutual TLS).
 
@@ -11,6 +12,10 @@ of a TLS identity (then the server runs mutual TLS).
     {"cmd": "digest", "rid": "r0"}             -> {"xxh3": ..., "state": ..., "checksum_s": ...}
     {"cmd": "release", "rid": "r0"}            -> {"ok": true}
     {"cmd": "sink", "nbytes": N}   (raw TCP)   -> {"port": P}, then reads N bytes once
+
+grpc_bare serves one bare gRPC method, BARE_PUSH: a client stream of raw bytes messages (no
+protobuf, no credentials, no Tandem code), answered with their total length as 8 bytes
+little-endian; gRPC's own floor at the transport's message size and channel settings.
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ import json
 import socket
 import sys
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import grpc
 import torch
 
 from bench.transfer_shape import KVShape
@@ -56,6 +63,26 @@ def tcp_sink(buf: bytearray) -> int:
     return srv.getsockname()[1]
 
 
+BARE_PUSH = "/bench.Sink/Push"
+
+
+def bare_grpc_server(config: dict) -> tuple[grpc.Server, str]:
+    """A gRPC server of BARE_PUSH alone, with the transport's server options; (server, endpoint)."""
+    from concurrent import futures
+
+    from kv_transfer.transport.grpc_server import server_options
+
+    def push(messages: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        return sum(len(m) for m in messages).to_bytes(8, "little")
+
+    handler = grpc.method_handlers_generic_handler("bench.Sink", {"Push": grpc.stream_unary_rpc_method_handler(push)})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), handlers=[handler],
+                         options=server_options(TransportConfig(**config)))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
 def serve(kind: str, secret: bytes, config: dict, recv: TransferReceiver,
           path: str) -> ShmTransferServer | NixlTransferServer | GrpcTransferServer:
     if kind == "shm":
@@ -73,12 +100,16 @@ def main() -> None:
     kind, secret, config = sys.argv[1], bytes.fromhex(sys.argv[2]), json.loads(sys.argv[3])
     shape, path = KVShape.from_json(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else ""
     torch.set_num_threads(1)
-    server = None
-    if kind != "tcp":                 # the raw socket needs no pool
+    server = bare = None
+    endpoint = None
+    if kind == "grpc_bare":
+        bare, endpoint = bare_grpc_server(config)
+    elif kind != "tcp":               # the raw socket needs no pool
         pool = shape.make_pool(seed=2)
         recv = TransferReceiver(pool, secret, timeout_s=600)
         server = serve(kind, secret, config, recv, path)
-    print(json.dumps({"endpoint": server.endpoint if server else None}), flush=True)
+        endpoint = server.endpoint
+    print(json.dumps({"endpoint": endpoint}), flush=True)
     res: dict[str, Reservation] = {}
     sink = bytearray()                # raw TCP: one buffer for every sink
     out: dict[str, object]
@@ -105,6 +136,8 @@ def main() -> None:
         print(json.dumps(out), flush=True)
     if server:
         server.stop()
+    if bare is not None:
+        bare.stop(1.0)
 
 
 if __name__ == "__main__":

@@ -172,6 +172,35 @@ def run_tcp(src: Source, repeats: int) -> list[float]:
     return times
 
 
+def run_grpc_bare(src: Source, config: TransportConfig, repeats: int) -> list[float]:
+    """The payload's size through one bare gRPC stream (bench/transfer_peer.py BARE_PUSH) in
+    messages of config.message_bytes, already made: gRPC's floor, without the transport's
+    gather, checksums, framing, credentials or the receiver's writes."""
+    import grpc
+
+    from bench.transfer_peer import BARE_PUSH
+    from kv_transfer.transport.grpc_stream import channel_options
+
+    nbytes, size = src.shape.payload_bytes, config.message_bytes
+    message = os.urandom(size)
+    sizes = [min(size, nbytes - off) for off in range(0, nbytes, size)]
+    settings = {k: v for k, v in config.__dict__.items() if k != "tls"}
+    peer = Peer("grpc_bare", src, settings)
+    times: list[float] = []
+    try:
+        with grpc.insecure_channel(peer.endpoint, options=channel_options(config, 0)) as ch:
+            push = ch.stream_unary(BARE_PUSH)
+            push(iter([message[:1]]))      # the connection, before any timing
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                got = push(message if n == size else message[:n] for n in sizes)
+                times.append(time.perf_counter() - t0)
+                assert int.from_bytes(got, "little") == nbytes, "grpc_bare: bytes lost"
+    finally:
+        peer.stop()
+    return times
+
+
 def run_local(src: Source, config: TransportConfig, repeats: int) -> Transfers:
     dst = src.shape.make_pool(seed=2, device=str(src.pool.kv.device))
     recv = TransferReceiver(dst, src.secret)

@@ -32,7 +32,7 @@ def test_child_env_points_every_cache_at_the_new_directory(monkeypatch):
 
 
 def test_compile_cost_refuses_a_child_whose_cache_is_not_the_fresh_one(monkeypatch):
-    def child(cache, device, threads, buckets):
+    def child(cache, device, threads, buckets, resident):
         return {"compile_s": 1.0, "wall_s": 2.0, "buckets": [1], "cache_dir": "/tmp/torchinductor_x", "cache": {}}
     monkeypatch.setattr(compile_cost, "_child", child)
     with pytest.raises(RuntimeError, match="not under its TANDEM_CACHE_DIR"):
@@ -40,11 +40,22 @@ def test_compile_cost_refuses_a_child_whose_cache_is_not_the_fresh_one(monkeypat
 
 
 def test_compile_cost_reports_both_children(monkeypatch):
-    def child(cache, device, threads, buckets):
+    def child(cache, device, threads, buckets, resident):
         return {"compile_s": 1.0, "wall_s": 2.0, "buckets": [1, 2], "cache_dir": f"{cache}/inductor",
                 "cache": {"fxgraph_cache_hit": 1}}
     monkeypatch.setattr(compile_cost, "_child", child)
     out = compile_cost.compile_cost("cpu", 1, [1, 2])
-    assert out["compile_buckets"] == [1, 2]
+    assert out["compile_buckets"] == [1, 2] and out["compile_resident"] is None
     assert {"compile_s", "compile_cached_s", "compile_wall_s", "compile_cached_wall_s"} <= set(out)
     assert out["compile_cache_counters"] == {"cold": {"fxgraph_cache_hit": 1}, "warm": {"fxgraph_cache_hit": 1}}
+
+
+def test_compile_cost_passes_the_resident_experts_to_both_children(monkeypatch):
+    seen = []
+
+    def child(cache, device, threads, buckets, resident):
+        seen.append(resident)
+        return {"compile_s": 1.0, "wall_s": 2.0, "buckets": [1], "cache_dir": f"{cache}/inductor", "cache": {}}
+    monkeypatch.setattr(compile_cost, "_child", child)
+    assert compile_cost.compile_cost("cpu", 1, [1], resident=16)["compile_resident"] == 16
+    assert seen == [16, 16]
