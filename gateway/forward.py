@@ -97,8 +97,9 @@ class Picker:
     async def pair(self) -> tuple[Worker, Worker | None]:
         """The next attempt's decode worker and (unless it is colocated) prefill worker.  While
         none can be picked it waits, up to `capacity_wait_s`, after a failure that says the
-        cluster has no worker or room now (after any, for a migrating choice: its new worker may
-        have died during the re-prefill, and Ray starts it again at a new address).  Raises
+        cluster has no worker or room now, or a broken push (`_may_wait`; after any, for a
+        migrating choice: its new worker may have died during the re-prefill, and Ray starts it
+        again at a new address).  Raises
         ForwardError: the last failure, NO_WORKER, or TIMEOUT."""
         while self.failures < self.route.max_attempts:
             self.route.remaining_s()
@@ -106,13 +107,21 @@ class Picker:
             if decode is not None:
                 self.waiting_since = None
                 return decode, prefill
-            if (not self.last.policy.no_room and not self.choice.token_ids) or time.monotonic() > self.wait_until:
+            if not self._may_wait() or time.monotonic() > self.wait_until:
                 break
             self.waiting_since = self.waiting_since or time.monotonic()
             self.tried -= self.full | (self._answered_since(self.waiting_since) - self.choice.leaving)
             self.full.clear()
             await asyncio.sleep(CAPACITY_POLL_S)
         raise self.last
+
+    def _may_wait(self) -> bool:
+        """Whether, with no pair to try now, the stream waits for one: after a failure that says
+        the cluster has no worker or room now; after a broken push (the table's `excludes_decode`:
+        the decode worker it went to may have died, and Ray starts it again); after any, for a
+        migrating choice."""
+        policy = self.last.policy
+        return policy.no_room or policy.excludes_decode or bool(self.choice.token_ids)
 
     def retry(self, decode: Worker, retry: Retry) -> None:
         """An attempt on `decode` ended with `retry`."""

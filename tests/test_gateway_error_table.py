@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 
@@ -279,6 +280,23 @@ def test_a_retry_counts_as_the_table_says(code):
     assert picker.tried == {"x"} and picker.last.code == code
     assert picker.full == ({decode.address} if policy(code).before_token is Next.WAIT else set())
     assert picker.failures == int(policy(code).counts)
+
+
+@pytest.mark.parametrize("code", [c for c in ErrorCode if policy(c).before_token in (Next.RETRY, Next.WAIT)])
+def test_with_no_pair_left_a_fresh_stream_waits_as_the_table_says(code):
+    """The only decode worker failed the attempt: a fresh stream waits for one (up to
+    capacity_wait_s) after a failure that says the cluster has no worker or room now, or after a
+    broken push (its decode worker may be restarting: chaos kill_decode_twice lost a request so
+    when both decode workers were down); after any other it fails at once with that failure."""
+    r = dataclasses.replace(route(), capacity_wait_s=0.2)
+    (decode,) = r.pool.of(Role.DECODE)
+    picker = Picker(Choice(0, [1], SamplingParams(max_tokens=2)), r)
+    picker.retry(decode, Retry(ForwardError(code, "m"), frozenset({decode.address})))
+    with pytest.raises(ForwardError) as raised:
+        asyncio.run(picker.pair())
+    assert raised.value.code == code
+    waits = policy(code).no_room or policy(code).excludes_decode
+    assert (picker.waiting_since is not None) == waits, "waited" if not waits else "failed at once"
 
 
 @pytest.mark.parametrize("code", list(ErrorCode))
