@@ -12,7 +12,6 @@ A connection and its rings serve transfer after transfer (IdleChannels)."""
 from __future__ import annotations
 
 import select
-import socket
 import threading
 import weakref
 from collections import deque
@@ -24,7 +23,7 @@ from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.transport.base import TransportConfig
 from kv_transfer.transport.channels import IdleChannels
 from kv_transfer.transport.nixl_agent import Agent, Registration, process_agent
-from kv_transfer.transport.shm import check_server_uid
+from kv_transfer.transport.shm import connect_control
 from kv_transfer.transport.wire import recv_msg, send_msg
 from proto import kv_transfer_pb2 as pb
 
@@ -53,14 +52,7 @@ class NixlChannel:
         self.key = (path, config.shm_bytes, tuple(config.versions))
         self.closed = False
         self.inflight: deque[tuple[int, int]] = deque()     # (offset, nbytes) in use, oldest first
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(config.deadline_s)
-        try:
-            self.sock.connect(path)
-        except OSError as e:
-            self.sock.close()
-            raise TransferRefused(Refusal.TRANSPORT, f"nixl://{path}: {e}") from e
-        check_server_uid(self.sock, f"nixl://{path}")
+        self.sock = connect_control(f"nixl://{path}", path, config.deadline_s)
         try:
             send_msg(self.sock, pb.PushMessage(hello=pb.Hello(versions=list(config.versions), sender=sender,
                                                               shm_size=config.shm_bytes)))

@@ -40,13 +40,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from functools import partial
 
 import torch
 
 from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.pages import as_bytes
 from kv_transfer.receiver import TransferReceiver
-from kv_transfer.transport import framing
 from kv_transfer.transport.base import TransportConfig
 from kv_transfer.transport.nixl_agent import Agent
 from kv_transfer.transport.unix_server import UnixControlServer
@@ -132,7 +132,7 @@ class NixlTransferServer(UnixControlServer):
             staging = pb.NixlStaging(agent_metadata=self.agent.partial_metadata(reg), base=ring.data_ptr(),
                                      size=size, mem_type="DRAM", device_id=0)
             send_msg(conn, pb.PushReply(ok=True, hello=pb.HelloReply(version=version, nixl=staging)))
-            self._frames(conn, as_bytes(ring[:size]), seen)
+            self._frames(conn, seen, partial(self._next, conn), partial(self._receive, as_bytes(ring[:size])))
         except (OSError, ConnectionError):
             pass
         finally:
@@ -151,28 +151,6 @@ class NixlTransferServer(UnixControlServer):
         while not select.select([conn], [], [], BUSY_POLL_S if time.monotonic() < busy_until else IDLE_POLL_S)[0]:
             self.agent.progress()
         return recv_msg(conn, pb.PushMessage)
-
-    def _frames(self, conn: socket.socket, ring: memoryview, seen: set[bytes]) -> None:
-        """One reply per message: a batch of frames or a commit (a transfer's Hello, as
-        shm:// senders send it, needs none)."""
-        while (msg := self._next(conn)) is not None:
-            kind = msg.WhichOneof("kind")
-            try:
-                if kind == "hello":
-                    self.receiver.hello(list(msg.hello.versions))
-                    continue
-                if kind == "commit":
-                    res = self.receiver.commit(msg.commit)
-                    seen.discard(msg.commit.transfer_id)
-                    send_msg(conn, pb.PushReply(ok=True, committed=True, frames_accepted=len(res.frames)))
-                    continue
-                frames = framing.frames_of(msg)
-                for f in frames:
-                    self._receive(ring, f)
-                    seen.add(f.header.transfer_id)     # closing fails only what this stream wrote into
-                send_msg(conn, pb.PushReply(ok=True, frames_accepted=len(frames)))
-            except TransferRefused as e:
-                send_msg(conn, pb.PushReply(ok=False, reason=e.code, detail=e.detail))
 
     def _receive(self, ring: memoryview, f: pb.Frame) -> None:
         end = f.payload_offset + f.payload_length

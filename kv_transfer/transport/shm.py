@@ -42,14 +42,7 @@ class _Channel:
 
     def __init__(self, path: str, config: TransportConfig, sender: str) -> None:
         self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(config.deadline_s)
-        try:
-            self.sock.connect(path)
-        except OSError as e:
-            self.sock.close()
-            raise TransferRefused(Refusal.TRANSPORT, f"shm://{path}: {e}") from e
-        check_server_uid(self.sock, f"shm://{path}")
+        self.sock = connect_control(f"shm://{path}", path, config.deadline_s)
         self.shm = shared_memory.SharedMemory(name=f"tandem-kv-{secrets.token_hex(16)}", create=True,
                                               size=config.shm_bytes)
         self.ring: torch.Tensor | None = torch.frombuffer(self.shm.buf, dtype=torch.uint8)  # None once closed
@@ -87,6 +80,20 @@ class _Channel:
             self.shm.close()
         except BufferError:
             pass                       # a payload view is still alive; the mapping goes with it
+
+
+def connect_control(endpoint: str, path: str, timeout_s: float) -> socket.socket:
+    """A connection to the Unix control socket at `path` (shm://, nixl://), whose listening
+    process runs as this uid (`check_server_uid`); raises TransferRefused (TRANSPORT)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(path)
+    except OSError as e:
+        sock.close()
+        raise TransferRefused(Refusal.TRANSPORT, f"{endpoint}: {e}") from e
+    check_server_uid(sock, endpoint)
+    return sock
 
 
 def check_server_uid(sock: socket.socket, endpoint: str) -> None:

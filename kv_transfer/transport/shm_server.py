@@ -9,9 +9,9 @@ import mmap
 import os
 import socket
 import stat
+from functools import partial
 
 from kv_transfer.errors import Refusal, TransferRefused
-from kv_transfer.transport import framing
 from kv_transfer.transport.unix_server import UnixControlServer
 from kv_transfer.transport.wire import recv_msg, send_msg
 from proto import kv_transfer_pb2 as pb
@@ -37,7 +37,7 @@ class ShmTransferServer(UnixControlServer):
                 send_msg(conn, pb.PushReply(ok=False, reason=Refusal.TRANSPORT.value, detail=str(e)))
                 return
             send_msg(conn, pb.PushReply(ok=True, hello=pb.HelloReply(version=version)))
-            self._frames(conn, shm, seen)
+            self._frames(conn, seen, lambda: recv_msg(conn, pb.PushMessage), partial(self._receive, shm))
         except (OSError, ConnectionError):
             pass
         finally:
@@ -47,27 +47,6 @@ class ShmTransferServer(UnixControlServer):
                 shm.close()
             self._conns.discard(conn)
             conn.close()
-
-    def _frames(self, conn: socket.socket, shm: mmap.mmap, seen: set[bytes]) -> None:
-        """One reply per message: a batch of frames, a transfer's Hello, or its commit."""
-        while (msg := recv_msg(conn, pb.PushMessage)) is not None:
-            kind = msg.WhichOneof("kind")
-            try:
-                if kind == "hello":                       # the next transfer on this connection
-                    self.receiver.hello(list(msg.hello.versions))
-                    continue
-                if kind == "commit":
-                    res = self.receiver.commit(msg.commit)
-                    seen.discard(msg.commit.transfer_id)
-                    send_msg(conn, pb.PushReply(ok=True, committed=True, frames_accepted=len(res.frames)))
-                    continue
-                frames = framing.frames_of(msg)
-                for f in frames:
-                    self._receive(shm, f)
-                    seen.add(f.header.transfer_id)     # closing fails only what this stream wrote into
-                send_msg(conn, pb.PushReply(ok=True, frames_accepted=len(frames)))
-            except TransferRefused as e:
-                send_msg(conn, pb.PushReply(ok=False, reason=e.code, detail=e.detail))
 
     def _receive(self, shm: mmap.mmap, f: pb.Frame) -> None:
         end = f.payload_offset + f.payload_length

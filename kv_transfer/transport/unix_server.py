@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 
 from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.receiver import TransferReceiver
+from kv_transfer.transport import framing
 from kv_transfer.transport.wire import send_msg
 from proto import kv_transfer_pb2 as pb
 
@@ -108,6 +109,31 @@ class UnixControlServer(ABC):
             send_msg(conn, pb.PushReply(ok=False, reason=Refusal.BAD_VERSION.value, detail=e.detail,
                                         hello=pb.HelloReply(version=0, reason=e.detail)))
             return None
+
+    def _frames(self, conn: socket.socket, seen: set[bytes], next_msg: Callable[[], pb.PushMessage | None],
+                receive: Callable[[pb.Frame], None]) -> None:
+        """One reply per message `next_msg` gives, until it gives None: a batch of frames (each
+        to `receive`, which reads its payload where the transport left it), or a transfer's
+        commit; a transfer's Hello needs none.  `seen`: the transfers this connection wrote
+        into (closing fails only those)."""
+        while (msg := next_msg()) is not None:
+            kind = msg.WhichOneof("kind")
+            try:
+                if kind == "hello":                       # the next transfer on this connection
+                    self.receiver.hello(list(msg.hello.versions))
+                    continue
+                if kind == "commit":
+                    res = self.receiver.commit(msg.commit)
+                    seen.discard(msg.commit.transfer_id)
+                    send_msg(conn, pb.PushReply(ok=True, committed=True, frames_accepted=len(res.frames)))
+                    continue
+                frames = framing.frames_of(msg)
+                for f in frames:
+                    receive(f)
+                    seen.add(f.header.transfer_id)
+                send_msg(conn, pb.PushReply(ok=True, frames_accepted=len(frames)))
+            except TransferRefused as e:
+                send_msg(conn, pb.PushReply(ok=False, reason=e.code, detail=e.detail))
 
     def stop(self) -> None:
         """Stop accepting, cut every connection (their transfers fail: STREAM_CLOSED), and wait
