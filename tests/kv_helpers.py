@@ -136,6 +136,13 @@ def open_transfer(src: PagePool, dst: PagePool, recv: TransferReceiver, server, 
     return res, sender
 
 
+def end_transfer(src: PagePool, dst: PagePool, recv: TransferReceiver, res: Reservation, rid: str) -> None:
+    """Release the reservation and free the request's pages on both pools."""
+    recv.release(res.transfer_id)
+    dst.free(rid)
+    src.free(rid)
+
+
 def assert_engines_idle(engines: list) -> None:
     """I6 for `engines` (`engine.LLM`s): every pool intact and fully free, no work left."""
     for llm in engines:

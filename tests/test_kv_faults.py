@@ -16,7 +16,7 @@ from kv_transfer.transport.local import LocalServer
 from kv_transfer.transport.nixl_agent import unavailable
 from kv_transfer.transport.shm_server import ShmTransferServer
 from tests import kv_helpers
-from tests.kv_helpers import LAYERS, SECRET, make_pool, pages_equal
+from tests.kv_helpers import LAYERS, SECRET, end_transfer, make_pool, pages_equal
 
 PROMPT = 18     # 5 pages
 NO_NIXL = unavailable()
@@ -60,12 +60,6 @@ def run(sender) -> TransferRefused | None:
     return None
 
 
-def end(src, dst, recv, res, rid):
-    recv.release(res.transfer_id)
-    dst.free(rid)
-    src.free(rid)
-
-
 @pytest.mark.parametrize("point, reason", [
     ("corrupt_payload", Refusal.BAD_CHECKSUM),
     ("alter_header", Refusal.BAD_CHECKSUM),
@@ -97,8 +91,8 @@ def test_each_point_is_caught_with_its_code(cluster, point, reason):
         wait_for(lambda: res.state == State.FAILED)     # a cut is seen when the receiver reads it
         assert err is not None and res.reason == reason, (err, res.reason)
         assert recv.refused[reason.value] >= 1
-    end(src, dst, recv, res, "victim")
-    end(src, dst, recv, first, "warm")
+    end_transfer(src, dst, recv, res, "victim")
+    end_transfer(src, dst, recv, first, "warm")
 
 
 def test_a_stale_replay_is_refused_and_spares_the_live_transfer(cluster):
@@ -106,13 +100,13 @@ def test_a_stale_replay_is_refused_and_spares_the_live_transfer(cluster):
     faults = FaultInjector()
     old, sender = open_transfer(src, dst, recv, server, "old", faults)
     assert run(sender) is None
-    end(src, dst, recv, old, "old")                      # finished and released
+    end_transfer(src, dst, recv, old, "old")                      # finished and released
     faults.arm("replay_stale")
     res, sender = open_transfer(src, dst, recv, server, "new", faults)
     err = run(sender)
     assert err is not None and err.reason == Refusal.EXPIRED
     assert recv.refused[Refusal.EXPIRED.value] == 1
-    end(src, dst, recv, res, "new")
+    end_transfer(src, dst, recv, res, "new")
 
 
 def wait_for(cond, timeout_s: float = 10.0) -> None:
@@ -136,8 +130,8 @@ def test_swapped_pages_fail_both_transfers(cluster):
         sa.send_page(1, 0, LAYERS)                        # (its own sender: one thread per stream)
     assert a.reason == b.reason == Refusal.BAD_CHECKSUM and faults.fired["swap_pages"] == 2
     assert [p for p, _ in faults.log] == ["swap_pages", "swap_pages"]
-    end(src, dst, recv, a, "a")
-    end(src, dst, recv, b, "b")
+    end_transfer(src, dst, recv, a, "a")
+    end_transfer(src, dst, recv, b, "b")
 
 
 def test_arming_checks_its_arguments():

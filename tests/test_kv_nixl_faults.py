@@ -21,7 +21,7 @@ from kv_transfer.sender import TransferSender, TransferTicket
 from kv_transfer.transport import connect
 from kv_transfer.transport.nixl_agent import unavailable
 from tests import kv_helpers
-from tests.kv_helpers import LAYERS, PAGE, SECRET, digest_of, make_pool, prompt_ids
+from tests.kv_helpers import LAYERS, PAGE, SECRET, digest_of, end_transfer, make_pool, prompt_ids
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 PROMPT = 18     # 5 pages
@@ -56,12 +56,6 @@ def run(sender, first_page: int | None = None) -> TransferRefused | None:
     return None
 
 
-def end(src, dst, recv, res, rid):
-    recv.release(res.transfer_id)
-    dst.free(rid)
-    src.free(rid)
-
-
 def test_swapped_pages_fail_both_transfers(cluster):
     src, dst, recv, server = cluster
     faults = FaultInjector()
@@ -74,8 +68,8 @@ def test_swapped_pages_fail_both_transfers(cluster):
     assert a.reason == b.reason == Refusal.BAD_CHECKSUM and faults.fired["swap_pages"] == 2
     for res in (a, b):
         assert not any(dst.is_written(p) for p in dst.page_table(res.request_id)[:1])
-    end(src, dst, recv, a, "a")
-    end(src, dst, recv, b, "b")
+    end_transfer(src, dst, recv, a, "a")
+    end_transfer(src, dst, recv, b, "b")
 
 
 def test_a_late_write_after_the_pages_went_to_another_request_changes_none_of_them(cluster):
@@ -114,7 +108,7 @@ def test_a_prefill_bound_to_another_prompt_is_refused(cluster):
     err = run(sender)
     assert err is not None and res.reason == Refusal.PROMPT_MISMATCH and faults.fired["misbind"] == 1
     assert torch.equal(dst.kv, before) and not any(dst.is_written(p) for p in dst.page_table("a"))
-    end(src, dst, recv, res, "a")
+    end_transfer(src, dst, recv, res, "a")
 
 
 def test_a_forged_frame_for_a_cached_page_changes_no_cached_byte(cluster):
@@ -139,4 +133,4 @@ def test_a_forged_frame_for_a_cached_page_changes_no_cached_byte(cluster):
     assert err is not None and res.reason == Refusal.CACHED_PAGE and faults.fired["poison_cached"] == 1
     assert torch.equal(dst.kv[:, :, shared], before) and all(dst.owner(p) == CACHED for p in shared)
     assert res.state == State.FAILED
-    end(src, dst, recv, res, "a")
+    end_transfer(src, dst, recv, res, "a")
