@@ -144,10 +144,10 @@ def measure(device: str, repeats: int, config: TransportConfig, extras: bool = T
         seconds["host_memcpy"] = run_memcpy(payload, repeats)
     seconds["checksum"] = run_checksum(payload, shape, repeats)
     del payload
+    one = dataclasses.replace(config, streams=1)
     if extras:
         seconds["tcp"] = run_tcp(src, repeats)
-        seconds["grpc_bare"] = run_grpc_bare(src, dataclasses.replace(config, streams=1), repeats)
-    one = dataclasses.replace(config, streams=1)
+        seconds["grpc_bare"] = run_grpc_bare(src, one, repeats)
     transfers = {"local": run_local(src, one, repeats), "shm": run_shm(src, one, repeats),
                  "grpc": run_remote("grpc", src, one, repeats),
                  "grpc4": run_remote("grpc", src, dataclasses.replace(config, streams=4), repeats)}

@@ -117,6 +117,11 @@ class Peer:
         self.proc.wait(timeout=30)
 
 
+def peer_settings(config: TransportConfig) -> dict:
+    """The transport settings a gRPC peer is started with (the TLS identity goes by its path)."""
+    return {k: v for k, v in config.__dict__.items() if k != "tls"}
+
+
 def run_memcpy(payload: torch.Tensor, repeats: int, device: str = "cpu") -> list[float]:
     """Host memcpy of the payload on one thread (as a receiver copies), or on a device a copy
     from device memory into pinned host memory."""
@@ -184,8 +189,7 @@ def run_grpc_bare(src: Source, config: TransportConfig, repeats: int) -> list[fl
     nbytes, size = src.shape.payload_bytes, config.message_bytes
     message = os.urandom(size)
     sizes = [min(size, nbytes - off) for off in range(0, nbytes, size)]
-    settings = {k: v for k, v in config.__dict__.items() if k != "tls"}
-    peer = Peer("grpc_bare", src, settings)
+    peer = Peer("grpc_bare", src, peer_settings(config))
     times: list[float] = []
     try:
         with grpc.insecure_channel(peer.endpoint, options=channel_options(config, 0)) as ch:
@@ -223,8 +227,7 @@ def run_local(src: Source, config: TransportConfig, repeats: int) -> Transfers:
 
 
 def run_remote(kind: str, src: Source, config: TransportConfig, repeats: int, path: str = "") -> Transfers:
-    settings = {k: v for k, v in config.__dict__.items() if k != "tls"}      # the TLS identity goes by `path`
-    peer = Peer(kind, src, settings if kind == "grpc" else {}, path)
+    peer = Peer(kind, src, peer_settings(config) if kind == "grpc" else {}, path)
     out = Transfers()
     try:
         for i in range(repeats):

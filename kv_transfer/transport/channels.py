@@ -5,6 +5,7 @@ frames, so a clean one serves transfer after transfer."""
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Generic, Protocol, TypeVar
 
@@ -50,3 +51,19 @@ class IdleChannels(Generic[C]):
                 for ch in chans:
                     ch.close()
             self._idle.clear()
+
+
+def ring_fit(inflight: deque[tuple[int, int]], size: int, n: int) -> int | None:
+    """Where `n` bytes fit in a ring of `size` bytes without touching a span in use, or None.
+    `inflight`: the (offset, nbytes) spans in use, oldest first (a sender's shared segment or
+    NIXL staging ring: a span is free again once the receiver answered for it)."""
+    if not inflight:
+        return 0
+    tail = inflight[0][0]
+    last, last_n = inflight[-1]
+    head = last + last_n                          # the end of the newest span in use
+    if last >= tail:                              # not wrapped: free [head, size) + [0, tail)
+        if head + n <= size:
+            return head
+        return 0 if n <= tail else None
+    return head if head + n <= tail else None     # wrapped: free [head, tail)

@@ -21,7 +21,7 @@ import torch
 from engine.kv_pool import PagePool
 from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.transport.base import TransportConfig
-from kv_transfer.transport.channels import IdleChannels
+from kv_transfer.transport.channels import IdleChannels, ring_fit
 from kv_transfer.transport.nixl_agent import Agent, Registration, process_agent
 from kv_transfer.transport.shm import connect_control
 from kv_transfer.transport.wire import recv_msg, send_msg
@@ -81,16 +81,7 @@ class NixlChannel:
 
     def fit(self, n: int) -> int | None:
         """Where `n` bytes fit in the rings without touching a span in use, or None."""
-        if not self.inflight:
-            return 0
-        tail = self.inflight[0][0]
-        last, last_n = self.inflight[-1]
-        head = last + last_n                          # the end of the newest span in use
-        if last >= tail:                              # not wrapped: free [head, size) + [0, tail)
-            if head + n <= self.size:
-                return head
-            return 0 if n <= tail else None
-        return head if head + n <= tail else None     # wrapped: free [head, tail)
+        return ring_fit(self.inflight, self.size, n)
 
     def idle_and_alive(self) -> bool:
         return not self.closed and not select.select([self.sock], [], [], 0)[0]

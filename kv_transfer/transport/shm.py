@@ -29,7 +29,7 @@ import torch
 from kv_transfer.errors import Refusal, TransferRefused
 from kv_transfer.pages import Payload
 from kv_transfer.transport.base import TransportConfig
-from kv_transfer.transport.channels import IdleChannels
+from kv_transfer.transport.channels import IdleChannels, ring_fit
 from kv_transfer.transport.wire import recv_msg, send_msg
 from proto import kv_transfer_pb2 as pb
 
@@ -144,17 +144,7 @@ class ShmStream:
     def _fit(self, n: int) -> int | None:
         ch = self._ch
         assert ch.ring is not None, "the stream's channel is closed"
-        size = ch.ring.numel()
-        if not ch.inflight:
-            return 0
-        tail = ch.inflight[0][0]
-        last, last_n = ch.inflight[-1]
-        head = last + last_n                          # the end of the newest payload in flight
-        if last >= tail:                              # not wrapped: free [head, size) + [0, tail)
-            if head + n <= size:
-                return head
-            return 0 if n <= tail else None
-        return head if head + n <= tail else None     # wrapped: free [head, tail)
+        return ring_fit(ch.inflight, ch.ring.numel(), n)
 
     def send(self, header: pb.FrameHeader, payload: Payload) -> None:
         if self.closed:
